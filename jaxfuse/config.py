@@ -1,0 +1,111 @@
+"""jaxfuse configuration: a small object read from ``JAXFUSE_*`` variables.
+
+Example::
+
+    import jaxfuse
+    jaxfuse.config.update("backend", "interpret")   # run kernels in Triton's interpreter
+    with jaxfuse.config.override(disable=True):
+      ...                                           # jaxfuse.jit is jax.jit here
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+_BACKENDS = ("auto", "xla", "interpret", "triton")
+
+
+def _env_bool(name: str, default: bool) -> bool:
+  v = os.environ.get(name)
+  if v is None or v == "":
+    return default
+  return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_float(name: str, default: float) -> float:
+  v = os.environ.get(name)
+  try:
+    return float(v) if v not in (None, "") else default
+  except ValueError as e:
+    raise ValueError(f"{name}={v!r} is not a number") from e
+
+
+@dataclasses.dataclass
+class Config:
+  """Settings; each field has a ``JAXFUSE_<FIELD>`` environment variable.
+
+  disable: ``jaxfuse.jit`` becomes exactly ``jax.jit``.
+  backend: how a region runs. ``auto``: generated Triton kernel on CUDA, the
+    original ops elsewhere; ``xla``: always the original ops; ``interpret``:
+    the generated kernel in Triton's interpreter on the CPU (slow; for
+    tests); ``triton``: the Triton kernel, failing over to ``xla`` where
+    there is no CUDA device.
+  cache_dir: where plans are cached.
+  device: the device model the planner uses when no GPU is attached
+    (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
+  tune: ``model`` (analytical model alone) or ``measure`` (time the top
+    candidates on the GPU, MCFuser Alg. 1).
+  tune_budget_s: seconds of measured tuning allowed per region.
+  min_speedup: a region is fused only when the model predicts at least this
+    speedup over the unfused ops.
+  """
+  disable: bool = False
+  backend: str = "auto"
+  cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "jaxfuse")
+  device: str = "auto"
+  tune: str = "model"
+  tune_budget_s: float = 4.0
+  min_speedup: float = 1.0
+
+  @classmethod
+  def from_env(cls) -> "Config":
+    c = cls()
+    c.disable = _env_bool("JAXFUSE_DISABLE", c.disable)
+    c.backend = os.environ.get("JAXFUSE_BACKEND", c.backend) or c.backend
+    c.cache_dir = os.environ.get("JAXFUSE_CACHE_DIR", c.cache_dir) or c.cache_dir
+    c.device = os.environ.get("JAXFUSE_DEVICE", c.device) or c.device
+    c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
+    c.tune_budget_s = _env_float("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
+    c.min_speedup = _env_float("JAXFUSE_MIN_SPEEDUP", c.min_speedup)
+    c._check()
+    return c
+
+  def _check(self) -> None:
+    if self.backend not in _BACKENDS:
+      raise ValueError(f"jaxfuse config 'backend' must be one of {_BACKENDS}, "
+                       f"got {self.backend!r}")
+    if self.tune not in ("model", "measure"):
+      raise ValueError(f"jaxfuse config 'tune' must be 'model' or 'measure', "
+                       f"got {self.tune!r}")
+    if self.tune_budget_s < 0:
+      raise ValueError("jaxfuse config 'tune_budget_s' must be >= 0")
+
+  def update(self, name: str, value: Any) -> None:
+    """Sets one field, e.g. ``config.update("backend", "interpret")``."""
+    if name not in {f.name for f in dataclasses.fields(self)}:
+      raise AttributeError(f"jaxfuse config has no field {name!r}")
+    old = getattr(self, name)
+    setattr(self, name, value)
+    try:
+      self._check()
+    except ValueError:
+      setattr(self, name, old)
+      raise
+
+  @contextlib.contextmanager
+  def override(self, **kwargs: Any) -> Iterator["Config"]:
+    """Temporarily sets fields: ``with config.override(backend="xla"): ...``."""
+    old = {k: getattr(self, k) for k in kwargs}
+    try:
+      for k, v in kwargs.items():
+        self.update(k, v)
+      yield self
+    finally:
+      for k, v in old.items():
+        setattr(self, k, v)
+
+
+config = Config.from_env()

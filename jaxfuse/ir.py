@@ -1,0 +1,688 @@
+"""Chain IR: the one representation of a fused region.
+
+Capture produces it, the planner and the code generator read it, the NumPy
+evaluator in this module defines what it means, and the inspector prints it.
+
+Model
+-----
+* **Loops** are named iteration dimensions with extents (``m=512``).
+* **Values** are tensors indexed by a set of loops (``s[b,m,n]``). A value has
+  no memory layout: it lives on chip inside a fused kernel.
+* **Buffers** tie a value to device memory: a region input or output is an
+  array of a given shape, addressed by ``offset = sum(stride[l] * i_l)`` over
+  the loops that index it. A transposed, batched, split or broadcast operand
+  is therefore a different stride map, never a copy.
+* **Ops** (topologically ordered): ``Contraction`` (einsum of two values over
+  reduced loops, fp32 accumulation), ``Elementwise`` (one scalar function of
+  values and literals, with broadcasting by loop name), ``Reduction`` (max or
+  sum along one loop) and ``Iota`` (the index of a loop, for masks).
+
+Example (a GEMM chain)::
+
+    region(b=1, m=512, n=256, k=64, h=64)
+      in  a: float16[1,512,64]  a[b,m,k]
+      in  b: float16[1,64,256]  b[b,k,n]
+      in  d: float16[1,256,64]  d[b,n,h]
+      c[b,m,n] float16 = sum_k a * b
+      e[b,m,h] float16 = sum_n c * d
+      out e: float16[1,512,64]  e[b,m,h]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Callable, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "Loop", "Value", "Buffer", "Literal", "Contraction", "Elementwise",
+    "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
+    "evaluate", "contiguous_strides", "dtype_itemsize",
+]
+
+
+class IRError(ValueError):
+    """A region that violates the IR's invariants."""
+
+
+# --------------------------------------------------------------------------
+# Dtypes
+# --------------------------------------------------------------------------
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ALL_DTYPES = FLOAT_DTYPES + ("bool", "int32", "int64")
+
+
+def np_dtype(name: str) -> np.dtype:
+  if name == "bfloat16":
+    import ml_dtypes  # shipped with jax
+    return np.dtype(ml_dtypes.bfloat16)
+  return np.dtype(name)
+
+
+def dtype_itemsize(name: str) -> int:
+  return np_dtype(name).itemsize
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+  """Row-major element strides of ``shape``."""
+  strides, acc = [], 1
+  for d in reversed(shape):
+    strides.append(acc)
+    acc *= max(int(d), 1)
+  return tuple(reversed(strides))
+
+
+# --------------------------------------------------------------------------
+# Elementwise function table: arity and NumPy meaning. The code generator
+# keeps its own Triton spelling for each name (one table per backend).
+# --------------------------------------------------------------------------
+
+def _erf(x):
+  try:
+    from scipy.special import erf  # pylint: disable=import-outside-toplevel
+    return erf(x)
+  except ImportError:  # pragma: no cover - scipy ships with jax
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)
+
+
+def _select(pred, on_false, on_true):
+  return np.where(pred, on_true, on_false)
+
+
+ELEMENTWISE_FNS: dict[str, tuple[int, Callable[..., np.ndarray]]] = {
+    "add": (2, np.add),
+    "sub": (2, np.subtract),
+    "mul": (2, np.multiply),
+    "div": (2, np.divide),
+    "max": (2, np.maximum),
+    "min": (2, np.minimum),
+    "pow": (2, np.power),
+    "neg": (1, np.negative),
+    "abs": (1, np.abs),
+    "exp": (1, np.exp),
+    "exp2": (1, np.exp2),
+    "log": (1, np.log),
+    "log1p": (1, np.log1p),
+    "expm1": (1, np.expm1),
+    "tanh": (1, np.tanh),
+    "logistic": (1, lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "erf": (1, _erf),
+    "sqrt": (1, np.sqrt),
+    "rsqrt": (1, lambda x: 1.0 / np.sqrt(x)),
+    "square": (1, np.square),
+    "sign": (1, np.sign),
+    "eq": (2, np.equal),
+    "ne": (2, np.not_equal),
+    "lt": (2, np.less),
+    "le": (2, np.less_equal),
+    "gt": (2, np.greater),
+    "ge": (2, np.greater_equal),
+    "and": (2, np.logical_and),
+    "or": (2, np.logical_or),
+    "not": (1, np.logical_not),
+    # select(pred, on_false, on_true), as lax.select_n with a boolean predicate.
+    "select": (3, _select),
+    # convert: to the output value's dtype; the evaluator applies the cast.
+    "convert": (1, lambda x: x),
+}
+
+
+# --------------------------------------------------------------------------
+# Nodes
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  name: str
+  extent: int
+
+  def __post_init__(self):
+    if not self.name or not self.name.isidentifier():
+      raise IRError(f"bad loop name {self.name!r}")
+    if int(self.extent) < 1:
+      raise IRError(f"loop {self.name} has extent {self.extent}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+  """A tensor indexed by loops; ``loops`` is its axis order for evaluation."""
+  name: str
+  loops: tuple[str, ...]
+  dtype: str
+
+  def __post_init__(self):
+    if len(set(self.loops)) != len(self.loops):
+      raise IRError(f"value {self.name} repeats a loop: {self.loops}")
+    if self.dtype not in ALL_DTYPES:
+      raise IRError(f"value {self.name}: unsupported dtype {self.dtype}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """A region input or output in device memory.
+
+  ``shape`` is the array's shape; ``strides`` maps each loop that indexes the
+  array to its element stride (row-major strides of ``shape``, possibly
+  several loops per axis when a reshape split or merged dims). Loops of the
+  value that are absent here broadcast (stride 0).
+  """
+  value: str
+  shape: tuple[int, ...]
+  strides: tuple[tuple[str, int], ...]
+  offset: int = 0
+
+  @property
+  def loops(self) -> tuple[str, ...]:
+    return tuple(l for l, _ in self.strides)
+
+  def stride(self, loop: str) -> int:
+    for l, s in self.strides:
+      if l == loop:
+        return s
+    return 0
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Literal:
+  """A scalar constant operand of an elementwise op."""
+  value: Union[float, int, bool]
+  dtype: str
+
+  def __str__(self):
+    v = self.value
+    if isinstance(v, float) and math.isinf(v):
+      return "-inf" if v < 0 else "inf"
+    return repr(v)
+
+
+Operand = Union[str, Literal]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+  """``out[out loops] = sum_{reduce} lhs * rhs`` (fp32 accumulation)."""
+  out: str
+  lhs: str
+  rhs: str
+  reduce: tuple[str, ...]
+
+  @property
+  def inputs(self) -> tuple[str, ...]:
+    return (self.lhs, self.rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Elementwise:
+  out: str
+  fn: str
+  args: tuple[Operand, ...]
+
+  @property
+  def inputs(self) -> tuple[str, ...]:
+    return tuple(a for a in self.args if isinstance(a, str))
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+  """``out = kind over loop of arg``; kind is 'max' or 'sum'."""
+  out: str
+  kind: str
+  arg: str
+  loop: str
+
+  @property
+  def inputs(self) -> tuple[str, ...]:
+    return (self.arg,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Iota:
+  """``out[loop] = index of loop`` (int32); used by masks."""
+  out: str
+  loop: str
+
+  @property
+  def inputs(self) -> tuple[str, ...]:
+    return ()
+
+
+Op = Union[Contraction, Elementwise, Reduction, Iota]
+
+
+# --------------------------------------------------------------------------
+# Region
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Region:
+  """A fusible chain: loops, values, input/output buffers and ops.
+
+  Regions compare and hash by their canonical signature, so two regions that
+  differ only in names are the same key for plan caching.
+  """
+  loops: tuple[Loop, ...]
+  values: tuple[Value, ...]
+  inputs: tuple[Buffer, ...]
+  outputs: tuple[Buffer, ...]
+  ops: tuple[Op, ...]
+  name: str = "region"
+
+  def __post_init__(self):
+    self.validate()
+
+  # -- lookup -------------------------------------------------------------
+  @property
+  def loop_extents(self) -> dict[str, int]:
+    return {l.name: int(l.extent) for l in self.loops}
+
+  def extent(self, loop: str) -> int:
+    return self.loop_extents[loop]
+
+  @property
+  def value_map(self) -> dict[str, Value]:
+    return {v.name: v for v in self.values}
+
+  def value(self, name: str) -> Value:
+    return self.value_map[name]
+
+  def producer(self, name: str):
+    for op in self.ops:
+      if op.out == name:
+        return op
+    return None
+
+  def consumers(self, name: str) -> list:
+    return [op for op in self.ops if name in op.inputs]
+
+  @property
+  def contractions(self) -> list[Contraction]:
+    return [op for op in self.ops if isinstance(op, Contraction)]
+
+  @property
+  def input_names(self) -> tuple[str, ...]:
+    return tuple(b.value for b in self.inputs)
+
+  @property
+  def output_names(self) -> tuple[str, ...]:
+    return tuple(b.value for b in self.outputs)
+
+  # -- invariants ---------------------------------------------------------
+  def validate(self) -> None:
+    extents = {}
+    for l in self.loops:
+      if l.name in extents:
+        raise IRError(f"loop {l.name} declared twice")
+      extents[l.name] = l.extent
+    vals = {}
+    for v in self.values:
+      if v.name in vals:
+        raise IRError(f"value {v.name} declared twice")
+      for l in v.loops:
+        if l not in extents:
+          raise IRError(f"value {v.name} uses unknown loop {l}")
+      vals[v.name] = v
+    defined = set()
+    for b in self.inputs:
+      if b.value not in vals:
+        raise IRError(f"input buffer of unknown value {b.value}")
+      self._check_buffer(b, vals[b.value], extents, is_output=False)
+      defined.add(b.value)
+    for op in self.ops:
+      if op.out not in vals:
+        raise IRError(f"op writes unknown value {op.out}")
+      if op.out in defined:
+        raise IRError(f"value {op.out} defined twice")
+      for i in op.inputs:
+        if i not in defined:
+          raise IRError(f"op {op.out} reads {i} before it is defined")
+      self._check_op(op, vals)
+      defined.add(op.out)
+    for b in self.outputs:
+      if b.value not in defined:
+        raise IRError(f"output {b.value} is never defined")
+      self._check_buffer(b, vals[b.value], extents, is_output=True)
+
+  @staticmethod
+  def _check_buffer(b: Buffer, v: Value, extents, is_output: bool) -> None:
+    for l, s in b.strides:
+      if l not in v.loops:
+        raise IRError(f"buffer of {v.name} strides over {l}, not a loop of it")
+      if s < 0:
+        raise IRError(f"buffer of {v.name}: negative stride")
+    if is_output and set(b.loops) != set(v.loops):
+      raise IRError(f"output {v.name} must store every loop of the value")
+    # The highest offset must lie inside the array.
+    last = b.offset + sum(s * (extents[l] - 1) for l, s in b.strides)
+    if last >= max(b.size, 1):
+      raise IRError(f"buffer of {v.name} addresses past its shape {b.shape}")
+
+  @staticmethod
+  def _check_op(op, vals) -> None:
+    out = vals[op.out]
+    if isinstance(op, Contraction):
+      a, b = vals[op.lhs], vals[op.rhs]
+      union = set(a.loops) | set(b.loops)
+      if not set(op.reduce) <= union:
+        raise IRError(f"contraction {op.out} reduces a loop of neither operand")
+      if set(out.loops) != union - set(op.reduce):
+        raise IRError(f"contraction {op.out}: output loops {out.loops} != "
+                      f"{sorted(union - set(op.reduce))}")
+      if not op.reduce:
+        raise IRError(f"contraction {op.out} reduces nothing")
+    elif isinstance(op, Elementwise):
+      if op.fn not in ELEMENTWISE_FNS:
+        raise IRError(f"unknown elementwise fn {op.fn}")
+      arity = ELEMENTWISE_FNS[op.fn][0]
+      if len(op.args) != arity:
+        raise IRError(f"{op.fn} takes {arity} operands, got {len(op.args)}")
+      for a in op.inputs:
+        if not set(vals[a].loops) <= set(out.loops):
+          raise IRError(f"elementwise {op.out}: operand {a} has loops outside "
+                        "the output (a reduction must be explicit)")
+    elif isinstance(op, Reduction):
+      if op.kind not in ("max", "sum"):
+        raise IRError(f"unknown reduction {op.kind}")
+      arg = vals[op.arg]
+      if op.loop not in arg.loops:
+        raise IRError(f"reduction {op.out} along {op.loop}, not a loop of {op.arg}")
+      if set(out.loops) != set(arg.loops) - {op.loop}:
+        raise IRError(f"reduction {op.out}: wrong output loops")
+    elif isinstance(op, Iota):
+      if out.loops != (op.loop,):
+        raise IRError(f"iota {op.out} must be indexed by its loop only")
+    else:  # pragma: no cover
+      raise IRError(f"unknown op {op!r}")
+
+  # -- loop roles ---------------------------------------------------------
+  def reduced_loops(self) -> set[str]:
+    """Loops that some op reduces (contraction or reduction)."""
+    out = set()
+    for op in self.ops:
+      if isinstance(op, Contraction):
+        out.update(op.reduce)
+      elif isinstance(op, Reduction):
+        out.add(op.loop)
+    return out
+
+  def spatial_loops(self) -> tuple[str, ...]:
+    """Loops of the region's outputs that no op reduces: safe program-id loops."""
+    red = self.reduced_loops()
+    outs = set()
+    for b in self.outputs:
+      outs.update(self.value(b.value).loops)
+    return tuple(l.name for l in self.loops if l.name in outs and l.name not in red)
+
+  def op_loops(self, op) -> tuple[str, ...]:
+    """All loops an op iterates over (its output's plus what it reduces)."""
+    loops = list(self.value(op.out).loops)
+    if isinstance(op, Contraction):
+      loops += [l for l in op.reduce if l not in loops]
+    elif isinstance(op, Reduction):
+      loops.append(op.loop)
+    order = [l.name for l in self.loops]
+    return tuple(sorted(set(loops), key=order.index))
+
+  # -- costs --------------------------------------------------------------
+  def flops(self) -> int:
+    """FLOPs of the contractions (2 per multiply-add); cheap ops ignored."""
+    ext = self.loop_extents
+    total = 0
+    for op in self.contractions:
+      total += 2 * math.prod(ext[l] for l in self.op_loops(op))
+    return total
+
+  def elementwise_ops(self) -> int:
+    ext = self.loop_extents
+    return sum(math.prod(ext[l] for l in self.op_loops(op))
+               for op in self.ops if not isinstance(op, Contraction))
+
+  def min_bytes(self) -> int:
+    """The fewest bytes a fused kernel must move: each input read once, each
+    output written once."""
+    total = 0
+    vm = self.value_map
+    for b in self.inputs + self.outputs:
+      ext = self.loop_extents
+      n = math.prod(ext[l] for l, s in b.strides if s != 0) if b.strides else 1
+      total += n * dtype_itemsize(vm[b.value].dtype)
+    return total
+
+  def arithmetic_intensity(self) -> float:
+    return self.flops() / max(self.min_bytes(), 1)
+
+  # -- canonical form -----------------------------------------------------
+  def canonical(self) -> "Region":
+    """Renames loops (by first use) and values (by definition order) so that
+    regions equal up to names print identically."""
+    loop_order: list[str] = []
+
+    def see(loops):
+      for l in loops:
+        if l not in loop_order:
+          loop_order.append(l)
+
+    vm = self.value_map
+    for b in self.inputs:
+      see(l for l, _ in b.strides)
+      see(vm[b.value].loops)
+    for op in self.ops:
+      see(self.op_loops(op))
+    see(l.name for l in self.loops)
+    lmap = {l: f"l{i}" for i, l in enumerate(loop_order)}
+    vmap = {}
+    for i, b in enumerate(self.inputs):
+      vmap[b.value] = f"x{i}"
+    for i, op in enumerate(self.ops):
+      vmap[op.out] = f"v{i}"
+
+    def rl(ls):
+      return tuple(lmap[l] for l in ls)
+
+    def rv(a):
+      return vmap[a] if isinstance(a, str) else a
+
+    loops = tuple(Loop(lmap[l], self.extent(l)) for l in loop_order)
+    values = tuple(sorted((Value(vmap[v.name], rl(v.loops), v.dtype)
+                           for v in self.values if v.name in vmap),
+                          key=lambda v: (v.name[0], int(v.name[1:]))))
+    inputs = tuple(Buffer(vmap[b.value], b.shape,
+                          tuple((lmap[l], s) for l, s in b.strides), b.offset)
+                   for b in self.inputs)
+    outputs = tuple(Buffer(vmap[b.value], b.shape,
+                           tuple((lmap[l], s) for l, s in b.strides), b.offset)
+                    for b in self.outputs)
+    ops = []
+    for op in self.ops:
+      if isinstance(op, Contraction):
+        ops.append(Contraction(vmap[op.out], vmap[op.lhs], vmap[op.rhs], rl(op.reduce)))
+      elif isinstance(op, Elementwise):
+        ops.append(Elementwise(vmap[op.out], op.fn, tuple(rv(a) for a in op.args)))
+      elif isinstance(op, Reduction):
+        ops.append(Reduction(vmap[op.out], op.kind, vmap[op.arg], lmap[op.loop]))
+      else:
+        ops.append(Iota(vmap[op.out], lmap[op.loop]))
+    return Region(loops, values, inputs, outputs, tuple(ops), name=self.name)
+
+  def signature(self) -> str:
+    """Stable hash of the canonical form (names, shapes, dtypes, strides)."""
+    text = self.canonical().to_text(with_header=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+  def __hash__(self):
+    return hash(self.signature())
+
+  def __eq__(self, other):
+    return isinstance(other, Region) and self.signature() == other.signature()
+
+  # -- printing -----------------------------------------------------------
+  def to_text(self, with_header: bool = True) -> str:
+    vm = self.value_map
+    lines = []
+    if with_header:
+      ext = ", ".join(f"{l.name}={l.extent}" for l in self.loops)
+      lines.append(f"{self.name}({ext})")
+
+    def idx(v):
+      return f"{v}[{','.join(vm[v].loops)}]"
+
+    for b in self.inputs:
+      v = vm[b.value]
+      st = ",".join(f"{l}:{s}" for l, s in b.strides)
+      lines.append(f"  in  {v.name}: {v.dtype}{list(b.shape)}  {idx(v.name)}"
+                   f"  strides({st})")
+    for op in self.ops:
+      out = vm[op.out]
+      lhs = f"  {idx(op.out)} {out.dtype} = "
+      if isinstance(op, Contraction):
+        lines.append(lhs + f"sum_{''.join(op.reduce)} {idx(op.lhs)} * {idx(op.rhs)}")
+      elif isinstance(op, Elementwise):
+        args = ", ".join(a if isinstance(a, str) else str(a) for a in op.args)
+        lines.append(lhs + f"{op.fn}({args})")
+      elif isinstance(op, Reduction):
+        lines.append(lhs + f"{op.kind}_{op.loop} {idx(op.arg)}")
+      else:
+        lines.append(lhs + f"iota({op.loop})")
+    for b in self.outputs:
+      v = vm[b.value]
+      st = ",".join(f"{l}:{s}" for l, s in b.strides)
+      lines.append(f"  out {v.name}: {v.dtype}{list(b.shape)}  {idx(v.name)}"
+                   f"  strides({st})")
+    return "\n".join(lines)
+
+  def einsum_summary(self) -> str:
+    """One line per contraction, einsum-style: 'bmk,bkn->bmn'."""
+    vm = self.value_map
+    parts = []
+    for op in self.contractions:
+      a, b, o = vm[op.lhs], vm[op.rhs], vm[op.out]
+      parts.append(f"{''.join(a.loops)},{''.join(b.loops)}->{''.join(o.loops)}")
+    return " ; ".join(parts)
+
+  def __str__(self):
+    return self.to_text()
+
+  def __repr__(self):
+    return f"<Region {self.name} {self.einsum_summary()} sig={self.signature()}>"
+
+
+# --------------------------------------------------------------------------
+# Evaluator: the ground truth.
+# --------------------------------------------------------------------------
+
+def _align(arr: np.ndarray, loops: Sequence[str], target: Sequence[str]) -> np.ndarray:
+  """Transposes/expands ``arr`` (axes = loops) to broadcast against target."""
+  perm = [loops.index(l) for l in target if l in loops]
+  arr = np.transpose(arr, perm) if perm != list(range(len(perm))) else arr
+  shape = []
+  present = [l for l in target if l in loops]
+  it = iter(arr.shape)
+  for l in target:
+    shape.append(next(it) if l in present else 1)
+  return arr.reshape(shape)
+
+
+def _buffer_view(region: Region, buf: Buffer, flat: np.ndarray, loops) -> np.ndarray:
+  ext = region.loop_extents
+  item = flat.itemsize
+  shape = [ext[l] for l in loops]
+  strides = [buf.stride(l) * item for l in loops]
+  return np.lib.stride_tricks.as_strided(flat[buf.offset:], shape=shape,
+                                         strides=strides, writeable=False)
+
+
+def evaluate(region: Region, inputs: Sequence[np.ndarray], *,
+             precision: str = "float64") -> list[np.ndarray]:
+  """Evaluates ``region`` on NumPy arrays (one per input buffer, its shape).
+
+  ``precision='float64'`` computes every op in float64 (the reference);
+  ``'native'`` rounds each value to its IR dtype after each op, with
+  contractions accumulated in float32, as a fused kernel does.
+  Returns one array per output buffer, shaped like the buffer, in the
+  output's dtype.
+  """
+  if precision not in ("float64", "native"):
+    raise ValueError(f"precision must be 'float64' or 'native', got {precision!r}")
+  if len(inputs) != len(region.inputs):
+    raise ValueError(f"region takes {len(region.inputs)} inputs, got {len(inputs)}")
+  vm = region.value_map
+  ext = region.loop_extents
+  env: dict[str, np.ndarray] = {}
+
+  def rounded(arr, dtype):
+    if precision == "native":
+      if dtype in FLOAT_DTYPES:
+        return arr.astype(np_dtype(dtype)).astype(np.float32 if dtype != "float64" else np.float64)
+      return arr.astype(np_dtype(dtype))
+    if dtype in FLOAT_DTYPES:
+      return arr.astype(np.float64)
+    return arr.astype(np_dtype(dtype))
+
+  work = np.float64 if precision == "float64" else np.float32
+  for buf, arr in zip(region.inputs, inputs):
+    arr = np.asarray(arr)
+    if tuple(arr.shape) != tuple(buf.shape):
+      raise ValueError(f"input {buf.value}: shape {arr.shape} != {buf.shape}")
+    v = vm[buf.value]
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    present = [l for l in v.loops if l in buf.loops]
+    view = _buffer_view(region, buf, flat, present)
+    full = np.broadcast_to(_align(view, present, v.loops),
+                           [ext[l] for l in v.loops])
+    env[v.name] = rounded(np.array(full), v.dtype)
+
+  for op in region.ops:
+    out = vm[op.out]
+    if isinstance(op, Contraction):
+      a, b = vm[op.lhs], vm[op.rhs]
+      letters = {}
+      for l in list(a.loops) + list(b.loops):
+        letters.setdefault(l, chr(ord("a") + len(letters)))
+      spec = (f"{''.join(letters[l] for l in a.loops)},"
+              f"{''.join(letters[l] for l in b.loops)}->"
+              f"{''.join(letters[l] for l in out.loops)}")
+      res = np.einsum(spec, env[op.lhs].astype(work), env[op.rhs].astype(work),
+                      optimize=True)
+    elif isinstance(op, Elementwise):
+      fn = ELEMENTWISE_FNS[op.fn][1]
+      args = []
+      for a in op.args:
+        if isinstance(a, Literal):
+          args.append(np.asarray(a.value, dtype=work if a.dtype in FLOAT_DTYPES
+                                 else np_dtype(a.dtype)))
+        else:
+          args.append(_align(env[a], vm[a].loops, out.loops))
+      with np.errstate(all="ignore"):
+        res = fn(*args)
+      res = np.broadcast_to(res, [ext[l] for l in out.loops])
+    elif isinstance(op, Reduction):
+      arg = vm[op.arg]
+      axis = arg.loops.index(op.loop)
+      src = env[op.arg]
+      res = np.max(src, axis=axis) if op.kind == "max" else np.sum(src, axis=axis)
+      rest = [l for l in arg.loops if l != op.loop]
+      res = _align(res, rest, out.loops).reshape([ext[l] for l in out.loops])
+    else:
+      res = np.arange(ext[op.loop], dtype=np.int32)
+    env[op.out] = rounded(np.asarray(res), out.dtype)
+
+  results = []
+  for buf in region.outputs:
+    v = vm[buf.value]
+    res = np.zeros(buf.shape, dtype=np.float64 if (precision == "float64" and v.dtype in FLOAT_DTYPES)
+                   else np_dtype(v.dtype))
+    flat = res.reshape(-1)
+    item = flat.itemsize
+    view = np.lib.stride_tricks.as_strided(
+        flat[buf.offset:], shape=[ext[l] for l in buf.loops],
+        strides=[s * item for _, s in buf.strides], writeable=True)
+    view[...] = _align(env[v.name], v.loops, buf.loops).astype(res.dtype)
+    results.append(res)
+  return results

@@ -1,0 +1,68 @@
+"""The Plan: what the planner hands to the code generator.
+
+Contract between ``jaxfuse.planner`` and ``jaxfuse.codegen`` (both read it):
+
+* ``grid``: loops bound to program ids, outermost first. Each program owns one
+  tile of each grid loop.
+* ``tiles``: a tile size for every loop of the region (powers of two; a tile
+  >= the loop's extent means the whole loop sits in one tile, masked past
+  the extent).
+* ``expr``: the per-program tiling expression, statements already placed
+  and hoisted (``jaxfuse.planner.tiling.place``). Grid loops do not appear in
+  it. Every ``LoopNode`` is a sequential ``for`` over tiles of its loop;
+  loops with one tile appear nowhere (hoisted away). Statements run in body
+  order: ``L x`` loads a tile of input ``x``, ``C v`` computes (or, inside
+  the loop of one of its reduced loops, accumulates) op ``v``, ``S y``
+  stores output ``y``.
+* ``split``: optional ``(loop, parts)``: a reduction loop divided among
+  ``parts`` programs whose partial results a second pass combines (for
+  grids too small for the GPU, MCFuser's alpha).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxfuse.planner.tiling import TilingExpr
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """The performance model's estimate for one plan (MCFuser eq. 2-5)."""
+  time_s: float
+  t_mem_s: float
+  t_comp_s: float
+  alpha: float
+  bytes_moved: int
+  flops: int
+  smem_bytes: int
+  programs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  expr: TilingExpr
+  grid: tuple[str, ...]
+  tiles: tuple[tuple[str, int], ...]
+  skeleton: str = ""
+  num_warps: int = 4
+  num_stages: int = 2
+  split: Optional[tuple[str, int]] = None
+  predicted: Optional[Prediction] = None
+
+  @property
+  def tile_map(self) -> dict[str, int]:
+    return dict(self.tiles)
+
+  def tile(self, loop: str) -> int:
+    return self.tile_map[loop]
+
+  def __str__(self) -> str:
+    tiles = ", ".join(f"{l}={t}" for l, t in self.tiles)
+    grid = ",".join(self.grid) or "-"
+    s = (f"grid({grid}) {self.expr}  tiles({tiles})  warps={self.num_warps} "
+         f"stages={self.num_stages}")
+    if self.split:
+      s += f"  split={self.split[0]}x{self.split[1]}"
+    return s

@@ -1,0 +1,165 @@
+"""Chain IR: invariants, canonical signature, and the NumPy evaluator."""
+
+import numpy as np
+import pytest
+
+from jaxfuse import ir
+from jaxfuse.ir import (Buffer, Contraction, Elementwise, Iota, Literal, Loop,
+                        Reduction, Region, Value)
+
+
+def _chain(B=2, M=5, N=7, K=3, H=4, dtype="float32", names=("b", "m", "n", "k", "h"),
+           transposed_b=True):
+  b, m, n, k, h = names
+  loops = (Loop(b, B), Loop(m, M), Loop(n, N), Loop(k, K), Loop(h, H))
+  vals = (Value("A", (b, m, k), dtype), Value("Bt", (b, k, n), dtype),
+          Value("D", (b, n, h), dtype), Value("C", (b, m, n), dtype),
+          Value("E", (b, m, h), dtype))
+  if transposed_b:  # B stored as [b, n, k]: a stride map, not a copy
+    bbuf = Buffer("Bt", (B, N, K), ((b, N * K), (k, 1), (n, K)))
+  else:
+    bbuf = Buffer("Bt", (B, K, N), ((b, K * N), (k, N), (n, 1)))
+  return Region(loops, vals,
+                (Buffer("A", (B, M, K), ((b, M * K), (m, K), (k, 1))), bbuf,
+                 Buffer("D", (B, N, H), ((b, N * H), (n, H), (h, 1)))),
+                (Buffer("E", (B, M, H), ((b, M * H), (m, H), (h, 1))),),
+                (Contraction("C", "A", "Bt", (k,)), Contraction("E", "C", "D", (n,))))
+
+
+def test_gemm_chain_evaluates_with_transposed_operand():
+  rng = np.random.default_rng(0)
+  r = _chain()
+  A, Bt, D = rng.normal(size=(2, 5, 3)), rng.normal(size=(2, 7, 3)), rng.normal(size=(2, 7, 4))
+  (out,) = ir.evaluate(r, [A, Bt, D])
+  np.testing.assert_allclose(out, (A @ Bt.transpose(0, 2, 1)) @ D, rtol=1e-12)
+
+
+def test_native_precision_rounds_to_dtype():
+  rng = np.random.default_rng(1)
+  r = _chain(dtype="float16", transposed_b=False)
+  args = [rng.normal(size=s).astype(np.float16) for s in [(2, 5, 3), (2, 3, 7), (2, 7, 4)]]
+  (exact,) = ir.evaluate(r, args)
+  (native,) = ir.evaluate(r, args, precision="native")
+  assert native.dtype == np.float16
+  ref = (args[0].astype(np.float64) @ args[1]) @ args[2]
+  np.testing.assert_allclose(exact, ref, rtol=1e-12)
+  assert np.linalg.norm(native - ref) / np.linalg.norm(ref) < 5e-3
+
+
+def test_signature_ignores_names_but_not_shapes_or_layout():
+  a = _chain()
+  b = _chain(names=("p", "q", "r", "s", "t"))
+  assert a.signature() == b.signature() and a == b and hash(a) == hash(b)
+  assert _chain(M=6).signature() != a.signature()
+  assert _chain(transposed_b=False).signature() != a.signature()
+  assert _chain(dtype="float16").signature() != a.signature()
+
+
+def test_str_is_einsum_like():
+  r = _chain()
+  text = str(r)
+  assert "C[b,m,n] float32 = sum_k A[b,m,k] * Bt[b,k,n]" in text
+  assert r.einsum_summary() == "bmk,bkn->bmn ; bmn,bnh->bmh"
+
+
+def test_costs():
+  r = _chain(B=2, M=5, N=7, K=3, H=4)
+  assert r.flops() == 2 * 2 * 5 * 7 * 3 + 2 * 2 * 5 * 7 * 4
+  assert r.min_bytes() == 4 * (2 * 5 * 3 + 2 * 7 * 3 + 2 * 7 * 4 + 2 * 5 * 4)
+  assert r.spatial_loops() == ("b", "m", "h")
+  assert r.reduced_loops() == {"k", "n"}
+
+
+def _attention(M=6, N=9, D=4, causal=True):
+  loops = (Loop("m", M), Loop("n", N), Loop("d", D), Loop("e", D))
+  f32 = "float32"
+  vals = [Value("q", ("m", "d"), f32), Value("k", ("n", "d"), f32), Value("v", ("n", "e"), f32),
+          Value("bias", ("n",), f32),
+          Value("s", ("m", "n"), f32), Value("s2", ("m", "n"), f32), Value("sb", ("m", "n"), f32),
+          Value("im", ("m",), "int32"), Value("in", ("n",), "int32"), Value("keep", ("m", "n"), "bool"),
+          Value("sm", ("m", "n"), f32), Value("mx", ("m",), f32), Value("z", ("m", "n"), f32),
+          Value("p", ("m", "n"), f32), Value("l", ("m",), f32), Value("pn", ("m", "n"), f32),
+          Value("o", ("m", "e"), f32)]
+  ops = [Contraction("s", "q", "k", ("d",)),
+         Elementwise("s2", "mul", ("s", Literal(0.5, f32))),
+         Elementwise("sb", "add", ("s2", "bias")),
+         Iota("im", "m"), Iota("in", "n"),
+         Elementwise("keep", "ge", ("im", "in")),
+         Elementwise("sm", "select", ("keep", Literal(float("-inf"), f32), "sb")),
+         Reduction("mx", "max", "sm", "n"),
+         Elementwise("z", "sub", ("sm", "mx")),
+         Elementwise("p", "exp", ("z",)),
+         Reduction("l", "sum", "p", "n"),
+         Elementwise("pn", "div", ("p", "l")),
+         Contraction("o", "pn", "v", ("n",))]
+  if not causal:
+    ops = [o for o in ops if o.out not in ("im", "in", "keep", "sm")]
+    ops = [Reduction("mx", "max", "sb", "n") if o.out == "mx" else
+           Elementwise("z", "sub", ("sb", "mx")) if o.out == "z" else o for o in ops]
+    vals = [v for v in vals if v.name not in ("im", "in", "keep", "sm")]
+  bufs = (Buffer("q", (M, D), (("m", D), ("d", 1))), Buffer("k", (N, D), (("n", D), ("d", 1))),
+          Buffer("v", (N, D), (("n", D), ("e", 1))), Buffer("bias", (N,), (("n", 1),)))
+  return Region(loops, tuple(vals), bufs, (Buffer("o", (M, D), (("m", D), ("e", 1))),), tuple(ops))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_bias_and_causal_mask(causal):
+  rng = np.random.default_rng(2)
+  q, k, v, bias = rng.normal(size=(6, 4)), rng.normal(size=(9, 4)), rng.normal(size=(9, 4)), rng.normal(size=9)
+  s = q @ k.T * 0.5 + bias
+  if causal:
+    s = np.where(np.arange(6)[:, None] >= np.arange(9)[None, :], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  ref = (p / p.sum(-1, keepdims=True)) @ v
+  (out,) = ir.evaluate(_attention(causal=causal), [q, k, v, bias])
+  np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_split_dims_and_broadcast_in_buffers():
+  # x[m, (h d)] read as loops m, h, d: a reshape that splits a dim is a stride map.
+  M, H, Dd, N = 3, 2, 4, 5
+  loops = (Loop("m", M), Loop("h", H), Loop("d", Dd), Loop("n", N))
+  f = "float32"
+  vals = (Value("x", ("h", "m", "d"), f), Value("y", ("h", "n", "d"), f),
+          Value("s", ("h", "m", "n"), f), Value("z", ("h", "n", "d"), f),
+          Value("o", ("h", "m", "d"), f))
+  r = Region(loops, vals,
+             (Buffer("x", (M, H * Dd), (("h", Dd), ("m", H * Dd), ("d", 1))),
+              Buffer("y", (N, Dd), (("n", Dd), ("d", 1))),   # broadcast over h
+              Buffer("z", (N, H * Dd), (("h", Dd), ("n", H * Dd), ("d", 1)))),
+             (Buffer("o", (H, M, Dd), (("h", M * Dd), ("m", Dd), ("d", 1))),),
+             (Contraction("s", "x", "y", ("d",)), Contraction("o", "s", "z", ("n",))))
+  rng = np.random.default_rng(3)
+  x, y, z = rng.normal(size=(M, H * Dd)), rng.normal(size=(N, Dd)), rng.normal(size=(N, H * Dd))
+  xs = x.reshape(M, H, Dd).transpose(1, 0, 2)
+  zs = z.reshape(N, H, Dd).transpose(1, 0, 2)
+  ref = np.einsum("hmd,nd->hmn", xs, y) @ zs
+  (out,) = ir.evaluate(r, [x, y, z])
+  np.testing.assert_allclose(out, ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda r: r.ops[::-1], "before it is defined"),
+    (lambda r: (Contraction("C", "A", "Bt", ("h",)),) + r.ops[1:], "reduces a loop"),
+])
+def test_invalid_regions_are_rejected(mutate, msg):
+  r = _chain()
+  with pytest.raises(ir.IRError, match=msg):
+    Region(r.loops, r.values, r.inputs, r.outputs, mutate(r))
+
+
+def test_buffer_past_shape_rejected():
+  r = _chain()
+  bad = Buffer("A", (2, 5, 3), (("b", 15), ("m", 3), ("k", 2)))
+  with pytest.raises(ir.IRError, match="past its shape"):
+    Region(r.loops, r.values, (bad,) + r.inputs[1:], r.outputs, r.ops)
+
+
+def test_evaluate_checks_arguments():
+  r = _chain()
+  with pytest.raises(ValueError, match="takes 3 inputs"):
+    ir.evaluate(r, [np.zeros((2, 5, 3))])
+  with pytest.raises(ValueError, match="shape"):
+    ir.evaluate(r, [np.ones((2, 5, 4)), np.ones((2, 7, 3)), np.ones((2, 7, 4))])
+  with pytest.raises(ValueError, match="precision"):
+    ir.evaluate(r, [np.ones((2, 5, 3)), np.ones((2, 7, 3)), np.ones((2, 7, 4))], precision="fp8")

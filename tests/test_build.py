@@ -1,0 +1,80 @@
+"""The repository stays in step with itself: BUILD names every module, test
+and binary; .ci/run runs the README's test command."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _build_calls():
+  """Parses BUILD (Starlark is Python-syntax here) into (rule, kwargs)."""
+  tree = ast.parse((ROOT / "BUILD").read_text())
+  calls = []
+  for node in tree.body:
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+      call = node.value
+      kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+                if not isinstance(k.value, ast.Call)}
+      calls.append((call.func.id, kwargs))
+  return calls
+
+
+def _srcs(rule):
+  out = set()
+  for kind, kw in _build_calls():
+    if kind == rule:
+      out.update(kw.get("srcs", []))
+  return out
+
+
+def test_every_library_module_is_in_build():
+  modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxfuse").rglob("*.py")}
+  listed = _srcs("py_library")
+  assert modules - listed == set(), f"modules missing from BUILD: {sorted(modules - listed)}"
+  assert listed - modules == set(), f"BUILD names files that do not exist: {sorted(listed - modules)}"
+
+
+def test_every_test_file_has_a_py_test():
+  tests = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py")}
+  listed = _srcs("py_test")
+  assert tests - listed == set(), f"tests missing from BUILD: {sorted(tests - listed)}"
+  assert listed - tests == set(), f"BUILD names missing tests: {sorted(listed - tests)}"
+  helpers = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("*.py")} - tests
+  assert helpers <= _srcs("py_library"), "test helpers (conftest, utilities) belong to a py_library"
+
+
+def test_every_binary_is_in_build():
+  bins = set()
+  for d in ("benchmarks", "examples"):
+    for p in (ROOT / d).glob("*.py"):
+      if 'if __name__ == "__main__"' in p.read_text():
+        bins.add(p.relative_to(ROOT).as_posix())
+  listed = _srcs("py_binary")
+  assert bins - listed == set(), f"binaries missing from BUILD: {sorted(bins - listed)}"
+  assert listed - bins == set(), f"BUILD names missing binaries: {sorted(listed - bins)}"
+  libs = {p.relative_to(ROOT).as_posix() for d in ("benchmarks",)
+          for p in (ROOT / d).glob("*.py")} - bins
+  assert libs <= _srcs("py_library"), f"benchmark modules missing: {sorted(libs - _srcs('py_library'))}"
+
+
+def test_ci_runs_the_readme_test_command():
+  lines = (ROOT / "README.md").read_text().splitlines()
+  fence = lines.index("```")
+  commands = []
+  for line in lines[fence + 1:]:
+    if line.startswith("```"):
+      break
+    commands.append(line.strip())
+  assert len(commands) == 2, commands
+  assert "examples/demo.py" in commands[0]
+  assert "pytest" in commands[1]
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert commands[1] in ci
+
+
+def test_version_agrees():
+  import jaxfuse
+  pyproject = (ROOT / "pyproject.toml").read_text()
+  assert re.search(rf'^version = "{re.escape(jaxfuse.__version__)}"', pyproject, re.M)

@@ -1,0 +1,348 @@
+"""The ``jaxfuse_region`` primitive: one fused region as one jaxpr equation.
+
+Each captured region becomes one equation ``jaxfuse_region[name=..]`` whose
+parameters carry the region's Chain IR (``region``, an ``ir.Region``; hashes
+by its canonical signature) and the region's original ops (``jaxpr``, a
+``ClosedJaxpr`` taking the region inputs in ``region.inputs`` order and
+returning the outputs in ``region.outputs`` order).
+
+Rules:
+
+* abstract eval: shapes and dtypes of the region's output buffers;
+* lowering: by default the original ops (so on the CPU the result equals
+  ``jax.jit``'s exactly); on CUDA with ``config.backend`` in (auto, triton)
+  the generated Triton kernel via ``jaxfuse.runtime.launch.fused_call``; on the
+  CPU with ``config.backend == 'interpret'`` the same kernel in Triton's
+  interpreter. Any failure there falls back to the original ops with one log
+  line;
+* JVP: the primal through the primitive, tangents through ``jax.jvp`` of the
+  original ops (so ``jax.grad`` works; the backward runs the original ops);
+* batching: the vmapped original ops are re-captured, so the batch folds into
+  the region's loops; when that does not give one region, the vmapped original
+  ops run instead.
+
+Example::
+
+    from jaxfuse.runtime.primitive import bind_region
+    outs = bind_region(region, closed_jaxpr, *inputs)   # list of arrays
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+from jax.interpreters import ad, batching, mlir
+
+from jaxfuse import ir
+from jaxfuse.config import config
+
+try:  # public home since jax 0.4.3x
+  from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+except ImportError:  # pragma: no cover - older jax
+  from jax.core import ClosedJaxpr, Primitive, jaxpr_as_fun  # type: ignore
+
+__all__ = ["jaxfuse_region_p", "bind_region", "region_out_avals",
+           "count_regions"]
+
+jaxfuse_region_p = Primitive("jaxfuse_region")
+jaxfuse_region_p.multiple_results = True
+
+
+def _eval_original(*args: Any, jaxpr: ClosedJaxpr) -> list[Any]:
+  """Evaluates the region's original ops on ``args`` (binds them as usual)."""
+  return list(jaxpr_as_fun(jaxpr)(*args))
+
+
+def region_out_avals(region: ir.Region, jaxpr: ClosedJaxpr) -> list[Any]:
+  """Output avals from the region's output buffers.
+
+  ``weak_type`` (and sharding, where the shapes agree) come from the original
+  ops' avals so that the rest of the program types exactly as it did before
+  the rewrite.
+  """
+  vm = region.value_map
+  avals = []
+  orig = list(jaxpr.out_avals)
+  for i, buf in enumerate(region.outputs):
+    shape = tuple(int(d) for d in buf.shape)
+    dtype = ir.np_dtype(vm[buf.value].dtype)
+    if i < len(orig) and tuple(orig[i].shape) == shape and orig[i].dtype == dtype:
+      avals.append(orig[i])
+    else:
+      avals.append(jax.core.ShapedArray(shape, dtype))
+  return avals
+
+
+def check_consistent(region: ir.Region, jaxpr: ClosedJaxpr) -> str | None:
+  """Why the region and its original ops disagree on inputs/outputs, or None."""
+  if len(region.inputs) != len(jaxpr.in_avals):
+    return (f"region has {len(region.inputs)} inputs, its jaxpr "
+            f"{len(jaxpr.in_avals)}")
+  if len(region.outputs) != len(jaxpr.out_avals):
+    return (f"region has {len(region.outputs)} outputs, its jaxpr "
+            f"{len(jaxpr.out_avals)}")
+  vm = region.value_map
+  for kind, bufs, avals in (("input", region.inputs, jaxpr.in_avals),
+                            ("output", region.outputs, jaxpr.out_avals)):
+    for buf, aval in zip(bufs, avals):
+      shape = tuple(int(d) for d in buf.shape)
+      dtype = ir.np_dtype(vm[buf.value].dtype)
+      if tuple(aval.shape) != shape or np.dtype(aval.dtype) != dtype:
+        return (f"{kind} {buf.value}: region {vm[buf.value].dtype}{list(shape)}"
+                f" vs jaxpr {aval.str_short()}")
+  return None
+
+
+def bind_region(region: ir.Region, jaxpr: ClosedJaxpr, *args: Any,
+                name: str | None = None) -> list[Any]:
+  """Binds ``jaxfuse_region`` on ``args``; returns the list of outputs."""
+  return jaxfuse_region_p.bind(*args, region=region, jaxpr=jaxpr,
+                               name=name or region.name)
+
+
+# --------------------------------------------------------------------------
+# Impl and abstract eval
+# --------------------------------------------------------------------------
+
+def _impl(*args, region, jaxpr, name):
+  # Eager: compile the single primitive like any other (this goes through the
+  # lowering rules below, so the interpret backend is honoured too).
+  try:
+    from jax._src.dispatch import apply_primitive  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    return _eval_original(*args, jaxpr=jaxpr)
+  return apply_primitive(jaxfuse_region_p, *args, region=region, jaxpr=jaxpr,
+                         name=name)
+
+
+def _abstract_eval(*avals, region, jaxpr, name):
+  del avals, name
+  return region_out_avals(region, jaxpr)
+
+
+jaxfuse_region_p.def_impl(_impl)
+jaxfuse_region_p.def_abstract_eval(_abstract_eval)
+
+
+# --------------------------------------------------------------------------
+# Lowering
+# --------------------------------------------------------------------------
+
+def _lower_original(ctx, *args, region, jaxpr, name):
+  del region, name
+  return mlir.lower_fun(functools.partial(_eval_original, jaxpr=jaxpr),
+                        multiple_results=True)(ctx, *args)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_fallback(region: ir.Region, name: str, what: str,
+                   err: BaseException) -> None:
+  """One log line per (region, what); repeated lowerings stay quiet."""
+  key = (region.signature(), what)
+  if key in _warned:
+    return
+  _warned.add(key)
+  msg = str(err).splitlines()[0] if str(err) else ""
+  logging.warning("jaxfuse: region %s (%s) runs its original ops: %s "
+                  "failed: %s: %s", name, region.einsum_summary(), what,
+                  type(err).__name__, msg[:300])
+
+
+def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
+  """Lowers through the generated kernel, or the original ops on failure."""
+  try:
+    # Imported lazily: launch pulls in codegen/triton (and jax_triton on CUDA).
+    from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+
+    def fused(*xs):
+      outs = launch.fused_call(region, list(xs), backend=backend)
+      outs = list(outs)
+      want = region_out_avals(region, jaxpr)
+      if len(outs) != len(want):
+        raise ValueError(f"fused_call returned {len(outs)} outputs, "
+                         f"expected {len(want)}")
+      for o, w in zip(outs, want):
+        if tuple(o.shape) != tuple(w.shape) or o.dtype != w.dtype:
+          raise ValueError(f"fused_call output {o.shape}/{o.dtype} != "
+                           f"{w.shape}/{w.dtype}")
+      return outs
+
+    # lower_fun traces ``fused`` to a jaxpr before it emits anything, so a
+    # planning/codegen error here leaves the module untouched.
+    return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
+  except Exception as e:  # pylint: disable=broad-except
+    _warn_fallback(region, name, f"{backend} kernel", e)
+    return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+
+
+def _lower_cuda(ctx, *args, region, jaxpr, name):
+  if not config.disable and config.backend in ("auto", "triton"):
+    return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name,
+                        backend="triton")
+  return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+
+
+def _lower_cpu(ctx, *args, region, jaxpr, name):
+  if not config.disable and config.backend == "interpret":
+    return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name,
+                        backend="interpret")
+  return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+
+
+mlir.register_lowering(jaxfuse_region_p, _lower_original)
+mlir.register_lowering(jaxfuse_region_p, _lower_cuda, platform="cuda")
+mlir.register_lowering(jaxfuse_region_p, _lower_cpu, platform="cpu")
+
+
+# --------------------------------------------------------------------------
+# JVP: primal through the primitive, tangents through the original ops.
+# --------------------------------------------------------------------------
+
+def _jvp(primals, tangents, *, region, jaxpr, name):
+  primals_out = jaxfuse_region_p.bind(*primals, region=region, jaxpr=jaxpr,
+                                      name=name)
+  live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+  fun = jaxpr_as_fun(jaxpr)
+
+  def restricted(*live_primals):
+    full = list(primals)
+    for i, p in zip(live, live_primals):
+      full[i] = p
+    return list(fun(*full))
+
+  # Only the differentiated inputs get tangents: integer/bool inputs (masks)
+  # never need float0 zeros this way.
+  _, tangents_out = jax.jvp(restricted, [primals[i] for i in live],
+                            [tangents[i] for i in live])
+  outs = []
+  for p, t in zip(primals_out, tangents_out):
+    if getattr(t, "dtype", None) == jax.dtypes.float0:
+      aval = jax.core.get_aval(p)
+      outs.append(ad.Zero(aval.to_tangent_aval()))
+    else:
+      outs.append(t)
+  return primals_out, outs
+
+
+ad.primitive_jvps[jaxfuse_region_p] = _jvp
+
+
+# --------------------------------------------------------------------------
+# Batching: re-capture the vmapped original ops so the batch becomes a loop.
+# --------------------------------------------------------------------------
+
+_NOT_MAPPED = getattr(batching, "not_mapped", None)
+
+
+def _unmapped(d: Any) -> bool:
+  return d is None or d is _NOT_MAPPED
+
+
+def _batch(axis_size, args, dims, *, region, jaxpr, name):
+  in_axes = tuple(None if _unmapped(d) else d for d in dims)
+  fun = jaxpr_as_fun(jaxpr)
+  vfun = jax.vmap(lambda *xs: list(fun(*xs)), in_axes=in_axes, out_axes=0,
+                  axis_size=axis_size)
+  vjaxpr = jax.make_jaxpr(vfun)(*args)
+  outs = None
+  try:
+    from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+    found = capture.find_regions(vjaxpr)
+    if len(found) == 1 and not found[0].path:
+      if _covers_all(found[0], vjaxpr):
+        rewritten = capture.rewrite(vjaxpr, _bind_captured)
+        if count_regions(rewritten) == 1:
+          outs = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args)
+  except Exception as e:  # pylint: disable=broad-except
+    _warn_fallback(region, name, "batching re-capture", e)
+    outs = None
+  if outs is None:
+    outs = jax.core.eval_jaxpr(vjaxpr.jaxpr, vjaxpr.consts, *args)
+  return list(outs), [0] * len(outs)
+
+
+def _covers_all(captured, closed: ClosedJaxpr) -> bool:
+  """True when every contraction of ``closed`` belongs to the one region."""
+  n_dots = sum(1 for e in closed.jaxpr.eqns if e.primitive.name == "dot_general")
+  return n_dots == len(captured.region.contractions)
+
+
+def _bind_captured(captured, *xs):
+  """``bind_region`` callback for capture.rewrite (shared with the api)."""
+  why = check_consistent(captured.region, captured.jaxpr)
+  if why is not None:
+    logging.warning("jaxfuse: region left to XLA, capture inconsistent: %s", why)
+    return None
+  name = captured.region.name
+  return bind_region(captured.region, captured.jaxpr, *xs, name=name)
+
+
+def _fancy_batcher(axis_data, args, dims, **params):
+  if all(_unmapped(d) for d in dims):
+    outs = jaxfuse_region_p.bind(*args, **params)
+    return outs, [None] * len(outs)
+  return _batch(axis_data.size, args, dims, **params)
+
+
+if hasattr(batching, "fancy_primitive_batchers"):
+  batching.fancy_primitive_batchers[jaxfuse_region_p] = _fancy_batcher
+else:  # pragma: no cover - older jax
+  def _old_batcher(args, dims, **params):
+    size = next(np.shape(a)[d] for a, d in zip(args, dims) if not _unmapped(d))
+    return _batch(size, args, dims, **params)
+  batching.primitive_batchers[jaxfuse_region_p] = _old_batcher
+
+
+# --------------------------------------------------------------------------
+# Printing and counting
+# --------------------------------------------------------------------------
+
+def _pp_rule(eqn, context, settings):
+  """Prints the region's name and einsum instead of its whole sub-jaxpr."""
+  from jax._src import core as _core  # pylint: disable=g-import-not-at-top
+  region = eqn.params["region"]
+  params = {"name": eqn.params["name"], "einsum": region.einsum_summary(),
+            "loops": ",".join(f"{l.name}={l.extent}" for l in region.loops)}
+  return _core._pp_eqn(eqn.replace(params=params), context, settings)  # pylint: disable=protected-access
+
+
+try:
+  from jax._src import core as _jcore  # pylint: disable=g-import-not-at-top
+  if hasattr(_jcore, "pp_eqn_rules") and hasattr(_jcore, "_pp_eqn"):
+    _jcore.pp_eqn_rules[jaxfuse_region_p] = _pp_rule
+except Exception:  # pragma: no cover - printing falls back to the default
+  pass
+
+
+def _sub_jaxprs(params: dict) -> list:
+  subs = []
+  for v in params.values():
+    vs = v if isinstance(v, (tuple, list)) else (v,)
+    for x in vs:
+      if isinstance(x, ClosedJaxpr):
+        subs.append(x.jaxpr)
+      elif hasattr(x, "eqns") and hasattr(x, "invars"):
+        subs.append(x)
+  return subs
+
+
+def count_regions(jaxpr: Any) -> int:
+  """Number of ``jaxfuse_region`` equations in a (Closed)Jaxpr, nested too.
+
+  The original ops inside a region are not searched.
+  """
+  jx = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+  n = 0
+  for eqn in jx.eqns:
+    if eqn.primitive is jaxfuse_region_p:
+      n += 1
+      continue
+    for sub in _sub_jaxprs(eqn.params):
+      n += count_regions(sub)
+  return n

@@ -1,0 +1,274 @@
+"""Streaming (online) reductions, derived from a region's ops.
+
+A reduction along loop ``n`` whose result is broadcast back along ``n`` (the
+``x - max_n(x)`` of a softmax) needs the whole ``n`` row before its consumers
+can run. When ``n`` is tiled sequentially inside a program that row is never on
+chip at once; the reduction can still run *online* when everything between it
+and the contractions over ``n`` follows the algebra of softmax (FlashAttention,
+Chimera's deferred division):
+
+* ``M = max_n X`` is kept as a running max;
+* ``Z = X - M`` (optionally times a positive literal ``c``) is a *shift*: with
+  the running max it differs from the final value by ``M_cur - M_fin``;
+* ``E = exp(Z)`` / ``exp2(Z)`` is *scaled*: ``E_fin = E_cur * r`` with
+  ``r = exp(c (M_cur - M_fin))``, one factor per row of ``M``;
+* linear ops keep a value scaled: ``convert``, ``neg``, ``mul``/``div`` by a value
+  that does not depend on an ``n`` reduction, ``select(p, 0, E)``;
+* ``mul``/``div`` by an ``n``-free value that *does* depend on an ``n``
+  reduction (the softmax denominator ``l = sum_n E``) commutes with the
+  contraction over ``n``: it is *deferred* and applied once after the loop;
+* ``sum_n`` of a scaled value and a contraction over ``n`` with one scaled
+  operand are *accumulators*: each tile rescales them by
+  ``alpha = exp(c (M_old - M_new))`` before adding its contribution; the
+  deferred factors multiply/divide the final accumulator.
+
+Anything else that reads an ``n`` reduction back along ``n`` cannot stream:
+the loop must then be a single tile (``StreamingInfo.single_tile``). Nothing
+here looks for "attention": the rules apply to any chain of IR ops.
+
+Example::
+
+    info = analyze(region)
+    info.single_tile          # {} for softmax attention
+    info.streamed["n"].running_max   # ('mx',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from jaxfuse import ir
+
+__all__ = ["Scale", "StreamedLoop", "StreamingInfo", "analyze"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """How a value computed with the running max relates to its final value.
+
+  ``final = current * base**(coef * (M_cur - M_fin)) * prod(deferred)`` where
+  ``deferred`` are ``('mul'|'div', value)`` factors applied after the loop.
+  ``base`` is ``'e'`` (``exp``) or ``'2'`` (``exp2``). For a *shift* value
+  (``X - M`` itself) ``base`` is ``''``.
+  """
+  max: str
+  coef: float = 1.0
+  base: str = "e"
+  deferred: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamedLoop:
+  """What the code generator does for loop ``loop`` when it is sequential.
+
+  running_max: max reductions along the loop, kept as running maxima.
+  accumulators: every reduction/contraction over the loop, in op order, mapped
+    to its ``Scale`` (rescaled per tile, deferred factors at the end) or None
+    (a plain accumulator: sum, dot or max of values that do not depend on a
+    reduction over the loop).
+  shifted: values ``X - M`` computed with the running max (-> ``Scale``).
+  scaled: values ``exp(shift)`` and their linear images (-> ``Scale``).
+  deferred: values whose in-loop tile is just their operand's tile because the
+    factor they apply is deferred (value -> the operand it aliases).
+  post: values without the loop that depend on a reduction over it; they can
+    only be computed after the loop (in op order).
+  """
+  loop: str
+  running_max: tuple[str, ...] = ()
+  accumulators: tuple[tuple[str, Optional[Scale]], ...] = ()
+  shifted: tuple[tuple[str, Scale], ...] = ()
+  scaled: tuple[tuple[str, Scale], ...] = ()
+  deferred: tuple[tuple[str, str], ...] = ()
+  post: tuple[str, ...] = ()
+
+  @property
+  def online(self) -> bool:
+    """True when some value needs rescaling (not just plain accumulation)."""
+    return bool(self.scaled or self.shifted)
+
+  def accumulator_scale(self, value: str) -> Optional[Scale]:
+    return dict(self.accumulators).get(value)
+
+  def scale_of(self, value: str) -> Optional[Scale]:
+    d = dict(self.scaled)
+    d.update(self.shifted)
+    return d.get(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingInfo:
+  """Per reduced loop: how it may be tiled sequentially.
+
+  ``streamed[l]`` exists for every loop some op reduces and that may be tiled
+  sequentially (possibly with online rescaling); ``single_tile[l]`` gives the
+  reason a reduced loop must instead sit in one tile.
+  """
+  streamed: dict[str, StreamedLoop]
+  single_tile: dict[str, str]
+
+  def can_tile(self, loop: str) -> bool:
+    """Whether ``loop`` may have several tiles inside a program."""
+    return loop not in self.single_tile
+
+  def is_online(self, loop: str) -> bool:
+    s = self.streamed.get(loop)
+    return bool(s and s.online)
+
+
+class _NotStreamable(Exception):
+  pass
+
+
+def _reduces(op, loop: str) -> bool:
+  if isinstance(op, ir.Contraction):
+    return loop in op.reduce
+  if isinstance(op, ir.Reduction):
+    return op.loop == loop
+  return False
+
+
+def _is_zero(a) -> bool:
+  return isinstance(a, ir.Literal) and float(a.value) == 0.0
+
+
+def _analyze_loop(region: ir.Region, n: str) -> StreamedLoop:
+  vm = region.value_map
+  # dep[v]: v depends (transitively) on an op that reduces n.
+  dep: dict[str, bool] = {b.value: False for b in region.inputs}
+  for op in region.ops:
+    dep[op.out] = _reduces(op, n) or any(dep[i] for i in op.inputs)
+
+  def has_n(v: str) -> bool:
+    return n in vm[v].loops
+
+  def mixed(v: str) -> bool:
+    return has_n(v) and dep[v]
+
+  def post(v: str) -> bool:
+    return (not has_n(v)) and dep[v]
+
+  running_max: list[str] = []
+  accumulators: list[tuple[str, Optional[Scale]]] = []
+  shifted: dict[str, Scale] = {}
+  scaled: dict[str, Scale] = {}
+  deferred: dict[str, str] = {}
+  posts: list[str] = []
+  outputs = set(region.output_names)
+
+  for op in region.ops:
+    out = op.out
+    if _reduces(op, n):
+      ins = list(op.inputs)
+      mixed_in = [i for i in ins if mixed(i)]
+      if not mixed_in:
+        if isinstance(op, ir.Reduction) and op.kind == "max":
+          running_max.append(out)
+        accumulators.append((out, None))
+      else:
+        if isinstance(op, ir.Reduction) and op.kind == "max":
+          raise _NotStreamable(f"max_{n} of {op.arg}, which depends on a reduction over {n}")
+        if len(mixed_in) != 1 or mixed_in[0] not in scaled:
+          raise _NotStreamable(f"{out} reduces {n} over {mixed_in}, not one rescalable value")
+        sc = scaled[mixed_in[0]]
+        other = [i for i in ins if i != mixed_in[0]]
+        if any(post(o) for o in other):
+          raise _NotStreamable(f"{out} multiplies by {other}, a result of a reduction over {n}")
+        if isinstance(op, ir.Contraction):
+          extra = set(op.reduce) - {n}
+          need = set(vm[sc.max].loops)
+          for _, d in sc.deferred:
+            need |= set(vm[d].loops)
+          if extra & need:
+            raise _NotStreamable(f"{out} also reduces {sorted(extra & need)}, "
+                                 "which the rescaling factor varies along")
+        accumulators.append((out, sc))
+      continue
+    if post(out):
+      posts.append(out)
+      continue
+    if not mixed(out):
+      continue
+    # A value along n that reads a reduction over n: must fit the algebra.
+    if out in outputs:
+      raise _NotStreamable(f"{out} is a region output along {n} that needs the full reduction")
+    if isinstance(op, ir.Elementwise):
+      fn, args = op.fn, op.args
+      names = [a for a in args if isinstance(a, str)]
+      if fn == "sub" and isinstance(args[0], str) and isinstance(args[1], str):
+        x, m = args
+        mop = region.producer(m)
+        if (not mixed(x) and isinstance(mop, ir.Reduction) and mop.kind == "max"
+            and mop.loop == n and m in running_max):
+          shifted[out] = Scale(max=m, coef=1.0, base="")
+          continue
+      if fn == "mul" and len(names) == 1 and names[0] in shifted:
+        lit = [a for a in args if isinstance(a, ir.Literal)][0]
+        if float(lit.value) > 0:
+          s = shifted[names[0]]
+          shifted[out] = dataclasses.replace(s, coef=s.coef * float(lit.value))
+          continue
+      if fn in ("exp", "exp2") and names[0] in shifted:
+        s = shifted[names[0]]
+        scaled[out] = dataclasses.replace(s, base="e" if fn == "exp" else "2")
+        continue
+      src = [a for a in names if mixed(a)]
+      if len(src) == 1 and src[0] in scaled:
+        s = scaled[src[0]]
+        others = [a for a in args if a != src[0]]
+        if fn in ("convert", "neg"):
+          scaled[out] = s
+          continue
+        if fn in ("mul", "div") and len(others) == 1 and (fn == "mul" or args[0] == src[0]):
+          o = others[0]
+          if isinstance(o, str) and post(o):
+            scaled[out] = dataclasses.replace(s, deferred=s.deferred + ((fn, o),))
+            deferred[out] = src[0]
+          else:
+            scaled[out] = s
+          continue
+        if fn == "select" and isinstance(args[0], str) and not mixed(args[0]):
+          rest = args[1:]
+          if src[0] in rest and any(_is_zero(a) for a in rest):
+            scaled[out] = s
+            continue
+    raise _NotStreamable(f"{out} = {_describe(op)} reads a reduction over {n} along {n} "
+                         "outside the softmax algebra")
+  for v in list(shifted) + list(scaled):
+    for c in region.consumers(v):
+      if not (c.out in shifted or c.out in scaled or any(a == c.out for a, _ in accumulators)):
+        raise _NotStreamable(f"{c.out} reads {v} outside the softmax algebra")
+  return StreamedLoop(loop=n, running_max=tuple(running_max),
+                      accumulators=tuple(accumulators),
+                      shifted=tuple(shifted.items()), scaled=tuple(scaled.items()),
+                      deferred=tuple(deferred.items()), post=tuple(posts))
+
+
+def _describe(op) -> str:
+  if isinstance(op, ir.Elementwise):
+    return f"{op.fn}({', '.join(str(a) for a in op.args)})"
+  if isinstance(op, ir.Reduction):
+    return f"{op.kind}_{op.loop}({op.arg})"
+  if isinstance(op, ir.Contraction):
+    return f"sum_{''.join(op.reduce)}({op.lhs} * {op.rhs})"
+  return f"iota({op.loop})"
+
+
+def analyze(region: ir.Region) -> StreamingInfo:
+  """Which reduced loops can be tiled sequentially, and how.
+
+  Example::
+
+      info = analyze(attention_region)
+      assert info.can_tile("n") and info.is_online("n")
+  """
+  streamed: dict[str, StreamedLoop] = {}
+  single: dict[str, str] = {}
+  for loop in region.loops:
+    if not any(_reduces(op, loop.name) for op in region.ops):
+      continue
+    try:
+      streamed[loop.name] = _analyze_loop(region, loop.name)
+    except _NotStreamable as e:
+      single[loop.name] = str(e)
+  return StreamingInfo(streamed=streamed, single_tile=single)

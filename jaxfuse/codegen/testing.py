@@ -1,0 +1,144 @@
+"""Small region builders for tests, examples and benchmarks of the generator.
+
+They build the Chain IR that capture produces for common chains, with
+row-major buffers unless asked otherwise.
+
+Example::
+
+    r = gemm_chain(M=77, N=200, K=32, H=80, dtype="float16")
+    r2 = attention(M=64, N=96, D=80, causal=True)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from jaxfuse import ir
+from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
+
+__all__ = ["gemm_chain", "attention", "mlp"]
+
+
+def _buf(name: str, loops: Sequence[str], ext: dict[str, int], order: Optional[Sequence[str]] = None) -> Buffer:
+  """Buffer of value ``name`` stored with axes ``order`` (default ``loops``)."""
+  order = list(order or loops)
+  shape = tuple(ext[l] for l in order)
+  strides = ir.contiguous_strides(shape)
+  return Buffer(name, shape, tuple((l, s) for l, s in zip(order, strides)))
+
+
+def gemm_chain(M: int = 64, N: int = 64, K: int = 32, H: int = 32, B: int = 1, *,
+               dtype: str = "float32", transpose_b: bool = False, transpose_d: bool = False) -> Region:
+  """``E[b,m,h] = (A[b,m,k] B[b,k,n]) D[b,n,h]`` (MCFuser's GEMM chain).
+
+  ``transpose_b`` stores B as ``[b,n,k]`` (read through strides, no copy).
+  """
+  ext = dict(b=B, m=M, n=N, k=K, h=H)
+  loops = tuple(Loop(l, ext[l]) for l in "bmnkh")
+  vals = (Value("A", ("b", "m", "k"), dtype), Value("B", ("b", "k", "n"), dtype),
+          Value("D", ("b", "n", "h"), dtype), Value("C", ("b", "m", "n"), dtype),
+          Value("E", ("b", "m", "h"), dtype))
+  ins = (_buf("A", "bmk", ext), _buf("B", "bkn", ext, "bnk" if transpose_b else "bkn"),
+         _buf("D", "bnh", ext, "bhn" if transpose_d else "bnh"))
+  ops = (Contraction("C", "A", "B", ("k",)), Contraction("E", "C", "D", ("n",)))
+  return Region(loops, vals, ins, (_buf("E", "bmh", ext),), ops, name="gemm_chain")
+
+
+def attention(M: int = 64, N: int = 64, D: int = 32, Dv: Optional[int] = None, B: int = 1, *,
+              dtype: str = "float32", scale: float = 0.125, bias: bool = False,
+              mask: bool = False, causal: bool = False, heads: int = 1) -> Region:
+  """Softmax attention ``O = softmax(Q K^T * scale [+ bias] [masked]) V``.
+
+  Q: ``[b,m,g,d]`` (g = heads, stored as [b,m,g,d] so heads are strided),
+  K: ``[b,n,g,d]``, V: ``[b,n,g,e]``; bias ``[m,n]``; boolean mask ``[b,m,n]``;
+  causal: ``iota(m) >= iota(n)``.
+  """
+  Dv = Dv or D
+  ext = dict(b=B, g=heads, m=M, n=N, d=D, e=Dv)
+  loops = tuple(Loop(l, ext[l]) for l in "bgmnde")
+  f32 = "float32"
+  vals = [Value("Q", ("b", "g", "m", "d"), dtype), Value("K", ("b", "g", "n", "d"), dtype),
+          Value("V", ("b", "g", "n", "e"), dtype),
+          Value("s", ("b", "g", "m", "n"), f32), Value("t", ("b", "g", "m", "n"), f32)]
+  ins = [_buf("Q", "bgmd", ext, "bmgd"), _buf("K", "bgnd", ext, "bngd"), _buf("V", "bgne", ext, "bnge")]
+  ops = [Contraction("s", "Q", "K", ("d",)), Elementwise("t", "mul", ("s", Literal(scale, f32)))]
+  cur = "t"
+  if bias:
+    vals += [Value("bias", ("m", "n"), dtype), Value("tb", ("b", "g", "m", "n"), f32)]
+    ins.append(_buf("bias", "mn", ext))
+    ops.append(Elementwise("tb", "add", (cur, "bias")))
+    cur = "tb"
+  if mask:
+    vals += [Value("keep", ("b", "m", "n"), "bool"), Value("tm", ("b", "g", "m", "n"), f32)]
+    ins.append(_buf("keep", "bmn", ext))
+    ops.append(Elementwise("tm", "select", ("keep", Literal(float("-inf"), f32), cur)))
+    cur = "tm"
+  if causal:
+    vals += [Value("im", ("m",), "int32"), Value("in_", ("n",), "int32"),
+             Value("tri", ("m", "n"), "bool"), Value("tc", ("b", "g", "m", "n"), f32)]
+    ops += [Iota("im", "m"), Iota("in_", "n"), Elementwise("tri", "ge", ("im", "in_")),
+            Elementwise("tc", "select", ("tri", Literal(float("-inf"), f32), cur))]
+    cur = "tc"
+  vals += [Value("mx", ("b", "g", "m"), f32), Value("z", ("b", "g", "m", "n"), f32),
+           Value("p", ("b", "g", "m", "n"), f32), Value("l", ("b", "g", "m"), f32),
+           Value("pn", ("b", "g", "m", "n"), f32), Value("ph", ("b", "g", "m", "n"), dtype),
+           Value("O", ("b", "g", "m", "e"), dtype)]
+  ops += [Reduction("mx", "max", cur, "n"), Elementwise("z", "sub", (cur, "mx")),
+          Elementwise("p", "exp", ("z",)), Reduction("l", "sum", "p", "n"),
+          Elementwise("pn", "div", ("p", "l")), Elementwise("ph", "convert", ("pn",)),
+          Contraction("O", "ph", "V", ("n",))]
+  return Region(loops, tuple(vals), tuple(ins), (_buf("O", "bgme", ext, "bmge"),), tuple(ops),
+                name="attention")
+
+
+def mlp(M: int = 32, dims: Sequence[int] = (32, 64, 32, 16), *, dtype: str = "float32",
+        acts: Sequence[str] = ("gelu", "relu")) -> Region:
+  """``Y = act2(act1(X W1) W2) W3`` (len(dims)-1 GEMMs; acts between them).
+
+  Activations: 'relu' (max with 0), 'gelu' (erf form), 'tanh', 'silu'
+  (x * logistic(x)), 'none'.
+  """
+  nl = len(dims) - 1
+  names = ["m"] + [f"k{i}" for i in range(len(dims))]
+  ext = dict(m=M, **{f"k{i}": d for i, d in enumerate(dims)})
+  loops = tuple(Loop(l, ext[l]) for l in names)
+  f32 = "float32"
+  vals = [Value("X", ("m", "k0"), dtype)]
+  ins = [_buf("X", ("m", "k0"), ext)]
+  ops = []
+  cur = "X"
+  for i in range(nl):
+    w = f"W{i + 1}"
+    vals.append(Value(w, (f"k{i}", f"k{i + 1}"), dtype))
+    ins.append(_buf(w, (f"k{i}", f"k{i + 1}"), ext))
+    h = f"H{i + 1}"
+    lo = ("m", f"k{i + 1}")
+    vals.append(Value(h, lo, dtype if i == nl - 1 else f32))
+    ops.append(Contraction(h, cur, w, (f"k{i}",)))
+    cur = h
+    if i < nl - 1:
+      act = acts[i % len(acts)] if acts else "none"
+      a = f"a{i + 1}"
+      if act == "relu":
+        vals.append(Value(a, lo, dtype))
+        ops.append(Elementwise(a, "max", (cur, Literal(0.0, f32))))
+      elif act == "gelu":
+        vals += [Value(a + "_s", lo, f32), Value(a + "_e", lo, f32), Value(a + "_p", lo, f32),
+                 Value(a + "_h", lo, f32), Value(a, lo, dtype)]
+        ops += [Elementwise(a + "_s", "mul", (cur, Literal(0.7071067811865476, f32))),
+                Elementwise(a + "_e", "erf", (a + "_s",)),
+                Elementwise(a + "_p", "add", (a + "_e", Literal(1.0, f32))),
+                Elementwise(a + "_h", "mul", (cur, Literal(0.5, f32))),
+                Elementwise(a, "mul", (a + "_h", a + "_p"))]
+      elif act == "tanh":
+        vals.append(Value(a, lo, dtype))
+        ops.append(Elementwise(a, "tanh", (cur,)))
+      elif act == "silu":
+        vals += [Value(a + "_g", lo, f32), Value(a, lo, dtype)]
+        ops += [Elementwise(a + "_g", "logistic", (cur,)), Elementwise(a, "mul", (cur, a + "_g"))]
+      else:
+        vals.append(Value(a, lo, dtype))
+        ops.append(Elementwise(a, "convert", (cur,)))
+      cur = a
+  outs = (_buf(cur, ("m", f"k{nl}"), ext),)
+  return Region(loops, tuple(vals), tuple(ins), outs, tuple(ops), name="mlp")

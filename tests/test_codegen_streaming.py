@@ -1,0 +1,75 @@
+"""Streaming analysis: which reduced loops may be tiled sequentially."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxfuse import ir
+from jaxfuse.codegen import streaming, testing
+from jaxfuse.ir import Elementwise, Literal, Region, Value
+
+
+def test_gemm_chain_loops_accumulate_plainly():
+  info = streaming.analyze(testing.gemm_chain())
+  assert info.single_tile == {}
+  assert set(info.streamed) == {"k", "n"}
+  assert not info.is_online("n") and not info.is_online("k")
+  assert info.streamed["n"].accumulators == (("E", None),)
+  assert info.streamed["k"].post == ("E",)
+
+
+def test_attention_softmax_streams_online_with_deferred_division():
+  r = testing.attention(bias=True, mask=True, causal=True)
+  info = streaming.analyze(r)
+  assert info.single_tile == {}
+  n = info.streamed["n"]
+  assert info.is_online("n")
+  assert n.running_max == ("mx",)
+  acc = dict(n.accumulators)
+  assert acc["l"] == streaming.Scale(max="mx", base="e")
+  assert acc["O"].deferred == (("div", "l"),)
+  assert dict(n.deferred) == {"pn": "p"}
+
+
+def _replace_op(r: Region, out: str, new_op) -> Region:
+  ops = tuple(new_op if o.out == out else o for o in r.ops)
+  return Region(r.loops, r.values, r.inputs, r.outputs, ops, name=r.name)
+
+
+def test_nonlinear_use_of_softmax_forces_single_tile():
+  r = testing.attention()
+  # pn = p / l squared: the division no longer commutes with the contraction.
+  vals = r.values + (Value("pq", ("b", "g", "m", "n"), "float32"),)
+  ops = []
+  for o in r.ops:
+    if o.out == "ph":
+      ops.append(Elementwise("pq", "mul", ("pn", "pn")))
+      ops.append(Elementwise("ph", "convert", ("pq",)))
+    else:
+      ops.append(o)
+  r2 = Region(r.loops, vals, r.inputs, r.outputs, tuple(ops))
+  info = streaming.analyze(r2)
+  assert "n" in info.single_tile and not info.can_tile("n")
+  assert info.can_tile("d")
+
+
+def test_softmax_output_along_loop_forces_single_tile():
+  r = testing.attention()
+  outs = r.outputs + (ir.Buffer("pn", (1, 1, 64, 64), (("b", 4096), ("g", 4096), ("m", 64), ("n", 1))),)
+  r2 = Region(r.loops, r.values, r.inputs, outs, r.ops)
+  info = streaming.analyze(r2)
+  assert "pn" in info.single_tile["n"]
+
+
+def test_scaled_shift_by_literal_and_exp2():
+  r = testing.attention()
+  vals = r.values + (Value("z2", ("b", "g", "m", "n"), "float32"),)
+  ops = []
+  for o in r.ops:
+    ops.append(o)
+    if o.out == "z":
+      ops.append(Elementwise("z2", "mul", ("z", Literal(1.4426950408889634, "float32"))))
+  ops = [Elementwise("p", "exp2", ("z2",)) if o.out == "p" else o for o in ops]
+  info = streaming.analyze(Region(r.loops, vals, r.inputs, r.outputs, tuple(ops)))
+  sc = dict(info.streamed["n"].accumulators)["O"]
+  assert sc.base == "2" and abs(sc.coef - 1.4426950408889634) < 1e-12

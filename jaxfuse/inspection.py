@@ -172,7 +172,7 @@ def _err(e: BaseException) -> str:
 
 
 def _region_dtype(region: ir.Region) -> str:
-  """The dtype of the first contraction's inputs (what the tensor cores see)."""
+  """The first contraction's input dtype (when jaxfuse.devices is missing)."""
   vm = region.value_map
   for op in region.contractions:
     return vm[op.lhs].dtype
@@ -197,7 +197,9 @@ def _trace(fun: Callable, args: tuple, kwargs: dict):
   # The same split as jaxfuse.api.fuse: arrays are traced, the rest is static.
   from jaxfuse.api import _is_dynamic  # pylint: disable=g-import-not-at-top
   leaves, treedef = jax.tree.flatten((args, kwargs))
-  dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+  # ShapeDtypeStructs are fine here: nothing runs.
+  dyn_idx = [i for i, x in enumerate(leaves)
+             if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)]
 
   def flat_fun(*dyn_vals):
     full = list(leaves)
@@ -269,6 +271,11 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
   flops = region.flops()
   min_bytes = region.min_bytes()
   dtype = _region_dtype(region)
+  if devices is not None and hasattr(devices, "region_dtype"):
+    try:
+      dtype = devices.region_dtype(region)  # the dtype the ridge is read for
+    except Exception:  # pylint: disable=broad-except
+      pass
   rr = RegionReport(
       name=region.name, source=getattr(captured, "source", "") or "",
       path=getattr(captured, "path", "") or "", ir_text=region.to_text(),

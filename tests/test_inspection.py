@@ -1,0 +1,159 @@
+"""Tests for jaxfuse.inspection.inspect: fields, exact costs, graceful degradation."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import api, inspection
+
+
+def attention(q, k, v):
+  s = jnp.einsum("bqd,bkd->bqk", q, k) * jnp.float16(0.125)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def gemm_chain(a, b, d):
+  return (a @ b) @ d
+
+
+def _s2():
+  # MCFuser/Chimera S2: batch*heads=12, M=N=512, d=64, fp16 (traced only).
+  sd = jax.ShapeDtypeStruct((12, 512, 64), jnp.float16)
+  return sd, sd, sd
+
+
+def _g1():
+  # G1 (1, 512, 256, 64, 64): a[512,64] @ b[64,256] @ d[256,64], fp16.
+  return (jax.ShapeDtypeStruct((1, 512, 64), jnp.float16),
+          jax.ShapeDtypeStruct((1, 64, 256), jnp.float16),
+          jax.ShapeDtypeStruct((1, 256, 64), jnp.float16))
+
+
+def test_attention_report_costs_exact_and_mbci_on_h100():
+  rep = inspection.inspect(attention, *_s2(), device="h100")
+  assert len(rep.regions) == 1
+  r = rep.regions[0]
+  flops = 2 * (2 * 12 * 512 * 512 * 64)           # QK^T and PV
+  min_bytes = 4 * 12 * 512 * 64 * 2               # q, k, v in, o out, fp16
+  assert r.flops == flops
+  assert r.min_bytes == min_bytes
+  assert r.intensity == flops / min_bytes == 256.0
+  assert r.device == "h100" and rep.device == "h100"
+  assert r.ridge == pytest.approx(790e12 / 3.0e12, rel=0.05)
+  assert r.mbci is True
+  assert r.dtype == "float16"
+  assert sorted(r.loops.values()) == sorted([12, 512, 512, 64, 64]) or \
+      sorted(r.loops.values()) == sorted([12, 512, 512, 64])
+  assert r.einsum.count("->") == 2
+  assert "test_inspection.py" in r.source
+  assert r.path == ""
+  assert r.floor_time_s == pytest.approx(
+      max(flops / 790e12, min_bytes / 3.0e12), rel=0.05)
+  text = str(rep)
+  for section in ("region 1/1", "IR:", "einsum:", "loops:", "FLOPs:", "min bytes:",
+                  "intensity:", "MBCI:          yes", "plan:", "predicted:", "floor:",
+                  "why not fused:"):
+    assert section in text, section
+  json.dumps(rep.to_dict())
+
+
+def test_gemm_chain_report_costs_exact():
+  rep = inspection.inspect(gemm_chain, *_g1(), device="h100")
+  assert len(rep.regions) == 1
+  r = rep.regions[0]
+  m, n, k, h = 512, 256, 64, 64
+  assert r.flops == 2 * m * n * k + 2 * m * n * h
+  assert r.min_bytes == 2 * (m * k + k * n + n * h + m * h)
+  assert r.intensity == r.flops / r.min_bytes
+  assert r.mbci is True  # ~50 FLOP/B, far below the ridge
+  assert r.einsum.count("->") == 2
+  assert rep.to_dict()["regions"][0]["flops"] == r.flops
+
+
+def test_device_choice_changes_ridge():
+  h100 = inspection.inspect(attention, *_s2(), device="h100").regions[0]
+  h200 = inspection.inspect(attention, *_s2(), device="h200").regions[0]
+  assert h200.ridge < h100.ridge      # same FLOP/s, more bandwidth
+  assert h200.intensity == h100.intensity
+
+
+def test_plan_fields_when_planner_present_or_note_when_not():
+  rep = inspection.inspect(attention, *_s2(), device="h100")
+  r = rep.regions[0]
+  try:
+    from jaxfuse.planner import plan_region  # noqa: F401
+  except ImportError:
+    assert r.plan is None and any("planner" in n for n in rep.notes)
+    return
+  if r.plan is None:
+    assert r.why_not or any("planner" in n for n in r.notes + rep.notes)
+    return
+  assert r.predicted_time_s is not None and r.predicted_time_s > 0
+  assert r.predicted_time_s >= r.floor_time_s * 0.5
+  assert len(r.alternatives) <= 5
+  for alt in r.alternatives:
+    assert alt.predicted_time_s is None or alt.predicted_time_s >= r.predicted_time_s * 0.999
+  assert str(r.plan) in str(rep)
+
+
+def test_degrades_when_planner_raises(monkeypatch):
+  import jaxfuse.planner as planner
+
+  def boom(*a, **k):
+    raise RuntimeError("planner exploded")
+
+  monkeypatch.setattr(planner, "plan_region", boom, raising=False)
+  rep = inspection.inspect(gemm_chain, *_g1(), device="h100")
+  r = rep.regions[0]
+  assert r.plan is None and r.predicted_time_s is None
+  assert any("planner exploded" in n for n in r.notes)
+  assert r.flops > 0 and r.mbci is True
+  assert "planner exploded" in str(rep)
+
+
+def test_degrades_when_devices_missing(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jaxfuse.devices", None)
+  monkeypatch.delattr("jaxfuse.devices", raising=False)
+  rep = inspection.inspect(gemm_chain, *_g1(), device="h100")
+  r = rep.regions[0]
+  assert r.ridge is None and r.mbci is None and r.floor_time_s is None
+  assert any("device" in n for n in rep.notes)
+  assert "ridge unknown" in str(rep)
+
+
+def test_real_arrays_kwargs_and_jaxfuse_jit_function():
+  keys = jax.random.split(jax.random.key(0), 3)
+  a = jax.random.normal(keys[0], (16, 8))
+  b = jax.random.normal(keys[1], (8, 12))
+  d = jax.random.normal(keys[2], (12, 4))
+  rep = inspection.inspect(api.jit(gemm_chain), a, b, d=d, device="a100")
+  assert len(rep.regions) == 1 and rep.function == "gemm_chain"
+  assert rep.regions[0].flops == 2 * 16 * 12 * 8 + 2 * 16 * 12 * 4
+  assert rep.regions[0].dtype == "float32"
+
+
+def test_no_regions():
+  x = jnp.ones((8, 8))
+  rep = inspection.inspect(lambda x: jnp.tanh(x @ x.T), x)
+  assert rep.regions == []
+  assert "no chain" in str(rep)
+
+
+def test_nested_region_path():
+  xs = jax.ShapeDtypeStruct((3, 64, 32), jnp.float32)
+  b = jax.ShapeDtypeStruct((32, 48), jnp.float32)
+  d = jax.ShapeDtypeStruct((48, 16), jnp.float32)
+
+  def f(xs, b, d):
+    return jax.lax.scan(lambda c, x: (c, gemm_chain(x, b, d)), 0.0, xs)[1]
+
+  rep = inspection.inspect(f, xs, b, d, device="h100")
+  assert len(rep.regions) == 1
+  assert rep.regions[0].path  # found inside the scan body
+  np.testing.assert_equal(rep.regions[0].flops, 2 * 64 * 48 * 32 + 2 * 64 * 48 * 16)

@@ -2,13 +2,51 @@
 
 ``mhnk`` is a deep tiling (each loop nested in the previous); ``mn(k,h)`` a
 flat one (``k`` and ``h`` run one after the other inside ``n``); placed
-statements print as ``mh(n(k(La,Lb,Cc),Ld,Ce),Se)``.
+statements print as ``mh(n(k(La,Lb,Cc),Ld,Ce),Se)``. When a loop name is
+longer than one character, loops in a chain are separated by ``.``
+(``m.hd(...)`` is not ambiguous then: ``m.hd``).
+
+This module owns three things:
+
+* the data structure (``Stmt``, ``LoopNode``, ``TilingExpr``) with its printed
+  form and ``parse``;
+* the enumeration of skeletons (bare loop structures) for ANY region:
+  every permutation of the region's tiled loops (deep tilings) and every tree
+  in which loops used by disjoint groups of ops run as sequential siblings
+  (flat tilings), see ``enumerate_skeletons``;
+* ``place``: the per-program expression the code generator prints, with
+  Load/Compute/Store statements at the rightmost (innermost) related loop,
+  grid loops removed, and loops of a single tile removed so that their
+  statements hoist to the next enclosing loop they really depend on (the
+  DAG-based hoisting of MCFuser Fig. 4(b)/5(b)).
+
+Example::
+
+    from jaxfuse.planner import tiling
+    sk = tiling.parse("mhnk")
+    expr = tiling.place(region, sk, {"m": 64, "n": 64, "k": 64, "h": 64}, grid=("m",))
+    str(expr)   # 'h(n(k(La,Lb,Cc),Ld,Ce),Se)'
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+import itertools
+import math
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
+
+from absl import logging
+
+__all__ = [
+    "Stmt", "LoopNode", "TilingExpr", "Node", "PlacementError", "parse",
+    "batch_loops", "free_spatial_loops", "dot_loops", "tiled_loops",
+    "default_grid", "enumerate_skeletons", "strip_loops", "place",
+    "streamable_loops", "statement_contexts", "reduced_by",
+]
+
+
+class PlacementError(ValueError):
+  """A skeleton/tile/grid combination that no correct kernel realises."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +112,603 @@ class TilingExpr:
           walk(n.body)
     walk(self.body)
     return out
+
+  def statements(self) -> list[Stmt]:
+    """Statements in program order."""
+    return [s for s, _ in statement_contexts(self)]
+
+  def is_deep(self) -> bool:
+    """True when every scope holds at most one loop (a single chain)."""
+    def ok(nodes):
+      loops = [n for n in nodes if isinstance(n, LoopNode)]
+      return len(loops) <= 1 and all(ok(l.body) for l in loops)
+    return ok(self.body)
+
+
+def statement_contexts(expr: TilingExpr) -> list[tuple[Stmt, tuple[str, ...]]]:
+  """Each statement with the loops that enclose it (outermost first)."""
+  out: list[tuple[Stmt, tuple[str, ...]]] = []
+
+  def walk(nodes, enclosing):
+    for n in nodes:
+      if isinstance(n, Stmt):
+        out.append((n, enclosing))
+      else:
+        walk(n.body, enclosing + (n.loop,))
+  walk(expr.body, ())
+  return out
+
+
+# --------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------
+
+class _Parser:
+  """Recursive descent over the printed form.
+
+  ``item := stmt | chain``; ``chain := loop [sep] [chain | '(' item,... ')']``;
+  ``stmt := ('L'|'C'|'S') value``. Without ``.`` separators loop names are
+  single characters (the papers' notation); statements start with an
+  upper-case L, C or S, so loops must not.
+  """
+
+  def __init__(self, text: str, loops: Optional[Iterable[str]]):
+    self.s = text.replace(" ", "")
+    self.i = 0
+    self.loops = set(loops) if loops is not None else None
+    self.dotted = "." in self.s
+
+  def peek(self) -> str:
+    return self.s[self.i] if self.i < len(self.s) else ""
+
+  def expect(self, ch: str) -> None:
+    if self.peek() != ch:
+      raise ValueError(f"tiling expression {self.s!r}: expected {ch!r} at {self.i}")
+    self.i += 1
+
+  def ident(self) -> str:
+    j = self.i
+    while self.i < len(self.s) and (self.s[self.i].isalnum() or self.s[self.i] == "_"):
+      self.i += 1
+    if j == self.i:
+      raise ValueError(f"tiling expression {self.s!r}: expected a name at {j}")
+    return self.s[j:self.i]
+
+  def items(self) -> tuple[Node, ...]:
+    self.expect("(")
+    out: list[Node] = []
+    if self.peek() == ")":
+      self.i += 1
+      return ()
+    while True:
+      out.append(self.item())
+      if self.peek() == ",":
+        self.i += 1
+        continue
+      self.expect(")")
+      return tuple(out)
+
+  def item(self) -> Node:
+    c = self.peek()
+    if c in ("L", "C", "S") and (self.loops is None or c not in self.loops):
+      self.i += 1
+      return Stmt(c, self.ident())
+    return self.chain()
+
+  def loop_name(self) -> str:
+    if self.dotted:
+      j = self.i
+      while self.i < len(self.s) and (self.s[self.i].isalnum() or self.s[self.i] == "_"):
+        self.i += 1
+      name = self.s[j:self.i]
+      if not name:
+        raise ValueError(f"tiling expression {self.s!r}: expected a loop at {j}")
+    else:
+      name = self.s[self.i]
+      if not (name.isalnum() or name == "_"):
+        raise ValueError(f"tiling expression {self.s!r}: expected a loop at {self.i}")
+      self.i += 1
+    if self.loops is not None and name not in self.loops:
+      raise ValueError(f"tiling expression {self.s!r}: unknown loop {name!r}")
+    return name
+
+  def chain(self) -> LoopNode:
+    name = self.loop_name()
+    c = self.peek()
+    if c == ".":
+      self.i += 1
+      c = self.peek()
+    if c == "(":
+      return LoopNode(name, self.items())
+    if c in ("", ",", ")"):
+      return LoopNode(name, ())
+    if c in ("L", "C", "S") and (self.loops is None or c not in self.loops):
+      # 'kLa' is not a form the printer makes; statements need parentheses.
+      raise ValueError(f"tiling expression {self.s!r}: statement without "
+                       f"parentheses at {self.i}")
+    return LoopNode(name, (self.chain(),))
+
+
+def parse(text: str, loops: Optional[Iterable[str]] = None) -> TilingExpr:
+  """Parses the printed form: ``parse('mn(k,h)')``, ``parse('m.hd(n,k)')``.
+
+  ``loops`` (optional) is the set of valid loop names, checked when given.
+  ``str(parse(s)) == s`` for every string the printer makes.
+  """
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(f"tiling expression must be a non-empty string, got {text!r}")
+  p = _Parser(text, loops)
+  if p.peek() == "(":
+    body = p.items()
+  else:
+    body = (p.item(),)
+  if p.i != len(p.s):
+    raise ValueError(f"tiling expression {text!r}: trailing text at {p.i}")
+  return TilingExpr(body)
+
+
+# --------------------------------------------------------------------------
+# Loop roles
+# --------------------------------------------------------------------------
+
+def reduced_by(op) -> tuple[str, ...]:
+  """The loops an op reduces (contraction axes or the reduction's loop)."""
+  from jaxfuse import ir  # pylint: disable=import-outside-toplevel
+  if isinstance(op, ir.Contraction):
+    return tuple(op.reduce)
+  if isinstance(op, ir.Reduction):
+    return (op.loop,)
+  return ()
+
+
+def batch_loops(region) -> tuple[str, ...]:
+  """Loops that index both operands and the result of every contraction and
+  that nothing reduces (batch and head dims). They are not ``tl.dot`` dims:
+  they always bind to program ids with tile 1 and take no part in tiling
+  expressions (MCFuser's chain has four loops, not five)."""
+  contr = region.contractions
+  if not contr:
+    return ()
+  red = region.reduced_loops()
+  out = []
+  for l in region.loops:
+    name = l.name
+    if name in red:
+      continue
+    if all(name in region.value(op.lhs).loops and name in region.value(op.rhs).loops
+           and name in region.value(op.out).loops for op in contr):
+      out.append(name)
+  return tuple(out)
+
+
+def tiled_loops(region) -> tuple[str, ...]:
+  """The loops that tiling expressions order (all but the batch loops)."""
+  b = set(batch_loops(region))
+  return tuple(l.name for l in region.loops if l.name not in b)
+
+
+def dot_loops(region) -> tuple[str, ...]:
+  """Loops that are an M, N or K dim of some ``tl.dot`` (tiles >= 16)."""
+  b = set(batch_loops(region))
+  out = set()
+  for op in region.contractions:
+    for v in (op.lhs, op.rhs, op.out):
+      out.update(l for l in region.value(v).loops if l not in b)
+  return tuple(l.name for l in region.loops if l.name in out)
+
+
+def free_spatial_loops(region) -> tuple[str, ...]:
+  """Spatial loops (of the outputs, never reduced) that every contraction
+  iterates: binding them to program ids recomputes nothing (``m`` of the
+  GEMM chain). Other spatial loops (``h``) bind only with recomputation of
+  the producers' tiles."""
+  spatial = region.spatial_loops()
+  b = set(batch_loops(region))
+  contr = region.contractions
+  return tuple(l for l in spatial if l not in b and all(
+      l in region.op_loops(op) for op in contr))
+
+
+def default_grid(region) -> tuple[str, ...]:
+  """Batch loops then the free spatial loops, in region loop order."""
+  g = set(batch_loops(region)) | set(free_spatial_loops(region))
+  return tuple(l.name for l in region.loops if l.name in g)
+
+
+def streamable_loops(region) -> frozenset[str]:
+  """Loops along which a reduction may run online (streaming softmax).
+
+  Asked of ``jaxfuse.codegen.streaming.analyze(region)`` (written by the
+  code generator, which must implement what it declares); when that module
+  is absent or fails, no loop is streamable, which keeps such loops in a
+  single tile: conservative, never wrong.
+  """
+  try:
+    from jaxfuse.codegen import streaming  # pylint: disable=import-outside-toplevel
+  except Exception:  # pylint: disable=broad-except
+    return frozenset()
+  try:
+    res = streaming.analyze(region)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.info("jaxfuse planner: streaming.analyze failed (%s); no streaming", e)
+    return frozenset()
+  return _streamable_from(res)
+
+
+def _streamable_from(res) -> frozenset[str]:
+  if res is None:
+    return frozenset()
+  for attr in ("streamable_loops", "streamable", "loops"):
+    if hasattr(res, attr) and not callable(getattr(res, attr)):
+      return _streamable_from(getattr(res, attr))
+  if isinstance(res, Mapping):
+    return frozenset(str(k) for k, v in res.items() if v)
+  if isinstance(res, str):
+    return frozenset((res,))
+  try:
+    return frozenset(str(x) for x in res)
+  except TypeError:
+    return frozenset()
+
+
+# --------------------------------------------------------------------------
+# Enumeration of skeletons (MCFuser III-A, generalised to any region)
+# --------------------------------------------------------------------------
+
+def enumerate_skeletons(region, loops: Optional[Sequence[str]] = None, *,
+                        flat: bool = True, limit: int = 50000) -> list[TilingExpr]:
+  """All deep and flat tiling expressions over ``loops`` (default: the
+  region's tiled loops), deep ones first, in a deterministic order.
+
+  A scope either nests one loop (deep step) or, when the ops that still have
+  loops to iterate split into groups that share no loop, runs one subtree
+  per group sequentially, producers first (flat step; MCFuser's ``mn(k,h)``).
+  For the GEMM chain this gives 4! = 24 deep and 2 flat expressions.
+  """
+  loops = tuple(loops) if loops is not None else tiled_loops(region)
+  order = [l.name for l in region.loops]
+  ops = list(region.ops)
+  op_loops = [set(region.op_loops(op)) for op in ops]
+  idx = {op.out: i for i, op in enumerate(ops)}
+  # deps[i]: ops that op i depends on (transitively), for sequential order.
+  deps: list[set[int]] = []
+  for i, op in enumerate(ops):
+    d = set()
+    for a in op.inputs:
+      if a in idx:
+        d.add(idx[a])
+        d |= deps[idx[a]]
+    deps.append(d)
+
+  out: list[TilingExpr] = []
+
+  def gen(ls: frozenset[str]) -> Iterator[tuple[Node, ...]]:
+    if not ls:
+      yield ()
+      return
+    for l in sorted(ls, key=order.index):
+      for sub in gen(ls - {l}):
+        yield (LoopNode(l, sub),)
+    if not flat:
+      return
+    groups = _components(ls, op_loops)
+    if len(groups) < 2:
+      return
+    for perm in itertools.permutations(range(len(groups))):
+      if not _respects(perm, groups, deps):
+        continue
+      subs = [list(gen(frozenset(groups[g][0]))) for g in perm]
+      for combo in itertools.product(*subs):
+        yield tuple(itertools.chain.from_iterable(combo))
+
+  deep: list[TilingExpr] = []
+  flats: list[TilingExpr] = []
+  for body in gen(frozenset(loops)):
+    e = TilingExpr(body)
+    (deep if e.is_deep() else flats).append(e)
+    if len(deep) + len(flats) >= limit:
+      logging.info("jaxfuse planner: tiling expressions capped at %d", limit)
+      break
+  return deep + flats
+
+
+def _components(ls: frozenset[str], op_loops: list[set[str]]):
+  """Groups of ops connected by shared loops within ``ls``: [(loops, ops)]."""
+  parent: dict[int, int] = {}
+
+  def find(i):
+    while parent[i] != i:
+      parent[i] = parent[parent[i]]
+      i = parent[i]
+    return i
+
+  rel = {i: s & ls for i, s in enumerate(op_loops) if s & ls}
+  for i in rel:
+    parent[i] = i
+  owner: dict[str, int] = {}
+  for i, s in rel.items():
+    for l in s:
+      if l in owner:
+        parent[find(i)] = find(owner[l])
+      else:
+        owner[l] = i
+  groups: dict[int, tuple[set[str], set[int]]] = {}
+  for i, s in rel.items():
+    g = groups.setdefault(find(i), (set(), set()))
+    g[0].update(s)
+    g[1].add(i)
+  return sorted(groups.values(), key=lambda g: min(g[1]))
+
+
+def _respects(perm, groups, deps) -> bool:
+  seen: set[int] = set()
+  for g in perm:
+    ops = groups[g][1]
+    for i in ops:
+      for d in deps[i]:
+        for h, (_, other) in enumerate(groups):
+          if d in other and h != g and h not in seen:
+            return False
+    seen.add(g)
+  return True
+
+
+def strip_loops(expr: TilingExpr, drop: Iterable[str]) -> TilingExpr:
+  """Removes loop nodes in ``drop``, splicing their bodies into the parent."""
+  drop = set(drop)
+
+  def rec(nodes) -> tuple[Node, ...]:
+    out: list[Node] = []
+    for n in nodes:
+      if isinstance(n, LoopNode):
+        body = rec(n.body)
+        if n.loop in drop:
+          out.extend(body)
+        else:
+          out.append(LoopNode(n.loop, body))
+      else:
+        out.append(n)
+    return tuple(out)
+  return TilingExpr(rec(expr.body))
+
+
+# --------------------------------------------------------------------------
+# Placement
+# --------------------------------------------------------------------------
+
+class _T:
+  """Mutable tree node used while placing."""
+  __slots__ = ("loop", "children", "parent", "depth", "items")
+
+  def __init__(self, loop, parent):
+    self.loop = loop
+    self.parent = parent
+    self.depth = 0 if parent is None else parent.depth + 1
+    self.children: list[_T] = []
+    self.items: list = []  # (key, Stmt) for statements, (key, _T) for loops
+
+  def ancestors(self) -> list["_T"]:
+    """Self and enclosing loop nodes (not the root), innermost first."""
+    out, n = [], self
+    while n is not None and n.loop is not None:
+      out.append(n)
+      n = n.parent
+    return out
+
+
+def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
+          grid: Optional[Sequence[str]] = None, *,
+          streamable: Optional[Iterable[str]] = None,
+          split: Optional[tuple[str, int]] = None) -> TilingExpr:
+  """The per-program expression for ``skeleton`` at ``tiles``.
+
+  ``grid`` loops (default ``default_grid(region)``) bind to program ids and
+  leave the expression; loops with one tile (tile >= extent) leave it too,
+  so every statement hoists to the innermost remaining loop it depends on.
+  Compute statements sit at the innermost loop of their op; a Load of an
+  input at the innermost loop indexing that input on its consumer's path;
+  the Store of an output just after the scope in which the output is
+  complete. ``split=(loop, parts)`` keeps ``loop`` a sequential loop (each
+  program runs its share of it; codegen adds the second pass).
+
+  Raises ``PlacementError`` (with the reason) when no correct kernel has
+  this structure: a consumer inside a loop its producer still reduces
+  (unless the loop is streamable), several tiles of a value needed at once
+  (MCFuser Rule 2), loops of one op not nested, or statements out of order.
+
+  Example::
+
+      place(chain, "mhnk", {"m": 64, "n": 64, "k": 512, "h": 64}, grid=("m",))
+      # -> h(La,n(Lb,Cc,Ld,Ce),Se): K fits a tile, so A loads once per program
+  """
+  if isinstance(skeleton, str):
+    skeleton = parse(skeleton, [l.name for l in region.loops])
+  ext = region.loop_extents
+  missing = [l for l in ext if l not in tiles]
+  if missing:
+    raise ValueError(f"tiles: no tile for loop(s) {missing}")
+  for l, t in tiles.items():
+    if l in ext and (int(t) < 1):
+      raise ValueError(f"tiles: tile of {l} must be >= 1, got {t}")
+  grid = tuple(default_grid(region) if grid is None else grid)
+  for g in grid:
+    if g not in ext:
+      raise ValueError(f"grid: unknown loop {g!r}")
+  red_all = region.reduced_loops()
+  bad = [g for g in grid if g in red_all]
+  if bad:
+    raise PlacementError(f"grid loop(s) {bad} are reduced; only spatial loops "
+                         "bind to program ids (use split for reductions)")
+  stream = frozenset(streamable_loops(region) if streamable is None else streamable)
+  in_skel = skeleton.loops()
+  dup = {l for l in in_skel if in_skel.count(l) > 1}
+  if dup:
+    raise PlacementError(f"loop(s) {sorted(dup)} appear twice in {skeleton}")
+  split_loop = split[0] if split else None
+  single = {l for l in ext if int(tiles[l]) >= ext[l] and l != split_loop}
+  for l in ext:
+    if l not in grid and l not in single and l not in in_skel:
+      raise PlacementError(f"loop {l} has {math.ceil(ext[l] / tiles[l])} tiles "
+                           f"but no place in {skeleton} or the grid")
+  sk = strip_loops(skeleton, set(grid) | single)
+
+  # Build the mutable tree.
+  root = _T(None, None)
+  nodes: dict[str, _T] = {}
+
+  def build(body, parent):
+    for n in body:
+      if isinstance(n, LoopNode):
+        t = _T(n.loop, parent)
+        parent.children.append(t)
+        nodes[n.loop] = t
+        build(n.body, t)
+  build(sk.body, root)
+
+  ops = list(region.ops)
+  idx = {op.out: i for i, op in enumerate(ops)}
+  vm = region.value_map
+
+  # Compute anchors.
+  anchor: dict[str, _T] = {}
+  for op in ops:
+    rel = [nodes[l] for l in region.op_loops(op) if l in nodes]
+    if not rel:
+      anchor[op.out] = root
+      continue
+    deepest = max(rel, key=lambda t: t.depth)
+    chain = set(map(id, deepest.ancestors()))
+    for t in rel:
+      if id(t) not in chain:
+        raise PlacementError(f"op {op.out}: loops {t.loop} and {deepest.loop} "
+                             "are not nested")
+    anchor[op.out] = deepest
+
+  def anc(name: str) -> set[str]:
+    return {t.loop for t in anchor[name].ancestors()}
+
+  # Dependence checks (producer Y -> consumer X).
+  for op in ops:
+    ax = anc(op.out)
+    for y in op.inputs:
+      if y not in idx:
+        continue
+      ay = anc(y)
+      for r in reduced_by(ops[idx[y]]):
+        if r in ay and r in ax and r not in stream:
+          raise PlacementError(
+              f"{op.out} uses {y} inside loop {r} while {y} is still being "
+              f"reduced over {r} ({r} is not streamable)")
+      for l in ay - ax:
+        if l in vm[y].loops:
+          raise PlacementError(
+              f"{op.out} needs every tile of {y} along {l} at once "
+              "(several partial tiles on chip; MCFuser Rule 2)")
+
+  # Stores.
+  store_scope: dict[str, _T] = {}
+  for b in region.outputs:
+    y = b.value
+    a = anchor[y]
+    reds = [t for t in a.ancestors() if t.loop in reduced_by(ops[idx[y]])]
+    scope = min(reds, key=lambda t: t.depth).parent if reds else a
+    for t in a.ancestors():
+      if t.depth > scope.depth and t.loop in vm[y].loops:
+        raise PlacementError(
+            f"output {y} is complete only outside loop "
+            f"{min(reds, key=lambda t: t.depth).loop} but has several tiles "
+            f"along {t.loop} inside it (MCFuser Rule 2)")
+    store_scope[y] = scope
+
+  # Minimum op index under each node (for ordering).
+  sub_min: dict[int, float] = {}
+
+  def fill_min(t: _T) -> float:
+    m = math.inf
+    for c in t.children:
+      m = min(m, fill_min(c))
+    for op in ops:
+      if anchor[op.out] is t:
+        m = min(m, idx[op.out])
+    sub_min[id(t)] = m
+    return m
+  fill_min(root)
+
+  def sub_min_of(t: _T) -> float:
+    return sub_min[id(t)]
+
+  # Loads: one per (input, target scope).
+  loads: dict[tuple[str, int], tuple[_T, int]] = {}
+  for b in region.inputs:
+    x = b.value
+    xl = set(b.loops) | set(vm[x].loops)
+    for op in ops:
+      if x not in op.inputs:
+        continue
+      a = anchor[op.out]
+      cand = [t for t in a.ancestors() if t.loop in xl]
+      target = max(cand, key=lambda t: t.depth) if cand else root
+      # The load goes before the child of ``target`` that holds the consumer.
+      first: float = idx[op.out]
+      child = a
+      while child is not target and child.parent is not target:
+        child = child.parent
+      if child is not target:
+        first = min(first, sub_min_of(child))
+      key = (x, id(target))
+      if key in loads:
+        loads[key] = (target, min(loads[key][1], first))
+      else:
+        loads[key] = (target, first)
+
+  for c in _all_nodes(root):
+    for ch in c.children:
+      c.items.append(((sub_min[id(ch)], 1, 0), ch))
+  for op in ops:
+    anchor[op.out].items.append(((idx[op.out], 1, 1), Stmt("C", op.out)))
+  for (x, _), (t, first) in loads.items():
+    t.items.append(((first, 0, 0), Stmt("L", x)))
+  for y, t in store_scope.items():
+    t.items.append(((idx[y], 2, 0), Stmt("S", y)))
+
+  def emit(t: _T) -> tuple[Node, ...]:
+    out: list[Node] = []
+    for _, it in sorted(t.items, key=lambda p: p[0]):
+      if isinstance(it, Stmt):
+        out.append(it)
+      else:
+        out.append(LoopNode(it.loop, emit(it)))
+    return tuple(out)
+
+  expr = TilingExpr(emit(root))
+  _check_order(region, expr)
+  return expr
+
+
+def _all_nodes(root: _T) -> list[_T]:
+  out, stack = [], [root]
+  while stack:
+    t = stack.pop()
+    out.append(t)
+    stack.extend(t.children)
+  return out
+
+
+def _check_order(region, expr: TilingExpr) -> None:
+  """Every statement's operands are produced earlier in program order."""
+  inputs = set(region.input_names)
+  seen: set[str] = set()
+  loaded: set[str] = set()
+  for st, _ in statement_contexts(expr):
+    if st.kind == "L":
+      loaded.add(st.value)
+    elif st.kind == "C":
+      op = region.producer(st.value)
+      for a in op.inputs:
+        if a in inputs and a not in loaded:
+          raise PlacementError(f"C{st.value} before L{a}")
+        if a not in inputs and a not in seen:
+          raise PlacementError(f"C{st.value} before C{a} in {expr}")
+      seen.add(st.value)
+    elif st.value not in seen:
+      raise PlacementError(f"S{st.value} before C{st.value}")

@@ -1,0 +1,218 @@
+"""Device parameters for the planner's performance model (MCFuser IV-A).
+
+One table of GPUs (SM count, shared memory per block, L2, memory bandwidth,
+peak FLOP/s per dtype); every entry is overridable, and a live GPU that JAX
+exposes refines the table entry it matches (its SM count, its name).
+
+Example::
+
+    from jaxfuse import devices
+    h100 = devices.get_device("h100")
+    devices.ridge_point(h100, "float16")          # ~263 FLOP/byte
+    small = devices.get_device("h100", sm_count=66)   # an override
+    devices.register_device(small.replace(name="h100-half"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Mapping, Optional
+
+from absl import logging
+
+__all__ = ["DeviceSpec", "get_device", "register_device", "known_devices",
+           "ridge_point", "is_mbci", "region_dtype"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+  """What the performance model needs to know about a GPU.
+
+  ``peak_flops`` maps an input dtype to the dense tensor-core FLOP/s of
+  ``tl.dot`` on it (float32 means TF32, Triton's default); ``vector_flops``
+  is the non-tensor fp32 rate used for elementwise ops and reductions.
+  Bandwidths and peaks are what was measured on such a GPU where known
+  (see DESIGN.md), otherwise about 80% of the data sheet.
+  """
+  name: str
+  sm_count: int
+  smem_per_block_bytes: int
+  l2_bytes: int
+  mem_bandwidth_Bps: float
+  peak_flops: Mapping[str, float]
+  vector_flops: float = 50e12
+  kernel_launch_s: float = 2e-6
+  regs_per_sm: int = 65536
+  live: bool = False
+
+  def peak(self, dtype: str) -> float:
+    """Tensor-core FLOP/s for inputs of ``dtype`` (float16 when unknown)."""
+    if dtype in self.peak_flops:
+      return float(self.peak_flops[dtype])
+    return float(self.peak_flops.get("float16", max(self.peak_flops.values())))
+
+  def replace(self, **changes: Any) -> "DeviceSpec":
+    """A copy with some fields changed, e.g. ``spec.replace(sm_count=66)``."""
+    return dataclasses.replace(self, **changes)
+
+
+_KB = 1024
+_MB = 1024 * 1024
+
+_TABLE: dict[str, DeviceSpec] = {
+    # H100 SXM: 132 SMs, 227 KB opt-in shared memory per block, 50 MB L2;
+    # copy bandwidth ~3.0 TB/s and ~790 TFLOP/s fp16 measured (DESIGN.md).
+    "h100": DeviceSpec(
+        name="h100", sm_count=132, smem_per_block_bytes=227 * _KB,
+        l2_bytes=50 * _MB, mem_bandwidth_Bps=3.0e12,
+        peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
+                    "float64": 54e12},
+        vector_flops=60e12),
+    # H200: the H100 die with HBM3e; ~4.3 TB/s measured.
+    "h200": DeviceSpec(
+        name="h200", sm_count=132, smem_per_block_bytes=227 * _KB,
+        l2_bytes=60 * _MB, mem_bandwidth_Bps=4.3e12,
+        peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
+                    "float64": 54e12},
+        vector_flops=60e12),
+    # A100 PCIe 40 GB (MCFuser's and Chimera's GPU): 108 SMs, 163 KB per block.
+    "a100": DeviceSpec(
+        name="a100", sm_count=108, smem_per_block_bytes=163 * _KB,
+        l2_bytes=40 * _MB, mem_bandwidth_Bps=1.3e12,
+        peak_flops={"float16": 250e12, "bfloat16": 250e12, "float32": 125e12,
+                    "float64": 15.6e12},
+        vector_flops=15.6e12),
+    # RTX 3080 (GA102): 68 SMs, 99 KB per block, 5 MB L2; fp16 with fp32
+    # accumulation runs at half the fp16-accumulate rate on GeForce parts.
+    "rtx3080": DeviceSpec(
+        name="rtx3080", sm_count=68, smem_per_block_bytes=99 * _KB,
+        l2_bytes=5 * _MB, mem_bandwidth_Bps=0.65e12,
+        peak_flops={"float16": 48e12, "bfloat16": 48e12, "float32": 24e12,
+                    "float64": 0.47e12},
+        vector_flops=24e12),
+}
+_ALIASES = {"h100": "h100", "h200": "h200", "a100": "a100", "rtx3080": "rtx3080",
+            "3080": "rtx3080", "rtx_3080": "rtx3080", "gh200": "h200"}
+_LOCK = threading.Lock()
+_LIVE: Optional[DeviceSpec] = None
+_LIVE_CHECKED = False
+
+
+def known_devices() -> tuple[str, ...]:
+  """Names in the table (``register_device`` adds more)."""
+  return tuple(_TABLE)
+
+
+def register_device(spec: DeviceSpec) -> None:
+  """Adds or replaces a table entry (the override hook)."""
+  if not isinstance(spec, DeviceSpec):
+    raise TypeError(f"spec must be a DeviceSpec, got {type(spec).__name__}")
+  with _LOCK:
+    _TABLE[spec.name.lower()] = spec
+    _ALIASES[spec.name.lower()] = spec.name.lower()
+
+
+def _match_kind(kind: str) -> Optional[str]:
+  k = kind.lower().replace(" ", "").replace("-", "")
+  for key in ("h200", "gh200", "h100", "a100", "3080"):
+    if key in k:
+      return _ALIASES[key]
+  return None
+
+
+def _live_device() -> Optional[DeviceSpec]:
+  """The table entry for the first JAX GPU, refined from what JAX exposes."""
+  global _LIVE, _LIVE_CHECKED
+  with _LOCK:
+    if _LIVE_CHECKED:
+      return _LIVE
+    _LIVE_CHECKED = True
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda", "rocm")]
+  except Exception:  # pylint: disable=broad-except
+    gpus = []
+  if not gpus:
+    return None
+  dev = gpus[0]
+  kind = str(getattr(dev, "device_kind", ""))
+  key = _match_kind(kind)
+  base = _TABLE[key] if key else _TABLE["h100"]
+  changes: dict[str, Any] = {"live": True}
+  cores = getattr(dev, "core_count", None)
+  if isinstance(cores, int) and cores > 0:
+    changes["sm_count"] = cores
+  if not key:
+    changes["name"] = kind or "gpu"
+    logging.info("jaxfuse: unknown GPU %r; using h100 parameters with its SM "
+                 "count", kind)
+  live = base.replace(**changes)
+  with _LOCK:
+    _LIVE = live
+  return live
+
+
+def get_device(name: Optional[str | DeviceSpec] = None, **overrides: Any) -> DeviceSpec:
+  """The DeviceSpec for ``name`` ('h100', 'h200', 'a100', 'rtx3080', a name
+  given to ``register_device``, or a DeviceSpec itself).
+
+  ``None`` or ``'auto'``: ``jaxfuse.config.device`` when set, else the live
+  GPU JAX exposes, else h100 (the CPU default). Keyword overrides replace
+  fields: ``get_device('h100', sm_count=66)``.
+  """
+  if isinstance(name, DeviceSpec):
+    spec = name
+  else:
+    if name is None or name == "auto":
+      from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
+      name = config.device if config.device not in (None, "", "auto") else None
+    if name is None:
+      spec = _live_device() or _TABLE["h100"]
+    else:
+      if not isinstance(name, str):
+        raise TypeError(f"device must be a name or DeviceSpec, got {name!r}")
+      key = _ALIASES.get(name.lower()) or _match_kind(name)
+      if key is None or key not in _TABLE:
+        raise ValueError(f"unknown device {name!r}; known: {sorted(_TABLE)}")
+      spec = _TABLE[key]
+  if overrides:
+    bad = set(overrides) - {f.name for f in dataclasses.fields(DeviceSpec)}
+    if bad:
+      raise ValueError(f"unknown DeviceSpec field(s) {sorted(bad)}")
+    spec = spec.replace(**overrides)
+  return spec
+
+
+def region_dtype(region) -> str:
+  """The dtype that sets the tensor-core rate: the widest contraction input."""
+  order = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+  best = None
+  for op in region.contractions:
+    for v in (op.lhs, op.rhs):
+      dt = region.value(v).dtype
+      if dt in order and (best is None or order[dt] > order[best]):
+        best = dt
+  return best or "float16"
+
+
+def ridge_point(device: DeviceSpec | str | None, dtype: str = "float16") -> float:
+  """Roofline ridge point P/W in FLOP per byte."""
+  dev = get_device(device)
+  return dev.peak(dtype) / dev.mem_bandwidth_Bps
+
+
+def is_mbci(region, device: DeviceSpec | str | None = None) -> tuple[bool, float, float]:
+  """Is ``region`` a memory-bound compute-intensive chain on ``device``?
+
+  Returns ``(intensity < ridge, intensity, ridge)`` where intensity is the
+  region's FLOPs over the bytes a fused kernel must move at least.
+
+  Example::
+
+      ok, phi, ridge = is_mbci(region, "h100")
+  """
+  dev = get_device(device)
+  phi = region.arithmetic_intensity()
+  ridge = ridge_point(dev, region_dtype(region))
+  return phi < ridge, phi, ridge

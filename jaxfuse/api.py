@@ -32,9 +32,9 @@ from jaxfuse.config import config
 from jaxfuse.runtime import primitive
 
 try:
-  from jax.extend.core import ClosedJaxpr
+  from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 except ImportError:  # pragma: no cover - older jax
-  from jax.core import ClosedJaxpr  # type: ignore
+  from jax.core import ClosedJaxpr, jaxpr_as_fun  # type: ignore
 
 __all__ = ["jit", "fuse", "fused_jaxpr", "rewrite_jaxpr"]
 
@@ -72,7 +72,8 @@ def rewrite_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
 def _is_dynamic(x: Any) -> bool:
   """Leaves that are traced; everything else (static args under jax.jit,
   Python objects) is closed over as a constant."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+  # Tracers are jax.Arrays too.
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def fuse(fun: Callable) -> Callable:
@@ -109,7 +110,7 @@ def fuse(fun: Callable) -> Callable:
     out_tree = jax.tree.structure(out_shape)
     rewritten = rewrite_jaxpr(closed)
     try:
-      outs = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *dyn)
+      outs = jaxpr_as_fun(rewritten)(*dyn)
     except Exception as e:  # pylint: disable=broad-except
       if rewritten is closed:
         raise
@@ -117,7 +118,7 @@ def fuse(fun: Callable) -> Callable:
       _log_once(f"eval:{type(e).__name__}:{e}",
                 "jaxfuse: fused program failed to trace, running unfused: "
                 "%s: %s", type(e).__name__, str(e).splitlines()[0][:300])
-      outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *dyn)
+      outs = jaxpr_as_fun(closed)(*dyn)
     return jax.tree.unflatten(out_tree, outs)
 
   fused.__jaxfuse_fused__ = True  # type: ignore[attr-defined]

@@ -204,6 +204,11 @@ mlir.register_lowering(jaxfuse_region_p, _lower_cpu, platform="cpu")
 # JVP: primal through the primitive, tangents through the original ops.
 # --------------------------------------------------------------------------
 
+def _typeof(x: Any) -> Any:
+  typeof = getattr(jax, "typeof", None)
+  return typeof(x) if typeof is not None else jax.core.get_aval(x)
+
+
 def _jvp(primals, tangents, *, region, jaxpr, name):
   primals_out = jaxfuse_region_p.bind(*primals, region=region, jaxpr=jaxpr,
                                       name=name)
@@ -223,7 +228,7 @@ def _jvp(primals, tangents, *, region, jaxpr, name):
   outs = []
   for p, t in zip(primals_out, tangents_out):
     if getattr(t, "dtype", None) == jax.dtypes.float0:
-      aval = jax.core.get_aval(p)
+      aval = _typeof(p)
       outs.append(ad.Zero(aval.to_tangent_aval()))
     else:
       outs.append(t)
@@ -258,12 +263,12 @@ def _batch(axis_size, args, dims, *, region, jaxpr, name):
       if _covers_all(found[0], vjaxpr):
         rewritten = capture.rewrite(vjaxpr, _bind_captured)
         if count_regions(rewritten) == 1:
-          outs = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args)
+          outs = jaxpr_as_fun(rewritten)(*args)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, "batching re-capture", e)
     outs = None
   if outs is None:
-    outs = jax.core.eval_jaxpr(vjaxpr.jaxpr, vjaxpr.consts, *args)
+    outs = jaxpr_as_fun(vjaxpr)(*args)
   return list(outs), [0] * len(outs)
 
 
@@ -273,11 +278,17 @@ def _covers_all(captured, closed: ClosedJaxpr) -> bool:
   return n_dots == len(captured.region.contractions)
 
 
+_warned_inconsistent: set[str] = set()
+
+
 def _bind_captured(captured, *xs):
   """``bind_region`` callback for capture.rewrite (shared with the api)."""
   why = check_consistent(captured.region, captured.jaxpr)
   if why is not None:
-    logging.warning("jaxfuse: region left to XLA, capture inconsistent: %s", why)
+    if why not in _warned_inconsistent:
+      _warned_inconsistent.add(why)
+      logging.warning("jaxfuse: region left to XLA, capture inconsistent: %s",
+                      why)
     return None
   name = captured.region.name
   return bind_region(captured.region, captured.jaxpr, *xs, name=name)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
 
-__all__ = ["gemm_chain", "attention", "mlp"]
+__all__ = ["gemm_chain", "attention", "mlp", "simple_plan"]
 
 
 def _buf(name: str, loops: Sequence[str], ext: dict[str, int], order: Optional[Sequence[str]] = None) -> Buffer:
@@ -142,3 +142,111 @@ def mlp(M: int = 32, dims: Sequence[int] = (32, 64, 32, 16), *, dtype: str = "fl
       cur = a
   outs = (_buf(cur, ("m", f"k{nl}"), ext),)
   return Region(loops, tuple(vals), tuple(ins), outs, tuple(ops), name="mlp")
+
+
+def simple_plan(region: Region, grid: Sequence[str], tree, tiles: dict, *, num_warps: int = 4,
+                num_stages: int = 2, split=None):
+  """A plan with statements placed at the deepest sequential loop they depend on.
+
+  ``tree``: the sequential loops as nested ``(loop, [children])`` tuples
+  (a list of them at the top), e.g. ``[("n", [("k", [])])]`` for ``n(k)`` or
+  ``[("n", [("k", []), ("h", [])])]`` for ``n(k,h)``. Loops not in ``grid``
+  or ``tree`` must fit one tile. A stand-in for the planner's placement, for
+  tests and examples.
+  """
+  from jaxfuse.planner.plan import Plan  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner.tiling import LoopNode, Stmt, TilingExpr  # pylint: disable=g-import-not-at-top
+
+  parent: dict[str, Optional[str]] = {}
+
+  def reg(nodes, par):
+    for l, ch in nodes:
+      parent[l] = par
+      reg(ch, l)
+  reg(tree, None)
+
+  def depth(l):
+    d = 0
+    while parent[l] is not None:
+      l, d = parent[l], d + 1
+    return d
+
+  def path(l):
+    p = []
+    while l is not None:
+      p.append(l)
+      l = parent[l]
+    return set(p)
+
+  def target(deps):
+    deps = [l for l in deps if l in parent]
+    if not deps:
+      return None
+    t = max(deps, key=depth)
+    if not set(deps) <= path(t):
+      raise ValueError(f"no loop of the tree covers {deps}")
+    return t
+
+  vm = region.value_map
+  where: dict[str, Optional[str]] = {}
+  seq: list[tuple[Stmt, Optional[str]]] = []
+  inputs = {b.value: b for b in region.inputs}
+  outs = set(region.output_names)
+  for op in region.ops:
+    for a in op.inputs:
+      if a in inputs and a not in where:
+        where[a] = target(inputs[a].loops)
+        seq.append((Stmt("L", a), where[a]))
+    deps = set(region.op_loops(op))
+    for a in op.inputs:
+      w = where[a]
+      while w is not None:
+        deps.add(w)
+        w = parent[w]
+    # An op reading a finished reduction over loop r is placed outside r.
+    red = set(op.reduce) if isinstance(op, Contraction) else ({op.loop} if isinstance(op, Reduction) else set())
+    deps = {l for l in deps if l in vm[op.out].loops or l in red or
+            any(l in path(where[a]) and l in vm[a].loops and l not in _reduced_before(region, a, l)
+                for a in op.inputs if where[a] is not None)}
+    where[op.out] = target(deps)
+    seq.append((Stmt("C", op.out), where[op.out]))
+    if op.out in outs:
+      seq.append((Stmt("S", op.out), target(vm[op.out].loops)))
+
+  def build(loop):
+    items = []
+    for i, (s, w) in enumerate(seq):
+      if w == loop:
+        items.append((i, s))
+    for l, p in parent.items():
+      if p == loop:
+        first = min((i for i, (s, w) in enumerate(seq) if w is not None and l in path(w)), default=len(seq))
+        items.append((first, LoopNode(l, build(l))))
+    items.sort(key=lambda x: x[0])
+    return tuple(n for _, n in items)
+
+  tiles = tuple((l.name, int(tiles.get(l.name, _next_pow2(l.extent)))) for l in region.loops)
+  return Plan(expr=TilingExpr(build(None)), grid=tuple(grid), tiles=tiles, num_warps=num_warps,
+              num_stages=num_stages, split=split)
+
+
+def _reduced_before(region: Region, v: str, loop: str) -> set:
+  """{loop} when ``v`` depends on a reduction over ``loop`` (so ``v`` is complete only
+  after that loop), else the empty set."""
+  seen, stack = set(), [v]
+  while stack:
+    x = stack.pop()
+    if x in seen:
+      continue
+    seen.add(x)
+    op = region.producer(x)
+    if op is None:
+      continue
+    if isinstance(op, Contraction) and loop in op.reduce or isinstance(op, Reduction) and op.loop == loop:
+      return {loop}
+    stack.extend(op.inputs)
+  return set()
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()

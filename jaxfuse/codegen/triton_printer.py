@@ -1,0 +1,1152 @@
+"""Prints a Triton kernel from a region and a plan.
+
+The printed kernel follows the plan literally: program-id loops form the
+grid, every ``LoopNode`` of the tiling expression becomes a ``for`` over
+tiles, and each ``L``/``C``/``S`` statement is emitted where the plan placed it.
+Values live in registers as tiles whose dims are the value's loops with a
+tile larger than one, in the region's loop order; loops of tile 1 are scalar
+indices. Contractions use ``tl.dot`` when each of the M/N/K dims is one loop
+with a tile >= 16, otherwise a broadcast multiply and ``tl.sum``.
+Accumulators are float32. Reductions over a sequential loop accumulate
+across its iterations; when they feed values along that loop they run online
+(``streaming.analyze``).
+
+Example::
+
+    k = print_kernel(region, plan)
+    print(k.source)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import math
+from typing import Optional, Sequence
+
+from jaxfuse import ir
+from jaxfuse.codegen import streaming
+from jaxfuse.planner.plan import Plan
+from jaxfuse.planner.tiling import LoopNode, Stmt
+
+__all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "print_kernel"]
+
+
+class CodegenError(RuntimeError):
+  """The generator cannot produce a kernel for this region/plan."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchSpec:
+  """An fp32 workspace of ``numel`` elements (split plans' partial results)."""
+  name: str
+  numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrintedKernel:
+  source: str
+  kernel_name: str
+  grid: tuple[int, ...]
+  constexprs: tuple[tuple[str, int], ...]
+  num_warps: int
+  num_stages: int
+  combine_name: Optional[str] = None
+  combine_grid: Optional[tuple[int, ...]] = None
+  scratch: tuple[ScratchSpec, ...] = ()
+
+
+_TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
+             "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
+_FLOAT = ("float16", "bfloat16", "float32", "float64")
+_RESERVED = {"tl", "triton", "libdevice", "range", "float", "int", "min", "max", "len", "pid"}
+_MAX_AXIS12 = 65535
+
+
+def _pow2(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _lit(a: ir.Literal) -> str:
+  v = a.value
+  if isinstance(v, bool) or a.dtype == "bool":
+    return "True" if v else "False"
+  if a.dtype in _FLOAT:
+    f = float(v)
+    if math.isinf(f):
+      return 'float("-inf")' if f < 0 else 'float("inf")'
+    if math.isnan(f):
+      return 'float("nan")'
+    return repr(f)
+  return repr(int(v))
+
+
+@dataclasses.dataclass
+class _Tile:
+  """A value's tile in registers: variable, dim order (loops), dtype."""
+  var: str
+  order: tuple[str, ...]
+  dtype: str            # IR-style dtype of the register tile
+  zpad: frozenset = frozenset()   # loops along which padded lanes hold 0
+
+
+@dataclasses.dataclass
+class _Open:
+  """An open sequential loop while printing its body."""
+  node: LoopNode
+  accs: list            # values accumulating in this loop (op order)
+  after: list           # statements deferred until the loop ends
+  stream: Optional[streaming.StreamedLoop]
+
+
+class _Printer:
+
+  def __init__(self, region: ir.Region, plan: Plan, kernel_name: str):
+    self.r = region
+    self.plan = plan
+    self.name = kernel_name
+    self.vm = region.value_map
+    self.ext = region.loop_extents
+    self.order = [l.name for l in region.loops]
+    self.info = streaming.analyze(region)
+    self.ops = {op.out: op for op in region.ops}
+    self.op_index = {op.out: i for i, op in enumerate(region.ops)}
+    self.inputs = {b.value: b for b in region.inputs}
+    self.outputs = {b.value: b for b in region.outputs}
+    self.lines: list[str] = []
+    self.ind = 1
+    self.scopes: list[dict[str, _Tile]] = [{}]
+    self.names_used: set[str] = set()
+    self.open: list[_Open] = []
+    self.acc_loop: dict[str, _Open] = {}      # value -> loop it accumulates in
+    self.acc_tile: dict[str, _Tile] = {}
+    self.scaled: dict[str, _Open] = {}        # value -> loop whose running max it uses
+    self._setup_loops()
+
+  # ------------------------------------------------------------------ setup
+  def _setup_loops(self) -> None:
+    plan, r = self.plan, self.r
+    tiles = plan.tile_map
+    for l in self.order:
+      if l not in tiles:
+        raise CodegenError(f"plan has no tile for loop {l}")
+    seq = []
+
+    def walk(nodes):
+      for n in nodes:
+        if isinstance(n, LoopNode):
+          seq.append(n.loop)
+          walk(n.body)
+    walk(plan.expr.body)
+    self.seq = set(seq)
+    self.grid_loops = tuple(plan.grid)
+    for l in self.grid_loops:
+      if l not in self.ext:
+        raise CodegenError(f"grid loop {l} is not a loop of the region")
+      if l in self.seq:
+        raise CodegenError(f"loop {l} is both a program-id loop and sequential")
+    self.split = plan.split
+    if self.split:
+      sl, parts = self.split
+      if sl not in self.seq:
+        raise CodegenError(f"split loop {sl} must be a sequential loop of the plan")
+      if parts < 1:
+        raise CodegenError(f"split parts must be >= 1, got {parts}")
+    self.T: dict[str, int] = {}
+    self.kind: dict[str, str] = {}
+    dot_dims = self._dot_dims()
+    for l in self.order:
+      t = int(tiles[l])
+      if t < 1:
+        raise CodegenError(f"tile of {l} must be >= 1, got {t}")
+      if l in self.grid_loops:
+        self.kind[l] = "grid"
+      elif l in self.seq:
+        self.kind[l] = "seq"
+      else:
+        if t < self.ext[l]:
+          raise CodegenError(f"loop {l} (extent {self.ext[l]}) has tile {t} but is neither "
+                             "a program-id loop nor sequential")
+        self.kind[l] = "single"
+      t = _pow2(t)
+      if self.kind[l] == "single":
+        t = min(t, _pow2(self.ext[l]))
+        if l in dot_dims and 1 < t < 16:
+          t = 16   # tl.dot needs >= 16; the padding is masked
+      self.T[l] = t
+    # Names of loop extents and tiles in the kernel signature.
+    taken = {self._sanitize(v.name) for v in r.values}
+    self.EXT, self.BLK = {}, {}
+    for l in self.order:
+      up = l.upper()
+      e = up if (up not in taken and up.isidentifier() and not keyword.iskeyword(up)
+                 and sum(1 for x in self.order if x.upper() == up) == 1) else f"EXT_{l}"
+      self.EXT[l] = e
+      self.BLK[l] = f"BLOCK_{up}" if sum(1 for x in self.order if x.upper() == up) == 1 else f"BLOCK_{l}"
+
+  def _dot_dims(self) -> set[str]:
+    out = set()
+    for op in self.r.contractions:
+      a, b = set(self.vm[op.lhs].loops), set(self.vm[op.rhs].loops)
+      o = set(self.vm[op.out].loops)
+      out |= (a & o) - b
+      out |= (b & o) - a
+      out |= (a & b) & set(op.reduce)
+    return out
+
+  # ------------------------------------------------------------- utilities
+  @staticmethod
+  def _sanitize(name: str) -> str:
+    s = "".join(c if (c.isalnum() or c == "_") else "_" for c in name)
+    if not s or s[0].isdigit():
+      s = "v_" + s
+    if keyword.iskeyword(s) or s in _RESERVED or s.startswith(("offs_", "mask_", "acc_", "start_",
+                                                                "i_", "pid_", "BLOCK_", "EXT_")):
+      s = s + "_v"
+    return s
+
+  def emit(self, line: str) -> None:
+    self.lines.append("  " * self.ind + line)
+
+  def fresh(self, base: str) -> str:
+    """A variable name not bound in any open scope (avoids loop-carried clashes)."""
+    if not any(t.var == base for sc in self.scopes for t in sc.values()) and base not in self.names_used:
+      self.names_used.add(base)
+      return base
+    i = 1
+    while f"{base}_{i}" in self.names_used:
+      i += 1
+    self.names_used.add(f"{base}_{i}")
+    return f"{base}_{i}"
+
+  def lookup(self, v: str) -> Optional[_Tile]:
+    for sc in reversed(self.scopes):
+      if v in sc:
+        return sc[v]
+    return None
+
+  def bind(self, v: str, tile: _Tile) -> None:
+    self.scopes[-1][v] = tile
+
+  def bl(self, v: str) -> tuple[str, ...]:
+    """Block loops of a value: its loops with a tile > 1, in region order."""
+    ls = set(self.vm[v].loops)
+    return tuple(l for l in self.order if l in ls and self.T[l] > 1)
+
+  def needs_mask(self, l: str) -> bool:
+    return self.T[l] > 1 and self.ext[l] % self.T[l] != 0
+
+  def idx1(self, l: str) -> str:
+    """1-D offsets (tile > 1) or scalar index (tile 1) of loop ``l``."""
+    return f"offs_{l}" if self.T[l] > 1 else f"i_{l}"
+
+  def expand(self, expr: str, src: Sequence[str], dst: Sequence[str]) -> str:
+    """Broadcasts a tile with dims ``src`` to dims ``dst`` (src within dst)."""
+    src, dst = tuple(src), tuple(dst)
+    if not src or src == dst:
+      return expr
+    missing = [l for l in src if l not in dst]
+    if missing:
+      raise CodegenError(f"cannot broadcast dims {src} to {dst}")
+    rel = tuple(l for l in dst if l in src)
+    if rel != src:
+      expr = self.permute(expr, src, rel)
+    if len(rel) == len(dst):
+      return expr
+    return f"{expr}[{', '.join(':' if l in src else 'None' for l in dst)}]"
+
+  @staticmethod
+  def permute(expr: str, src: Sequence[str], dst: Sequence[str]) -> str:
+    src, dst = tuple(src), tuple(dst)
+    if src == dst:
+      return expr
+    if len(src) == 2:
+      return f"tl.trans({expr})"
+    return f"tl.permute({expr}, ({', '.join(str(src.index(l)) for l in dst)}))"
+
+  def mask_expr(self, dims: Sequence[str]) -> Optional[str]:
+    ms = [l for l in dims if self.needs_mask(l)]
+    if not ms:
+      return None
+    return " & ".join(self.expand(f"mask_{l}", (l,), dims) for l in ms)
+
+  def f32(self, t: _Tile) -> str:
+    if t.dtype in ("float16", "bfloat16"):
+      return f"{t.var}.to(tl.float32)"
+    return t.var
+
+  def shape(self, dims: Sequence[str]) -> str:
+    return "(" + ", ".join(self.BLK[l] for l in dims) + ("," if len(dims) == 1 else "") + ")"
+
+  # ----------------------------------------------------------- the kernel
+  def signature(self, extra_ptrs: Sequence[str]) -> str:
+    ptrs = [f"{self._sanitize(b.value)}_ptr" for b in self.r.inputs]
+    ptrs += list(extra_ptrs)
+    ptrs += [f"{self._sanitize(b.value)}_out_ptr" if b.value in self.inputs
+             else f"{self._sanitize(b.value)}_ptr" for b in self.r.outputs]
+    consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
+    consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
+    return ", ".join(ptrs + consts)
+
+  def out_ptr(self, v: str) -> str:
+    return (f"{self._sanitize(v)}_out_ptr" if v in self.inputs else f"{self._sanitize(v)}_ptr")
+
+  def constexprs(self) -> tuple[tuple[str, int], ...]:
+    return tuple([(self.EXT[l], self.ext[l]) for l in self.order] +
+                 [(self.BLK[l], self.T[l]) for l in self.order])
+
+  def grid_axes(self) -> tuple[list[list[str]], tuple[int, ...]]:
+    """Program-id axes: innermost grid loop on axis 0; extra loops folded."""
+    loops = list(self.grid_loops)
+    counts = {l: _cdiv(self.ext[l], self.T[l]) for l in loops}
+    extra = ["__split__"] if self.split else []
+    if self.split:
+      counts["__split__"] = self.split[1]
+    allx = extra + loops     # outermost first; the split axis outermost
+    if not allx:
+      return [], (1,)
+    rev = list(reversed(allx))
+    axes: list[list[str]] = [[rev[0]]]
+    rest = rev[1:]
+    if rest:
+      axes.append([rest[0]])
+      rest = rest[1:]
+    if rest:
+      axes.append(list(rest))
+    sizes = tuple(math.prod(counts[l] for l in ax) for ax in axes)
+    if any(s > _MAX_AXIS12 for s in sizes[1:]):
+      axes, sizes = [rev], (math.prod(counts[l] for l in rev),)
+    self.grid_counts = counts
+    return axes, sizes
+
+  def emit_program_ids(self, axes: list[list[str]], with_split: bool) -> None:
+    counts = self.grid_counts
+    for i, ax in enumerate(axes):
+      if len(ax) == 1:
+        nm = "part" if ax[0] == "__split__" else f"pid_{ax[0]}"
+        self.emit(f"{nm} = tl.program_id({i})")
+        continue
+      self.emit(f"pid{i} = tl.program_id({i})")
+      rem = f"pid{i}"
+      for j, l in enumerate(ax):   # innermost first within the folded axis
+        nm = "part" if l == "__split__" else f"pid_{l}"
+        if j == len(ax) - 1:
+          self.emit(f"{nm} = {rem}")
+        else:
+          self.emit(f"{nm} = {rem} % {counts[l]}")
+          self.emit(f"{rem} = {rem} // {counts[l]}")
+    if not with_split and self.split and any("__split__" in ax for ax in axes):
+      pass
+
+  def emit_loop_indices(self) -> None:
+    for l in self.order:
+      k, T = self.kind[l], self.T[l]
+      if k == "grid":
+        if T > 1:
+          self.emit(f"offs_{l} = pid_{l} * {self.BLK[l]} + tl.arange(0, {self.BLK[l]})")
+        else:
+          self.emit(f"i_{l} = pid_{l}")
+      elif k == "single":
+        if T > 1:
+          self.emit(f"offs_{l} = tl.arange(0, {self.BLK[l]})")
+        else:
+          self.emit(f"i_{l} = 0")
+      else:
+        continue
+      if self.needs_mask(l):
+        self.emit(f"mask_{l} = offs_{l} < {self.EXT[l]}")
+
+  # ---------------------------------------------------- loads and stores
+  def address(self, buf: ir.Buffer, dims: Sequence[str], big: bool) -> str:
+    terms = [str(buf.offset)] if buf.offset else []
+    for l in self.vm[buf.value].loops:
+      s = buf.stride(l)
+      if s == 0 and self.T[l] > 1 and l in dims:
+        continue   # broadcast: handled by expanding the loaded tile
+      if s == 0:
+        continue
+      ix = self.idx1(l)
+      if big:
+        ix = f"{ix}.to(tl.int64)"
+      e = self.expand(ix, (l,), dims) if self.T[l] > 1 else ix
+      terms.append(e if s == 1 else f"{e} * {s}")
+    return " + ".join(terms) if terms else "0"
+
+  def emit_load(self, v: str) -> None:
+    buf = self.inputs.get(v)
+    if buf is None:
+      raise CodegenError(f"plan loads {v}, which is not a region input")
+    dims = self.bl(v)
+    # Load only the dims the buffer varies along; broadcast the rest.
+    ld = tuple(l for l in dims if buf.stride(l) != 0)
+    big = buf.size >= 2 ** 31
+    ptr = f"{self._sanitize(v)}_ptr + {self.address(buf, ld, big)}"
+    m = self.mask_expr(ld)
+    dtype = self.vm[v].dtype
+    var = self.fresh(self._sanitize(v))
+    if m:
+      other = "0" if dtype in ("bool", "int32", "int64") else "0.0"
+      expr = f"tl.load({ptr}, mask={m}, other={other})"
+    else:
+      expr = f"tl.load({ptr})"
+    if dtype == "bool":
+      expr = f"{expr} != 0"
+    if ld != dims:
+      expr = f"tl.broadcast_to({self.expand(f'({expr})', ld, dims)}, {self.shape(dims)})"
+    self.emit(f"{var} = {expr}")
+    self.bind(v, _Tile(var, dims, dtype, frozenset(l for l in ld if self.needs_mask(l))))
+
+  def emit_store(self, v: str) -> None:
+    buf = self.outputs.get(v)
+    if buf is None:
+      raise CodegenError(f"plan stores {v}, which is not a region output")
+    t = self.need(v)
+    dims = self.bl(v)
+    big = buf.size >= 2 ** 31
+    val = self.expand(t.var, t.order, dims)
+    dt = self.vm[v].dtype
+    cast = f"{val}.to({_TL_DTYPE[dt]})" if dt != "bool" else f"{val}.to(tl.int1)"
+    m = self.mask_expr(dims)
+    ptr = f"{self.out_ptr(v)} + {self.address(buf, dims, big)}"
+    if dims and t.order != dims:
+      pass
+    self.emit(f"tl.store({ptr}, {cast}" + (f", mask={m})" if m else ")"))
+
+  # ----------------------------------------------------------- values
+  def need(self, v: str) -> _Tile:
+    """The final tile of ``v``, computing it now when only cheap ops are missing."""
+    t = self.lookup(v)
+    if t is not None:
+      if v in self.acc_loop and self.acc_loop[v] in self.open:
+        raise CodegenError(f"{v} is read before its reduction over "
+                           f"{self.acc_loop[v].node.loop} is complete")
+      return t
+    op = self.ops.get(v)
+    if isinstance(op, (ir.Elementwise, ir.Iota)):
+      self.emit_compute(v)
+      t = self.lookup(v)
+      if t is not None:
+        return t
+    raise CodegenError(f"value {v} is used where the plan has not computed or loaded it")
+
+  def operand(self, v: str) -> _Tile:
+    """An operand tile inside the current loop nest (running values allowed)."""
+    t = self.lookup(v)
+    if t is not None:
+      return t
+    return self.need(v)
+
+  def emit_compute(self, v: str) -> None:
+    op = self.ops.get(v)
+    if op is None:
+      raise CodegenError(f"plan computes {v}, which no op defines")
+    # Accumulation in an open loop?
+    red = set(op.reduce) if isinstance(op, ir.Contraction) else (
+        {op.loop} if isinstance(op, ir.Reduction) else set())
+    if red & self.seq:
+      outer = next((o for o in self.open if o.node.loop in red), None)
+      if outer is None:
+        raise CodegenError(f"{v} reduces sequential loop(s) {sorted(red & self.seq)} but is "
+                           "computed outside them")
+      return self.emit_accumulate(v, op, outer)
+    # Reads a value still accumulating in an open loop?
+    pending = [self.acc_loop[i] for i in op.inputs
+               if i in self.acc_loop and self.acc_loop[i] in self.open]
+    pending += [self.scaled[i] for i in op.inputs if i in self.scaled and self.scaled[i] in self.open]
+    if pending:
+      lp = min(pending, key=self.open.index)
+      st = lp.stream
+      n = lp.node.loop
+      if st is not None and st.scale_of(v) is not None:
+        return self.emit_streamed(v, op, lp)
+      if n not in self.vm[v].loops:
+        lp.after.append(Stmt("C", v))     # needs the finished reduction: after the loop
+        return
+      raise CodegenError(f"{v} reads a reduction over sequential loop {n} along {n}; "
+                         f"not streamable ({self.info.single_tile.get(n, 'unknown')})")
+    self.emit_plain(v, op)
+
+  def emit_plain(self, v: str, op) -> None:
+    out = self.vm[v]
+    dims = self.bl(v)
+    var = self.fresh(self._sanitize(v))
+    if isinstance(op, ir.Iota):
+      l = op.loop
+      self.emit(f"{var} = {self.idx1(l)}")
+      self.bind(v, _Tile(var, dims, "int32"))
+      return
+    if isinstance(op, ir.Elementwise):
+      expr, dt = self.elementwise(op, dims)
+      self.emit(f"{var} = {expr}")
+      self.bind(v, _Tile(var, dims, dt))
+      return
+    if isinstance(op, ir.Reduction):
+      a = self.operand(op.arg)
+      expr = self.reduce_expr(op, a)
+      self.emit(f"{var} = {expr}")
+      self.bind(v, _Tile(var, dims, "float32" if out.dtype in _FLOAT else out.dtype))
+      return
+    expr, order = self.contraction_expr(op, None)
+    if order != dims:
+      expr = self.permute(expr, order, dims)
+    self.emit(f"{var} = {expr}")
+    self.bind(v, _Tile(var, dims, "float32"))
+
+  def elementwise(self, op: ir.Elementwise, dims) -> tuple[str, str]:
+    out_dt = self.vm[op.out].dtype
+    args = []
+    kinds = []
+    for a in op.args:
+      if isinstance(a, ir.Literal):
+        args.append(_lit(a))
+        kinds.append(a.dtype)
+      else:
+        t = self.operand(a)
+        args.append(self.expand(self.f32(t), t.order, dims))
+        kinds.append(t.dtype)
+    fn = op.fn
+    A = args
+    float_out = out_dt in _FLOAT
+    simple = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
+              "div": "({0} / {1})", "neg": "(-{0})", "max": "tl.maximum({0}, {1})",
+              "min": "tl.minimum({0}, {1})", "abs": "tl.abs({0})", "exp": "tl.exp({0})",
+              "exp2": "tl.exp2({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})",
+              "rsqrt": "tl.rsqrt({0})", "square": "({0} * {0})", "erf": "tl.erf({0})",
+              "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})",
+              "tanh": "libdevice.tanh({0})", "pow": "libdevice.pow({0}, {1})",
+              "logistic": "(1.0 / (1.0 + tl.exp(-{0})))",
+              "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})",
+              "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
+              "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
+              "select": "tl.where({0}, {2}, {1})"}
+    if fn == "sign":
+      expr = f"tl.where({A[0]} > 0, 1.0, tl.where({A[0]} < 0, -1.0, 0.0))"
+    elif fn == "convert":
+      src = kinds[0]
+      if float_out:
+        expr = A[0] if src in _FLOAT else f"{A[0]}.to(tl.float32)"
+      elif out_dt == "bool":
+        expr = f"({A[0]} != 0)"
+      else:
+        expr = f"{A[0]}.to({_TL_DTYPE[out_dt]})"
+    elif fn in simple:
+      expr = simple[fn].format(*A)
+    else:
+      raise CodegenError(f"no Triton spelling for elementwise fn {fn!r}")
+    if float_out:
+      dt = "float32"
+      if fn in ("max", "min", "select") and all(k in ("bool", "int32", "int64") for k in kinds
+                                                 if k is not None) and False:
+        dt = out_dt
+      # Literal-only or integer results used as floats: make the dtype explicit.
+      if not dims and all(isinstance(a, ir.Literal) for a in op.args):
+        expr = f"tl.full((), {expr}, tl.float32)"
+      elif dims and fn in ("sign", "select") and all(isinstance(a, ir.Literal) for a in op.args[1:]):
+        expr = f"tl.broadcast_to({expr}, {self.shape(dims)}).to(tl.float32)"
+      elif dims and len(set(self._arg_dims(op))) == 0:
+        expr = f"tl.broadcast_to({expr}, {self.shape(dims)})"
+      return expr, dt
+    if out_dt == "bool":
+      return expr, "bool"
+    return (f"({expr}).to({_TL_DTYPE[out_dt]})" if fn not in ("convert",) else expr), out_dt
+
+  def _arg_dims(self, op) -> list:
+    out = []
+    for a in op.args:
+      if isinstance(a, str):
+        out += list(self.bl(a))
+    return out
+
+  def reduce_expr(self, op: ir.Reduction, a: _Tile) -> str:
+    l = op.loop
+    if self.T[l] == 1:
+      return self.f32(a)   # a single element: nothing to reduce
+    x = self.f32(a)
+    axis = a.order.index(l)
+    if self.needs_mask(l) and (op.kind == "max" or l not in a.zpad):
+      fill = 'float("-inf")' if op.kind == "max" else "0.0"
+      x = f"tl.where({self.expand(f'mask_{l}', (l,), a.order)}, {x}, {fill})"
+    return f"tl.{op.kind}({x}, axis={axis})"
+
+  def masked_operand(self, t: _Tile, red: Sequence[str]) -> str:
+    x = t.var
+    for l in red:
+      if l in t.order and self.needs_mask(l) and l not in t.zpad:
+        x = f"tl.where({self.expand(f'mask_{l}', (l,), t.order)}, {x}, 0.0)"
+    return x
+
+  def contraction_expr(self, op: ir.Contraction, acc: Optional[str],
+                       acc_order: Optional[tuple] = None) -> tuple[str, tuple[str, ...]]:
+    """Per-tile ``sum lhs*rhs`` over the in-tile reduced loops.
+
+    Returns the expression and its dim order; with ``acc``, the expression
+    accumulates into it (``acc_order`` must then match the returned order).
+    """
+    a, b = self.operand(op.lhs), self.operand(op.rhs)
+    red_in = [l for l in op.reduce if self.T[l] > 1]
+    out_dims = self.bl(op.out)
+    A, B = set(a.order), set(b.order)
+    bat = [l for l in self.order if l in A and l in B and l in out_dims]
+    M = [l for l in self.order if l in A and l in out_dims and l not in B]
+    N = [l for l in self.order if l in B and l in out_dims and l not in A]
+    K = [l for l in self.order if l in A and l in B and l in red_in]
+    only = [l for l in red_in if (l in A) != (l in B)]
+    dtA, dtB = self.vm[op.lhs].dtype, self.vm[op.rhs].dtype
+    use_dot = (len(M) == 1 and len(N) == 1 and len(K) == 1 and len(bat) <= 1 and not only
+               and all(self.T[l] >= 16 for l in M + N + K)
+               and set(a.order) == set(bat + M + K) and set(b.order) == set(bat + K + N)
+               and dtA in _FLOAT and dtB in _FLOAT)
+    xa, xb = self.masked_operand(a, red_in), self.masked_operand(b, red_in)
+    if use_dot:
+      if dtA == dtB and dtA in ("float16", "bfloat16"):
+        ddt, prec = _TL_DTYPE[dtA], ""
+      else:
+        ddt, prec = "tl.float32", ', input_precision="ieee"'
+      ea = self.permute(xa, a.order, tuple(bat + M + K))
+      eb = self.permute(xb, b.order, tuple(bat + K + N))
+      ea = f"{ea}.to({ddt})" if not (a.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != a.var else ea
+      eb = f"{eb}.to({ddt})" if not (b.dtype == dtB and _TL_DTYPE[dtB] == ddt) or xb != b.var else eb
+      order = tuple(bat + M + N)
+      if acc is not None:
+        return f"tl.dot({ea}, {eb}, {acc}{prec})", order
+      return f"tl.dot({ea}, {eb}{prec})", order
+    # Broadcast multiply and sum (tiny tiles, several loops per role).
+    U = tuple(l for l in self.order if l in A or l in B)
+    fa = f"{xa}.to(tl.float32)" if a.dtype != "float32" else xa
+    fb = f"{xb}.to(tl.float32)" if b.dtype != "float32" else xb
+    expr = f"{self.expand(fa, a.order, U)} * {self.expand(fb, b.order, U)}"
+    cur = list(U)
+    for l in red_in:
+      expr = f"tl.sum({expr}, axis={cur.index(l)})"
+      cur.remove(l)
+    order = tuple(cur)
+    if order != out_dims:
+      raise CodegenError(f"contraction {op.out}: unexpected dims {order} != {out_dims}")
+    if not U or not order and not red_in:
+      expr = f"({expr})"
+    if acc is not None:
+      return f"{acc} + {expr}", order
+    return expr, order
+
+  # -------------------------------------------------------- accumulation
+  def acc_order(self, op) -> tuple[str, ...]:
+    if isinstance(op, ir.Contraction):
+      a_l, b_l = self.bl(op.lhs), self.bl(op.rhs)
+      out_dims = self.bl(op.out)
+      A, B = set(a_l), set(b_l)
+      bat = [l for l in self.order if l in A and l in B and l in out_dims]
+      M = [l for l in self.order if l in A and l in out_dims and l not in B]
+      N = [l for l in self.order if l in B and l in out_dims and l not in A]
+      if len(M) == 1 and len(N) == 1 and len(bat) <= 1:
+        return tuple(bat + M + N)
+    return self.bl(op.out)
+
+  def emit_acc_init(self, v: str, lp: _Open) -> None:
+    op = self.ops[v]
+    order = self.acc_order(op)
+    is_max = isinstance(op, ir.Reduction) and op.kind == "max"
+    var = self.fresh(f"acc_{self._sanitize(v)}" if not is_max else self._sanitize(v))
+    fill = 'float("-inf")' if is_max else "0.0"
+    if order:
+      self.emit(f"{var} = tl.full({self.shape(order)}, {fill}, tl.float32)")
+    else:
+      self.emit(f"{var} = {fill}")
+    tile = _Tile(var, order, "float32")
+    self.acc_tile[v] = tile
+    self.acc_loop[v] = lp
+    self.bind(v, tile)   # bound in the scope enclosing the loop (loop-carried)
+
+  def emit_accumulate(self, v: str, op, lp: _Open) -> None:
+    if v not in lp.accs:
+      raise CodegenError(f"internal: {v} accumulates in {lp.node.loop} without an init")
+    # Partial tiles of v indexed by a sequential loop nested inside lp cannot stay in registers.
+    inner = self.open[self.open.index(lp) + 1:]
+    vl = set(self.vm[v].loops)
+    for o in inner:
+      if o.node.loop in vl:
+        raise CodegenError(f"{v} accumulates over {lp.node.loop} but its tiles vary along "
+                           f"sequential loop {o.node.loop} inside it (partial tiles would "
+                           "have to stay on chip)")
+    acc = self.acc_tile[v]
+    st = lp.stream
+    sc = st.accumulator_scale(v) if st else None
+    n = lp.node.loop
+    if isinstance(op, ir.Reduction) and op.kind == "max":
+      a = self.operand(op.arg)
+      prev = f"{acc.var}_prev"
+      self.emit(f"{prev} = {acc.var}")
+      self.emit(f"{acc.var} = tl.maximum({acc.var}, {self.reduce_expr(op, a)})")
+      if st is not None and st.online and v in st.running_max:
+        self.emit(f"{acc.var}_safe = tl.where({acc.var} == float(\"-inf\"), 0.0, {acc.var})"
+                  if acc.order else
+                  f"{acc.var}_safe = tl.where({acc.var} == float(\"-inf\"), 0.0, {acc.var})")
+      return
+    target = acc.var
+    if sc is not None:
+      mt = self.acc_tile[sc.max]
+      alpha = self.alpha_expr(sc, mt, acc.order)
+      self.emit(f"{acc.var} = {acc.var} * {alpha}")
+    if isinstance(op, ir.Reduction):
+      a = self.operand(op.arg)
+      self.emit(f"{acc.var} = {acc.var} + {self.reduce_expr(op, a)}")
+      return
+    expr, order = self.contraction_expr(op, target, acc.order)
+    if order != acc.order:
+      raise CodegenError(f"internal: accumulator order {acc.order} != {order}")
+    self.emit(f"{acc.var} = {expr}")
+
+  def alpha_expr(self, sc: streaming.Scale, mt: _Tile, dims) -> str:
+    fn = "tl.exp" if sc.base == "e" else "tl.exp2"
+    c = "" if sc.coef == 1.0 else f"{sc.coef!r} * "
+    e = f"{fn}({c}({mt.var}_prev - {mt.var}_safe))"
+    if mt.order:
+      return self.expand(f"{fn}({c}({mt.var}_prev - {mt.var}_safe))", mt.order, dims)
+    return e
+
+  def emit_streamed(self, v: str, op, lp: _Open) -> None:
+    st = lp.stream
+    dims = self.bl(v)
+    if v in dict(st.deferred):
+      src = dict(st.deferred)[v]
+      t = self.operand(src)
+      self.bind(v, t)          # the factor is applied after the loop
+      self.scaled[v] = lp
+      return
+    if v in dict(st.shifted) and isinstance(op, ir.Elementwise) and op.fn == "sub":
+      x, m = op.args
+      xt = self.operand(x)
+      mt = self.acc_tile[m]
+      var = self.fresh(self._sanitize(v))
+      self.emit(f"{var} = {self.expand(self.f32(xt), xt.order, dims)} - "
+                f"{self.expand(mt.var + '_safe', mt.order, dims)}")
+      self.bind(v, _Tile(var, dims, "float32"))
+      self.scaled[v] = lp
+      return
+    # Every other op of the algebra prints as itself on the running values.
+    var = self.fresh(self._sanitize(v))
+    expr, dt = self.elementwise(op, dims)
+    self.emit(f"{var} = {expr}")
+    self.bind(v, _Tile(var, dims, dt))
+    self.scaled[v] = lp
+
+  def finalize(self, v: str, lp: _Open) -> None:
+    """After loop ``lp``: the accumulator becomes the value (deferred factors applied)."""
+    acc = self.acc_tile[v]
+    dims = self.bl(v)
+    st = lp.stream
+    sc = st.accumulator_scale(v) if st else None
+    expr = self.permute(acc.var, acc.order, dims)
+    del self.acc_loop[v]
+    if sc is not None:
+      for fn, d in sc.deferred:
+        dt = self.need(d)
+        expr = f"{expr} {'*' if fn == 'mul' else '/'} {self.expand(self.f32(dt), dt.order, dims)}"
+    if expr == acc.var:
+      self.bind(v, _Tile(acc.var, dims, "float32"))
+      return
+    var = self.fresh(self._sanitize(v))
+    self.emit(f"{var} = {expr}")
+    self.bind(v, _Tile(var, dims, "float32"))
+
+  # -------------------------------------------------------------- walking
+  def subtree_computes(self, node: LoopNode) -> list[str]:
+    out = []
+
+    def walk(nodes):
+      for n in nodes:
+        if isinstance(n, LoopNode):
+          walk(n.body)
+        elif n.kind == "C":
+          out.append(n.value)
+    walk(node.body)
+    return out
+
+  def loop_bounds(self, node: LoopNode, lp: _Open) -> tuple[str, str]:
+    """Runtime range of the loop; tiles that a causal mask fully hides are skipped."""
+    l = node.loop
+    lo, hi = "0", self.EXT[l]
+    if self.split and self.split[0] == l and self.in_split_kernel:
+      per = _cdiv(_cdiv(self.ext[l], self.T[l]), self.split[1]) * self.T[l]
+      lo = f"part * {per}"
+      hi = f"tl.minimum({self.EXT[l]}, part * {per} + {per})"
+    skip = self.causal_skip(l, lp)
+    if skip is not None:
+      kind, other = skip
+      T = self.T[other]
+      if self.kind[other] == "grid" and T > 1:
+        first, last1 = f"pid_{other} * {self.BLK[other]}", f"(pid_{other} + 1) * {self.BLK[other]}"
+      elif self.kind[other] == "seq" and any(o.node.loop == other for o in self.open):
+        first = f"start_{other}" if T > 1 else f"i_{other}"
+        last1 = f"(start_{other} + {self.BLK[other]})" if T > 1 else f"(i_{other} + 1)"
+      elif T == 1 and self.kind[other] == "grid":
+        first, last1 = f"i_{other}", f"(i_{other} + 1)"
+      else:
+        return lo, hi
+      bl = self.BLK[l] if self.T[l] > 1 else "1"
+      if kind == "le":      # loop index <= other: stop after the other tile's last index
+        hi = f"tl.minimum({hi}, {last1})"
+      elif kind == "lt":
+        hi = f"tl.minimum({hi}, {last1} - 1)"
+      elif kind == "ge":    # loop index >= other: start at the tile holding other's first index
+        lo = f"tl.maximum({lo}, ({first}) // {bl} * {bl})"
+      elif kind == "gt":
+        lo = f"tl.maximum({lo}, ({first} + 1) // {bl} * {bl})"
+    return lo, hi
+
+  def causal_skip(self, n: str, lp: _Open) -> Optional[tuple[str, str]]:
+    """('le'|'lt'|'ge'|'gt', other loop) when every contribution of a tile of ``n``
+    is masked out by ``select(cmp(iota(other), iota(n)), -inf, x)`` feeding a
+    softmax-streamed max; derived from the IR."""
+    st = lp.stream
+    if st is None or not st.online:
+      return None
+    accs = dict(st.accumulators)
+    for v, sc in accs.items():
+      if sc is None and v not in st.running_max:
+        return None     # a plain accumulator would see the masked tiles
+    res = None
+    for mxv in st.running_max:
+      mop = self.ops[mxv]
+      sel = self.ops.get(mop.arg)
+      if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
+              and isinstance(sel.args[1], ir.Literal) and float(sel.args[1].value) == float("-inf")
+              and isinstance(sel.args[0], str)):
+        return None
+      # Every shift by this max must subtract from the masked value itself.
+      for z, s in st.shifted:
+        if s.max == mxv and self.ops[z].args[0] != mop.arg:
+          return None
+      cmp = self.ops.get(sel.args[0])
+      if not (isinstance(cmp, ir.Elementwise) and cmp.fn in ("ge", "gt", "le", "lt")
+              and all(isinstance(a, str) for a in cmp.args)):
+        return None
+      i0, i1 = (self.ops.get(a) for a in cmp.args)
+      if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
+        return None
+      flip = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
+      if i1.loop == n and i0.loop != n:      # other (cmp) n  ->  n flip(cmp) other
+        r = (flip[cmp.fn], i0.loop)
+      elif i0.loop == n and i1.loop != n:
+        r = (cmp.fn, i1.loop)
+      else:
+        return None
+      if res is not None and res != r:
+        return None
+      res = r
+    for v, sc in accs.items():
+      if sc is not None and sc.max not in st.running_max:
+        return None
+    return res
+
+  def walk(self, body) -> None:
+    for node in body:
+      if isinstance(node, Stmt):
+        self.emit_stmt(node)
+      else:
+        self.emit_loop(node)
+
+  def emit_stmt(self, s: Stmt) -> None:
+    if s.kind == "L":
+      t = self.lookup(s.value)
+      if t is not None and self._invariant_since_bound(s.value):
+        return
+      self.emit_load(s.value)
+    elif s.kind == "C":
+      t = self.lookup(s.value)
+      if (t is not None and s.value not in self.acc_loop and self._invariant_since_bound(s.value)
+          and not any(s.value in o.accs for o in self.open)):
+        return
+      self.emit_compute(s.value)
+    else:
+      v = s.value
+      pend = [o for o in self.open if (v in self.acc_loop and self.acc_loop[v] is o)
+              or (self.lookup(v) is None and any(p.value == v for p in o.after))]
+      if pend:
+        pend[0].after.append(s)
+        return
+      if self.split and self.in_split_kernel and self.split_done:
+        return
+      self.emit_store(v)
+
+  def _invariant_since_bound(self, v: str) -> bool:
+    """True when ``v``'s tile was bound outside every loop opened since (reusable)."""
+    depth = next(i for i in range(len(self.scopes) - 1, -1, -1) if v in self.scopes[i])
+    opened = [o.node.loop for o in self.open[depth:]]
+    return not (set(opened) & set(self.vm[v].loops))
+
+  def emit_loop(self, node: LoopNode) -> None:
+    l = node.loop
+    st = self.info.streamed.get(l)
+    lp = _Open(node, [], [], st)
+    # Accumulators of this loop: computes below it that reduce it, unless an
+    # enclosing open loop already accumulates them.
+    for v in self.subtree_computes(node):
+      op = self.ops.get(v)
+      red = set(op.reduce) if isinstance(op, ir.Contraction) else (
+          {op.loop} if isinstance(op, ir.Reduction) else set())
+      if l in red and not any(o.node.loop in red for o in self.open) and v not in lp.accs:
+        lp.accs.append(v)
+    lp.accs.sort(key=self.op_index.get)
+    if st is None and lp.accs:
+      raise CodegenError(f"internal: no streaming info for reduced loop {l}")
+    needs_online = any(
+        any(i in self.acc_loop or i in st.running_max for i in self.ops[c].inputs)
+        for c in self.subtree_computes(node)
+        if st is not None and (st.scale_of(c) is not None)) if st else False
+    if l in self.info.single_tile and lp.accs:
+      raise CodegenError(f"loop {l} cannot be tiled sequentially: {self.info.single_tile[l]}")
+    del needs_online
+    for v in lp.accs:
+      self.emit_acc_init(v, lp)
+    lo, hi = self.loop_bounds(node, lp)
+    T = self.T[l]
+    if T > 1:
+      self.emit(f"for start_{l} in range({lo}, {hi}, {self.BLK[l]}):")
+    else:
+      self.emit(f"for i_{l} in range({lo}, {hi}):")
+    self.ind += 1
+    self.open.append(lp)
+    self.scopes.append({})
+    if T > 1:
+      self.emit(f"offs_{l} = start_{l} + tl.arange(0, {self.BLK[l]})")
+      if self.needs_mask(l):
+        self.emit(f"mask_{l} = offs_{l} < {self.EXT[l]}")
+    n_lines = len(self.lines)
+    self.walk(node.body)
+    if len(self.lines) == n_lines:
+      self.emit("pass")
+    self.scopes.pop()
+    self.open.pop()
+    self.ind -= 1
+    for v in list(self.scaled):
+      if self.scaled[v] is lp:
+        del self.scaled[v]
+    if self.split and self.in_split_kernel and l == self.split[0]:
+      self.split_loop = lp
+      self.split_done = True
+      return
+    self.close_loop(lp)
+
+  def close_loop(self, lp: _Open) -> None:
+    for v in lp.accs:
+      self.finalize(v, lp)
+    for s in lp.after:
+      self.emit_stmt(s)
+
+  # ---------------------------------------------------------------- split
+  def scratch_layout(self, lp: _Open):
+    """Scratch buffers for the partial accumulators of the split loop."""
+    specs = []
+    nprog = math.prod(self.grid_counts[l] for l in self.grid_loops) if self.grid_loops else 1
+    parts = self.split[1]
+    for v in lp.accs:
+      t = self.acc_tile[v]
+      numel = math.prod(self.T[l] for l in t.order) if t.order else 1
+      specs.append((v, numel, ScratchSpec(f"part_{self._sanitize(v)}", parts * nprog * numel)))
+    return specs, nprog
+
+  def pid_linear(self) -> str:
+    if not self.grid_loops:
+      return "0"
+    expr = ""
+    for l in self.grid_loops:   # outermost first
+      c = self.grid_counts[l]
+      expr = f"pid_{l}" if not expr else f"({expr}) * {c} + pid_{l}"
+    return expr
+
+  def local_offsets(self, order: Sequence[str]) -> str:
+    if not order:
+      return "0"
+    terms = []
+    stride = 1
+    for l in reversed(order):
+      terms.append(self.expand(f"tl.arange(0, {self.BLK[l]})", (l,), order)
+                   + ("" if stride == 1 else f" * {stride}"))
+      stride *= self.T[l]
+    return " + ".join(reversed(terms))
+
+  def emit_partial_stores(self, lp: _Open, specs, nprog) -> None:
+    self.emit("# partial results of this part of the split loop, in fp32 scratch")
+    for v, numel, sp in specs:
+      t = self.acc_tile[v]
+      base = f"(part * {nprog} + {self.pid_linear()}) * {numel}"
+      self.emit(f"tl.store({sp.name}_ptr + {base} + {self.local_offsets(t.order)}, {t.var})")
+
+  def emit_combine(self, lp: _Open, specs, nprog) -> None:
+    """Second pass: combine the parts' partial accumulators, then finish the loop."""
+    parts = self.split[1]
+    st = lp.stream
+    self.emit(f"# combine the {parts} partial results of split loop {lp.node.loop}")
+    for v in lp.accs:
+      self.emit_acc_init(v, lp)
+    info = {v: (numel, sp) for v, numel, sp in specs}
+
+    def load(v):
+      numel, sp = info[v]
+      t = self.acc_tile[v]
+      base = f"(part * {nprog} + {self.pid_linear()}) * {numel}"
+      return f"tl.load({sp.name}_ptr + {base} + {self.local_offsets(t.order)})"
+
+    maxes = [v for v in lp.accs if isinstance(self.ops[v], ir.Reduction) and self.ops[v].kind == "max"]
+    if maxes:
+      self.emit(f"for part in range(0, {parts}):")
+      self.ind += 1
+      for v in maxes:
+        t = self.acc_tile[v]
+        self.emit(f"{t.var} = tl.maximum({t.var}, {load(v)})")
+      self.ind -= 1
+      for v in maxes:
+        t = self.acc_tile[v]
+        self.emit(f"{t.var}_safe = tl.where({t.var} == float(\"-inf\"), 0.0, {t.var})")
+    rest = [v for v in lp.accs if v not in maxes]
+    if rest:
+      self.emit(f"for part in range(0, {parts}):")
+      self.ind += 1
+      for v in rest:
+        t = self.acc_tile[v]
+        sc = st.accumulator_scale(v) if st else None
+        if sc is not None:
+          mt = self.acc_tile[sc.max]
+          self.emit(f"{mt.var}_prev = {load(sc.max)}")
+          self.emit(f"{t.var} = {t.var} + {load(v)} * {self.alpha_expr(sc, mt, t.order)}")
+        else:
+          self.emit(f"{t.var} = {t.var} + {load(v)}")
+      self.ind -= 1
+    self.close_loop(lp)
+
+  # ------------------------------------------------------------ top level
+  def build(self) -> PrintedKernel:
+    axes, sizes = self.grid_axes()
+    body = self.plan.expr.body
+    scratch: tuple[ScratchSpec, ...] = ()
+    header = [
+        "# Generated by jaxfuse.codegen from a Chain IR region and a plan. Do not edit.",
+        "#",
+    ]
+    header += ["# " + line for line in self.r.to_text().splitlines()]
+    header += ["#", f"# plan: {self.plan}", ""]
+    header += ["import triton", "import triton.language as tl",
+               "from triton.language.extra import libdevice", "", ""]
+    self.in_split_kernel = bool(self.split)
+    self.split_done = False
+    self.split_loop = None
+    if self.split:
+      sl = self.split[0]
+      if not any(isinstance(n, LoopNode) and n.loop == sl for n in body):
+        raise CodegenError(f"split loop {sl} must be a top-level loop of the plan's expression")
+      idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == sl)
+      for n in body[:idx + 1]:
+        if any(s.kind == "S" for s in _stmts(n)):
+          raise CodegenError("a split plan cannot store outputs before or inside the split loop")
+    # Main kernel.
+    self.lines = []
+    self.ind = 1
+    main_lines = self._kernel_body(axes, body, with_split=bool(self.split))
+    combine_lines: list[str] = []
+    combine_name = None
+    combine_grid = None
+    if self.split:
+      specs, nprog = self.scratch_layout(self.split_loop)
+      scratch = tuple(sp for _, _, sp in specs)
+      # Partial stores go at the end of the main kernel.
+      self.lines = []
+      self.ind = 1
+      self.emit_partial_stores(self.split_loop, specs, nprog)
+      main_lines += self.lines
+      # Combine kernel: same program ids without the split axis.
+      self.in_split_kernel = False
+      saved_split = self.split
+      self.split = None
+      c_axes, c_sizes = self.grid_axes()
+      self.split = saved_split
+      self.lines = []
+      self.ind = 1
+      self._reset_state()
+      combine_lines = self._combine_body(c_axes, body, specs, nprog)
+      combine_name = self.name + "_combine"
+      combine_grid = c_sizes
+      # Restore grid counts including the split axis for the main grid.
+      self.grid_axes()
+    src = list(header)
+    extra = [f"{sp.name}_ptr" for sp in scratch]
+    src.append("@triton.jit")
+    sig_main = self.signature(extra) if not self.split else self._split_signature(extra)
+    src.append(f"def {self.name}({sig_main}):")
+    src += main_lines
+    if self.split:
+      src += ["", "", "@triton.jit", f"def {combine_name}({self.signature(extra)}):"]
+      src += combine_lines
+    return PrintedKernel(source="\n".join(src) + "\n", kernel_name=self.name, grid=sizes,
+                         constexprs=self.constexprs(), num_warps=int(self.plan.num_warps),
+                         num_stages=int(self.plan.num_stages), combine_name=combine_name,
+                         combine_grid=combine_grid, scratch=scratch)
+
+  def _split_signature(self, extra) -> str:
+    # The main kernel of a split plan writes only scratch: inputs + scratch.
+    ptrs = [f"{self._sanitize(b.value)}_ptr" for b in self.r.inputs] + list(extra)
+    consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
+    consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
+    return ", ".join(ptrs + consts)
+
+  def _reset_state(self) -> None:
+    self.scopes = [{}]
+    self.names_used = set()
+    self.open = []
+    self.acc_loop = {}
+    self.acc_tile = {}
+    self.scaled = {}
+
+  def _kernel_body(self, axes, body, with_split: bool) -> list[str]:
+    self._reset_state()
+    self.emit_program_ids(axes, with_split)
+    self.emit_loop_indices()
+    n0 = len(self.lines)
+    if with_split:
+      idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == self.split[0])
+      self.walk(body[:idx + 1])    # the rest runs in the combine kernel
+    else:
+      self.walk(body)
+    if len(self.lines) == n0:
+      self.emit("pass")
+    return self.lines
+
+  def _combine_body(self, axes, body, specs, nprog) -> list[str]:
+    self.emit_program_ids(axes, False)
+    self.emit_loop_indices()
+    sl = self.split[0]
+    idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == sl)
+    # Statements before the split loop (loads/computes the rest may read; the
+    # compiler drops the unused ones).
+    self.walk(body[:idx])
+    lp = _Open(body[idx], list(self.split_loop.accs), list(self.split_loop.after),
+               self.info.streamed.get(sl))
+    self.emit_combine(lp, specs, nprog)
+    self.walk(body[idx + 1:])
+    return self.lines
+
+
+def _stmts(node):
+  if isinstance(node, Stmt):
+    yield node
+    return
+  for n in node.body:
+    yield from _stmts(n)
+
+
+def print_kernel(region: ir.Region, plan: Plan, kernel_name: str = "fused_kernel") -> PrintedKernel:
+  """Prints the Triton source of ``plan`` for ``region``.
+
+  Example::
+
+      pk = print_kernel(region, plan)
+      pk.source, pk.grid, pk.constexprs
+  """
+  if not isinstance(region, ir.Region):
+    raise TypeError(f"region must be a jaxfuse.ir.Region, got {type(region).__name__}")
+  if not isinstance(plan, Plan):
+    raise TypeError(f"plan must be a jaxfuse.planner.plan.Plan, got {type(plan).__name__}")
+  return _Printer(region, plan, kernel_name).build()

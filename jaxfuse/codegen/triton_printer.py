@@ -63,6 +63,35 @@ _RESERVED = {"tl", "triton", "libdevice", "range", "float", "int", "min", "max",
 _MAX_AXIS12 = 65535
 
 
+# Math without libdevice, so that the interpreter (which has no libdevice)
+# runs exactly the source the GPU compiles.
+_HELPERS = {
+    "tanh": """def tanh_(x):
+  # sign(x) * (1 - e^{-2|x|}) / (1 + e^{-2|x|}): no overflow for large |x|
+  t = tl.exp(-2.0 * tl.abs(x))
+  r = (1.0 - t) / (1.0 + t)
+  return tl.where(x < 0, -r, r)""",
+    "log1p": """def log1p_(x):
+  # log(u) * x / (u - 1) with u = 1 + x corrects the rounding of 1 + x
+  u = 1.0 + x
+  d = u - 1.0
+  return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))""",
+    "expm1": """def expm1_(x):
+  # (u - 1) * x / log(u) with u = e^x (Kahan); exact for small |x|
+  u = tl.exp(x)
+  lu = tl.log(u)
+  r = tl.where(u == 1.0, x, (u - 1.0) * (x / tl.where(lu == 0.0, 1.0, lu)))
+  return tl.where(u == float("inf"), u, tl.where(x < -40.0, -1.0, r))""",
+    "pow": """def pow_(a, b):
+  # |a|^b with the sign of a for odd integer b; NaN for a < 0 and fractional b
+  r = tl.exp2(b * tl.log2(tl.abs(a)))
+  fb = tl.floor(b)
+  odd = (b - 2.0 * tl.floor(b * 0.5)) == 1.0
+  r = tl.where(a < 0.0, tl.where(fb == b, tl.where(odd, -r, r), float("nan")), r)
+  return tl.where(b == 0.0, 1.0, r)""",
+}
+
+
 def _pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
@@ -118,6 +147,7 @@ class _Printer:
     self.inputs = {b.value: b for b in region.inputs}
     self.outputs = {b.value: b for b in region.outputs}
     self.lines: list[str] = []
+    self.helpers: set[str] = set()
     self.ind = 1
     self.scopes: list[dict[str, _Tile]] = [{}]
     self.names_used: set[str] = set()
@@ -516,13 +546,15 @@ class _Printer:
               "min": "tl.minimum({0}, {1})", "abs": "tl.abs({0})", "exp": "tl.exp({0})",
               "exp2": "tl.exp2({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})",
               "rsqrt": "tl.rsqrt({0})", "square": "({0} * {0})", "erf": "tl.erf({0})",
-              "log1p": "libdevice.log1p({0})", "expm1": "libdevice.expm1({0})",
-              "tanh": "libdevice.tanh({0})", "pow": "libdevice.pow({0}, {1})",
+              "log1p": "log1p_({0})", "expm1": "expm1_({0})",
+              "tanh": "tanh_({0})", "pow": "pow_({0}, {1})",
               "logistic": "(1.0 / (1.0 + tl.exp(-{0})))",
               "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})",
               "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
               "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
               "select": "tl.where({0}, {2}, {1})"}
+    if fn in _HELPERS:
+      self.helpers.add(fn)
     if fn == "sign":
       expr = f"tl.where({A[0]} > 0, 1.0, tl.where({A[0]} < 0, -1.0, 0.0))"
     elif fn == "convert":
@@ -1029,8 +1061,7 @@ class _Printer:
     ]
     header += ["# " + line for line in self.r.to_text().splitlines()]
     header += ["#", f"# plan: {self.plan}", ""]
-    header += ["import triton", "import triton.language as tl",
-               "from triton.language.extra import libdevice", "", ""]
+    header += ["import triton", "import triton.language as tl", "", ""]
     self.in_split_kernel = bool(self.split)
     self.split_done = False
     self.split_loop = None
@@ -1073,6 +1104,8 @@ class _Printer:
       self.grid_axes()
     src = list(header)
     extra = [f"{sp.name}_ptr" for sp in scratch]
+    for h in sorted(self.helpers):
+      src += ["@triton.jit", _HELPERS[h], "", ""]
     src.append("@triton.jit")
     sig_main = self.signature(extra) if not self.split else self._split_signature(extra)
     src.append(f"def {self.name}({sig_main}):")

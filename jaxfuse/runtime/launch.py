@@ -68,6 +68,36 @@ def _torch_dtype(name: str):
           "bool": torch.bool}[name]
 
 
+_bf16_patched = False
+
+
+def _patch_interpreter_bf16_dot() -> None:
+  """Triton's interpreter multiplies bfloat16 dot operands as raw uint16 bits
+  (seen in 3.9); widen them to float32 first. GPU compilation is unaffected."""
+  global _bf16_patched
+  if _bf16_patched:
+    return
+  _bf16_patched = True
+  try:
+    from triton.runtime import interpreter as interp  # pylint: disable=g-import-not-at-top
+    import triton.language as tl  # pylint: disable=g-import-not-at-top
+    builder_cls = type(interp.interpreter_builder)
+    orig = builder_cls.create_dot
+  except Exception:  # pylint: disable=broad-except
+    return
+
+  def widen(h):
+    if h.dtype.scalar == tl.bfloat16 or getattr(h.dtype, "name", "") == "bf16":
+      bits = h.data.astype(np.uint32) << 16
+      return interp.TensorHandle(bits.view(np.float32), tl.float32)
+    return h
+
+  def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    return orig(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+  builder_cls.create_dot = create_dot
+
+
 def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
   """Runs ``kernel`` in Triton's interpreter on NumPy inputs; returns outputs.
 
@@ -99,6 +129,7 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> li
     outs.append(torch.full(tuple(b.shape), fill, dtype=_torch_dtype(dt)))
   scratch = [torch.full((max(s.numel, 1),), float("nan"), dtype=torch.float32)
              for s in kernel.scratch]
+  _patch_interpreter_bf16_dot()
   with interpret_env(True):
     if kernel.combine_fn is None:
       kernel.fn[kernel.grid](*ins, *outs, **kernel.constexprs)

@@ -107,6 +107,12 @@ class StreamingInfo:
   streamed: dict[str, StreamedLoop]
   single_tile: dict[str, str]
 
+  @property
+  def streamable_loops(self) -> frozenset[str]:
+    """Loops along which values may read a running (online) reduction: the
+    planner lets consumers sit inside such a loop while it is reduced."""
+    return frozenset(l for l, s in self.streamed.items() if s.online)
+
   def can_tile(self, loop: str) -> bool:
     """Whether ``loop`` may have several tiles inside a program."""
     return loop not in self.single_tile

@@ -137,3 +137,250 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> li
       kernel.fn[kernel.grid](*ins, *scratch, **kernel.constexprs)
       kernel.combine_fn[kernel.combine_grid](*ins, *scratch, *outs, **kernel.constexprs)
   return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, r.outputs)]
+
+
+# ------------------------------------------------------------ self-check
+# float16: DESIGN.md (measuring section) asks < 2e-3 relative error against a float32
+# reference; bfloat16 has 3 fewer mantissa bits (8x coarser); float32 dots in IEEE.
+_TOL = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-9}
+
+
+def tolerance(region: ir.Region) -> float:
+  """Relative tolerance (max error / max |reference|) for a region's kernel
+  against the float64 IR evaluator: loose enough for the rounding of float16
+  / bfloat16 intermediates, tight enough to catch a wrong kernel."""
+  vm = region.value_map
+  dts = [vm[b.value].dtype for b in region.inputs + region.outputs]
+  return max((_TOL.get(d, 0.0) for d in dts), default=1e-4)
+
+
+def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
+  """Fresh random inputs for a region (normal floats, booleans mostly True)."""
+  rng = np.random.default_rng(seed)
+  vm = region.value_map
+  out = []
+  for b in region.inputs:
+    dt = vm[b.value].dtype
+    if dt == "bool":
+      x = rng.random(b.shape) > 0.2
+    elif dt in ("int32", "int64"):
+      x = rng.integers(-4, 5, size=b.shape)
+    else:
+      x = rng.normal(size=b.shape)
+    out.append(np.asarray(x).astype(ir.np_dtype(dt)))
+  return out
+
+
+def compare(region: ir.Region, outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> float:
+  """Largest relative error over the outputs (inf when NaNs differ)."""
+  worst = 0.0
+  for o, r in zip(outs, refs):
+    o = np.asarray(o).astype(np.float64)
+    r = np.asarray(r).astype(np.float64)
+    if o.shape != r.shape or (np.isnan(o) != np.isnan(r)).any():
+      return float("inf")
+    ok = ~np.isnan(r)
+    if not ok.any():
+      continue
+    scale = max(float(np.abs(r[ok]).max()), 1e-6)
+    worst = max(worst, float(np.abs(o[ok] - r[ok]).max()) / scale)
+  return worst
+
+
+def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list], list],
+               seed: int = 1234) -> None:
+  """Runs the kernel on random inputs against the IR evaluator; raises CodegenError."""
+  xs = random_inputs(kernel.region, seed)
+  outs = runner(kernel, xs)
+  refs = ir.evaluate(kernel.region, xs)
+  err = compare(kernel.region, outs, refs)
+  tol = tolerance(kernel.region)
+  if not err <= tol:
+    raise CodegenError(f"self-check failed: relative error {err:.3g} > {tol:g} for plan {kernel.plan}")
+
+
+# ------------------------------------------------------------ GPU path
+def _jt():
+  import jax_triton  # pylint: disable=g-import-not-at-top  (fails on CPU jaxlib)
+  return jax_triton
+
+
+def _out_shapes(region: ir.Region):
+  import jax  # pylint: disable=g-import-not-at-top
+  vm = region.value_map
+  return [jax.ShapeDtypeStruct(tuple(b.shape), ir.np_dtype(vm[b.value].dtype)) for b in region.outputs]
+
+
+def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
+  """``jax_triton.triton_call`` of a generated kernel (plus its combine pass)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  jt = _jt()
+  kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages, **kernel.constexprs)
+  outs = _out_shapes(kernel.region)
+  if kernel.combine_fn is None:
+    res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw)
+    return list(res) if isinstance(res, (list, tuple)) else [res]
+  scratch_shapes = [jax.ShapeDtypeStruct((max(s.numel, 1),), jnp.float32) for s in kernel.scratch]
+  scratch = jt.triton_call(*args, kernel=kernel.fn, out_shape=scratch_shapes, grid=kernel.grid, **kw)
+  scratch = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
+  res = jt.triton_call(*args, *scratch, kernel=kernel.combine_fn, out_shape=outs,
+                       grid=kernel.combine_grid, **kw)
+  return list(res) if isinstance(res, (list, tuple)) else [res]
+
+
+def _run_on_gpu(kernel: GeneratedKernel, xs: list) -> list[np.ndarray]:
+  import jax  # pylint: disable=g-import-not-at-top
+  fn = jax.jit(lambda *a: triton_launch(kernel, a))
+  return [np.asarray(o) for o in jax.block_until_ready(fn(*xs))]
+
+
+# ------------------------------------------------------------ selection
+def _candidate_plans(region: ir.Region, plan) -> list:
+  if plan is not None:
+    return list(plan) if isinstance(plan, (list, tuple)) else [plan]
+  try:
+    from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise CodegenError(f"no planner available: {e}") from e
+  res = plan_region(region)
+  ranked = list(getattr(res, "ranked", ()) or ())
+  if not ranked and getattr(res, "best", None) is not None:
+    ranked = [res.best]
+  if not ranked:
+    raise CodegenError(f"planner found no plan: {getattr(res, 'why_not', None)}")
+  return ranked
+
+
+def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
+                  check: bool = True) -> GeneratedKernel:
+  """The first plan (best first) whose kernel generates, compiles and passes
+  the numerical self-check; CodegenError with every reason when none does."""
+  if backend not in ("triton", "interpret"):
+    raise ValueError(f"backend must be 'triton' or 'interpret', got {backend!r}")
+  interpret = backend == "interpret"
+  runner = run_interpreted if interpret else _run_on_gpu
+  reasons = []
+  for p in plans:
+    key = (region.signature(), str(p), backend)
+    with _lock:
+      hit = _kernels.get(key)
+    if isinstance(hit, GeneratedKernel):
+      return hit
+    if isinstance(hit, Exception):
+      reasons.append(f"{p}: {hit}")
+      continue
+    try:
+      k = generate(region, p, interpret=interpret)
+      if check:
+        self_check(k, runner)
+    except Exception as e:  # pylint: disable=broad-except  (compile errors, smem overflow, ...)
+      err = e if isinstance(e, CodegenError) else CodegenError(f"{type(e).__name__}: {str(e)[:500]}")
+      logging.info("jaxfuse: plan dropped (%s): %s", p, err)
+      with _lock:
+        _kernels[key] = err
+      reasons.append(f"{p}: {err}")
+      continue
+    with _lock:
+      _kernels[key] = k
+    return k
+  raise CodegenError("no plan produced a working kernel: " + " | ".join(reasons)[:2000])
+
+
+def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton",
+               plan=None, check: bool = True) -> list[Any]:
+  """Runs ``region`` on ``args`` (jax arrays or tracers) through a generated kernel.
+
+  ``plan``: a Plan (or a ranked list) to use instead of the planner's. The
+  kernel that survives the fallback chain is cached per region and backend.
+  Raises CodegenError (the caller then runs the original ops).
+
+  Example::
+
+      f = jax.jit(lambda q, k, v: fused_call(region, [q, k, v], backend="interpret"))
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if not isinstance(region, ir.Region):
+    raise TypeError(f"region must be a jaxfuse.ir.Region, got {type(region).__name__}")
+  if len(args) != len(region.inputs):
+    raise ValueError(f"args: region takes {len(region.inputs)} inputs, got {len(args)}")
+  key = (region.signature(), backend, None if plan is None else str(plan))
+  with _lock:
+    k = _chosen.get(key)
+  if k is None:
+    k = select_kernel(region, _candidate_plans(region, plan), backend=backend, check=check)
+    with _lock:
+      _chosen[key] = k
+  if backend == "triton":
+    return triton_launch(k, args)
+  shapes = _out_shapes(region)
+
+  def host(*xs):
+    return tuple(run_interpreted(k, [np.asarray(x) for x in xs]))
+
+  try:
+    res = jax.pure_callback(host, tuple(shapes), *args, vmap_method="sequential")
+  except TypeError:  # older jax: no vmap_method
+    res = jax.pure_callback(host, tuple(shapes), *args)
+  return list(res)
+
+
+# ------------------------------------------------------------ measurement
+def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
+                  reps: int = 20) -> list[float]:
+  """Seconds per launch of each plan's kernel on the GPU (MCFuser Alg. 1's
+  measured top-n step). Plans that fail to compile, launch or pass the
+  self-check, and plans left when the budget runs out, get ``inf``.
+
+  Uses ``triton.testing.do_bench`` (CUDA events) on torch CUDA tensors when
+  torch has CUDA, else wall time of the jitted jax-triton call.
+  """
+  if budget_s is None:
+    from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+    budget_s = config.tune_budget_s
+  t_end = time.perf_counter() + budget_s
+  xs = random_inputs(region, seed=7)
+  out = []
+  for p in plans:
+    if time.perf_counter() > t_end:
+      out.append(float("inf"))
+      continue
+    try:
+      k = select_kernel(region, [p], backend="triton", check=True)
+      out.append(_time_kernel(k, xs, reps))
+    except Exception as e:  # pylint: disable=broad-except
+      logging.info("jaxfuse: measuring %s failed: %s", p, e)
+      out.append(float("inf"))
+  return out
+
+
+def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callable[[Sequence[Any]], list[float]]:
+  """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``."""
+  return lambda plans: measure_plans(region, plans, budget_s=budget_s)
+
+
+def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+    cuda = torch.cuda.is_available()
+  except ImportError:
+    cuda = False
+  if cuda and k.combine_fn is None:
+    import triton  # pylint: disable=g-import-not-at-top
+    ins = [_to_torch(x).cuda() for x in xs]
+    vm = k.region.value_map
+    outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device="cuda")
+            for b in k.region.outputs]
+    fn = lambda: k.fn[k.grid](*ins, *outs, num_warps=k.num_warps, num_stages=k.num_stages,
+                              **k.constexprs)
+    return float(triton.testing.do_bench(fn, warmup=5, rep=max(reps, 5))) * 1e-3
+  import jax  # pylint: disable=g-import-not-at-top
+  f = jax.jit(lambda *a: triton_launch(k, a))
+  dev = [jax.device_put(x) for x in xs]
+  jax.block_until_ready(f(*dev))
+  ts = []
+  for _ in range(max(reps, 3)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*dev))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))

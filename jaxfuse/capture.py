@@ -1,0 +1,722 @@
+"""Capture: find fusible chains of contractions in a jaxpr and rewrite them.
+
+A *region* is a linear chain of two or more ``dot_general``s (float16,
+bfloat16 or float32), each consuming the previous one's output through cheap
+ops (scale, bias, casts, masks incl. causal masks from iota, activations, row
+reductions forming softmax, layout ops), plus the pointwise epilogue of the
+last contraction and the pointwise/layout prologue of its other operands.
+Regions are expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold
+into the index maps of the region's input/output buffers.
+
+Capture inlines ``pjit``/``closed_call`` for analysis, looks through
+``custom_jvp_call``/``custom_vjp_call`` (a call a region does not absorb whole
+is re-emitted as the original call, keeping its custom rule) and recurses
+into the bodies of ``remat``, ``scan``, ``cond`` and ``while`` (regions there
+are rewritten inside the bodies).
+
+Example::
+
+    closed = jax.make_jaxpr(attention)(q, k, v)
+    for r in find_regions(closed):
+      print(r.path or "<top>", r.source)
+      print(r.region)                        # the Chain IR
+    new = rewrite(closed, lambda cap, *xs: None)   # None: keep the original ops
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from jaxfuse import ir
+from jaxfuse.capture_flat import (
+    CUSTOM_CALLS, INLINE_CALLS, ClosedJaxpr, FVar, Item, Level, bind_eqn,
+    flatten, hoist_consts, is_lit, trace)
+from jaxfuse.capture_ir import (
+    CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS,
+    Reject, build_region)
+
+__all__ = ["CapturedRegion", "find_regions", "rewrite"]
+
+# Limits that keep analysis linear-ish on big programs.
+_MAX_REACH = 512       # items explored forward/backward from one contraction
+_MAX_PROLOGUE = 64     # prologue items pulled into one region
+_MAX_BARRIER_ROUNDS = 32
+
+
+@dataclasses.dataclass
+class CapturedRegion:
+  """One fusible region found in a jaxpr.
+
+  Attributes:
+    region: the Chain IR (inputs/outputs in operand order).
+    jaxpr: the region's original ops as a ClosedJaxpr: takes the inputs in
+      ``region.inputs`` order, returns the outputs in ``region.outputs`` order.
+    source: ``file:line`` of the first contraction, or "".
+    path: where it was found, e.g. ``"scan/body"``; "" for the top level.
+
+  Example::
+
+    [r] = find_regions(jax.make_jaxpr(lambda a, b, d: (a @ b) @ d)(a, b, d))
+    r.region.einsum_summary()     # 'mk,kn->mn ; mn,nh->mh'
+  """
+  region: ir.Region
+  jaxpr: ClosedJaxpr
+  source: str
+  path: str
+
+
+# --------------------------------------------------------------------------
+# Level analysis
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class _Found:
+  chain: list            # dot items
+  items: list            # all item indices in the region (sorted)
+  removed: set           # item indices replaced by the region
+  inputs: list           # FVars
+  outputs: list          # FVars
+  region: ir.Region
+  captured: CapturedRegion | None = None
+
+
+def _dtype(a) -> str:
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return np.dtype(a.aval.dtype).name
+
+
+def _is_dot(it: Item) -> bool:
+  if it.prim != "dot_general" or len(it.invars) != 2:
+    return False
+  if any(is_lit(a) for a in it.invars):
+    return False
+  return (all(_dtype(a) in CONTRACTION_DTYPES for a in it.invars)
+          and _dtype(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
+
+
+def _is_cheap(it: Item) -> bool:
+  return it.prim in PRIMITIVES and it.prim != "dot_general"
+
+
+class _LevelAnalysis:
+  """Finds the regions of one flattened level."""
+
+  def __init__(self, lvl: Level):
+    self.lvl = lvl
+    self.items = lvl.items
+    self._const_like: dict[int, bool] = {}
+
+  # ---- reachability -------------------------------------------------------
+  def fwd(self, d: Item) -> tuple[set, dict]:
+    """Cheap items reachable from ``d``'s outputs, and the dots they reach
+    (dot idx -> operand positions reached)."""
+    seen: set[int] = set()
+    fvars = set(d.outvars)
+    stack = list(d.outvars)
+    dots: dict[int, set] = {}
+    while stack:
+      v = stack.pop()
+      for c in self.lvl.consumers.get(v, ()):
+        if c.idx in seen:
+          continue
+        if _is_dot(c):
+          dots.setdefault(c.idx, set())
+          continue
+        if _is_cheap(c) and len(seen) < _MAX_REACH:
+          seen.add(c.idx)
+          fvars.update(c.outvars)
+          stack.extend(c.outvars)
+    reached = {}
+    for x in dots:
+      pos = {p for p in (0, 1) if self.items[x].invars[p] in fvars}
+      reached[x] = pos
+    return seen, reached
+
+  def bwd(self, atom) -> set:
+    seen: set[int] = set()
+    stack = [atom]
+    while stack:
+      a = stack.pop()
+      if not isinstance(a, FVar):
+        continue
+      p = self.lvl.producer.get(a)
+      if p is None or p.idx in seen or not _is_cheap(p) or len(seen) >= _MAX_REACH:
+        continue
+      seen.add(p.idx)
+      stack.extend(p.invars)
+    return seen
+
+  # ---- chains ------------------------------------------------------------
+  def chains(self) -> list[list[Item]]:
+    dots = [it for it in self.items if _is_dot(it)]
+    if len(dots) < 2:
+      return []
+    fwd = {d.idx: self.fwd(d) for d in dots}
+    incoming: dict[int, list] = {}
+    for d in dots:
+      seen, reached = fwd[d.idx]
+      for x, pos in sorted(reached.items()):
+        if len(pos) != 1:
+          continue
+        p = next(iter(pos))
+        mids = seen & self.bwd(self.items[x].invars[p])
+        trivial = all(self.items[i].prim in LAYOUT_PRIMS
+                      or self.items[i].prim == "convert_element_type" for i in mids)
+        incoming.setdefault(x, []).append((d.idx, trivial))
+    pred: dict[int, int] = {}
+    for x, cands in incoming.items():
+      if len(cands) == 1:
+        pred[x] = cands[0][0]
+      else:
+        nontrivial = [c for c, t in cands if not t]
+        if len(nontrivial) == 1:
+          pred[x] = nontrivial[0]
+    succ: dict[int, int] = {}
+    for x in sorted(pred):
+      succ.setdefault(pred[x], x)
+    pred = {x: d for d, x in succ.items()}
+    chains = []
+    for d in dots:
+      if d.idx in pred or d.idx not in succ:
+        continue
+      ch = [d]
+      while ch[-1].idx in succ:
+        ch.append(self.items[succ[ch[-1].idx]])
+      chains.append(ch)
+    self._fwd = fwd
+    return chains
+
+  # ---- candidate regions --------------------------------------------------
+  def const_like(self, a, depth: int = 0) -> bool:
+    """Literals, scalars and values computed from them and iotas alone."""
+    if is_lit(a) or len(a.aval.shape) == 0:
+      return True
+    p = self.lvl.producer.get(a)
+    if p is None:
+      return False
+    if p.idx in self._const_like:
+      return self._const_like[p.idx]
+    ok = False
+    if depth < 16 and (p.prim == "iota" or (
+        (p.prim in POINTWISE_PRIMS or p.prim in LAYOUT_PRIMS)
+        and all(self.const_like(x, depth + 1) for x in p.invars))):
+      ok = True
+    self._const_like[p.idx] = ok
+    return ok
+
+  def prologue_ok(self, p: Item, removed_mask: int) -> bool:
+    if not _is_cheap(p) or p.prim in REDUCE_PRIMS:
+      return False
+    if self.lvl.anc[p.idx] & removed_mask:
+      return False
+    if p.prim in LAYOUT_PRIMS or p.prim in ("convert_element_type", "iota"):
+      return True
+    big = [a for a in p.invars if not self.const_like(a)]
+    return len(big) <= 1
+
+  def candidate(self, chain: list[Item], epilogue: str) -> _Found:
+    lvl = self.lvl
+    removed: set[int] = {d.idx for d in chain}
+    for d, x in zip(chain, chain[1:]):
+      seen, reached = self._fwd[d.idx]
+      pos = reached.get(x.idx, set())
+      if len(pos) != 1:
+        raise Reject("chain link lost")
+      p = next(iter(pos))
+      removed |= seen & self.bwd(x.invars[p])
+    # Epilogue: pointwise/layout consumers of the last contraction.
+    if epilogue != "none":
+      tail = {chain[-1].idx}
+      stack = list(chain[-1].outvars)
+      allowed = PRIMITIVES - REDUCE_PRIMS - {"dot_general", "iota"}
+      if epilogue == "pointwise":
+        allowed = allowed - {"broadcast_in_dim"}
+      while stack:
+        v = stack.pop()
+        for c in sorted(lvl.consumers.get(v, ()), key=lambda c: c.idx):
+          if c.idx in removed or c.prim not in allowed:
+            continue
+          ok = True
+          rmask = sum(1 << i for i in removed)
+          for a in c.invars:
+            if not isinstance(a, FVar):
+              continue
+            q = lvl.producer.get(a)
+            if q is None:
+              continue
+            if q.idx in removed:
+              if q.idx not in tail:
+                ok = False
+            elif lvl.anc[q.idx] & rmask:
+              ok = False
+          if ok:
+            removed.add(c.idx)
+            tail.add(c.idx)
+            stack.extend(c.outvars)
+    removed_mask = sum(1 << i for i in removed)
+    # Prologue: cheap producers of the other operands.
+    members = set(removed)
+    stack = [self.items[i] for i in sorted(removed)]
+    while stack:
+      it = stack.pop()
+      for a in it.invars:
+        if not isinstance(a, FVar):
+          continue
+        p = lvl.producer.get(a)
+        if p is None or p.idx in members:
+          continue
+        if len(members) - len(removed) < _MAX_PROLOGUE and self.prologue_ok(p, removed_mask):
+          members.add(p.idx)
+          stack.append(p)
+    order = sorted(members)
+    inputs: list[FVar] = []
+    produced = set()
+    for i in order:
+      it = self.items[i]
+      for a in it.invars:
+        if isinstance(a, FVar) and a not in produced and a not in inputs:
+          q = lvl.producer.get(a)
+          if q is not None and (q.idx in removed or lvl.anc[q.idx] & removed_mask):
+            raise Reject("the region is not convex (an input depends on it)")
+          inputs.append(a)
+      produced.update(it.outvars)
+    outputs: list[FVar] = []
+    for i in sorted(removed):
+      for o in self.items[i].outvars:
+        if o in lvl.out_set or any(c.idx not in removed for c in lvl.consumers.get(o, ())):
+          outputs.append(o)
+    if not outputs:
+      raise Reject("the region's results are unused")
+    region = build_region([self.items[i] for i in order], inputs, outputs, chain)
+    return _Found(chain, order, removed, inputs, outputs, region)
+
+  def regions(self) -> list[_Found]:
+    found: list[_Found] = []
+    taken: set[int] = set()
+
+    def attempt(chain: list[Item]):
+      n = len(chain)
+      for length in range(n, 1, -1):
+        for start in range(n - length + 1):
+          sub = chain[start:start + length]
+          f = None
+          why = None
+          for epi in ("all", "pointwise", "none"):
+            try:
+              f = self.candidate(sub, epi)
+              break
+            except Reject as e:
+              why = str(e)
+          if f is None:
+            logging.vlog(1, "jaxfuse capture: chain of %d contractions at eqn %d "
+                         "left to XLA: %s", len(sub), sub[0].idx, why)
+            continue
+          if f.removed & taken:
+            continue
+          taken.update(f.removed)
+          found.append(f)
+          attempt(chain[:start])
+          attempt(chain[start + length:])
+          return
+
+    for ch in self.chains():
+      attempt(ch)
+    found.sort(key=lambda f: f.chain[0].idx)
+    return found
+
+
+def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
+  """Custom-call groups that a region cuts: they must become opaque."""
+  bad = set()
+  for key, g in lvl.groups.items():
+    gi = set(g.items)
+    if not gi:
+      continue
+    for f in found:
+      s = set(f.items)
+      if (gi & s and not gi <= s) or (gi & f.removed and not gi <= f.removed):
+        bad.add(key)
+  return bad
+
+
+def _analyze(closed: ClosedJaxpr, path: str) -> tuple[Level, list[_Found]]:
+  opaque: frozenset = frozenset()
+  for _ in range(_MAX_BARRIER_ROUNDS):
+    lvl = flatten(closed, opaque)
+    found = _LevelAnalysis(lvl).regions()
+    bad = _laminar_violations(lvl, found)
+    if not bad:
+      break
+    opaque = opaque | bad
+  else:  # pragma: no cover - pathological nesting
+    return flatten(closed, opaque), []
+  for f in found:
+    f.captured = CapturedRegion(f.region, _region_jaxpr(lvl, f), _source(f.chain[0]), path)
+  return lvl, found
+
+
+def _source(it: Item) -> str:
+  try:
+    from jax.extend import source_info_util  # pylint: disable=import-outside-toplevel
+    s = source_info_util.summarize(it.eqn.source_info)
+  except Exception:  # pragma: no cover - API moved
+    return ""
+  s = s.split(" (")[0]
+  parts = s.rsplit(":", 2)
+  if len(parts) == 3 and parts[1].isdigit():
+    return f"{parts[0]}:{parts[1]}"
+  return s
+
+
+# --------------------------------------------------------------------------
+# Emission
+# --------------------------------------------------------------------------
+
+def _join(path: str, sub: str) -> str:
+  return sub if not path else f"{path}/{sub}"
+
+
+def _read(env: dict, a):
+  if is_lit(a):
+    return a.val
+  if isinstance(a, FVar) and a.is_const:
+    return env.get(a, a.const)
+  return env[a]
+
+
+class _Emitter:
+  """Re-emits a level by binding primitives inside a jax.make_jaxpr trace."""
+
+  def __init__(self, lvl: Level, found: Sequence[_Found], bind_region, path: str):
+    self.lvl = lvl
+    self.found = list(found)
+    self.bind_region = bind_region
+    self.path = path
+    self.changed = False
+
+  # -- items and groups --------------------------------------------------
+  def emit_item(self, it: Item, env: dict, original: bool = False) -> None:
+    invals = [_read(env, a) for a in it.invars]
+    params = None
+    if not original:
+      invals, params = self._rewrite_bodies(it, invals)
+    outs = bind_eqn(it.eqn, invals, params)
+    for o, v in zip(it.outvars, outs):
+      env[o] = v
+
+  def _rewrite_bodies(self, it: Item, invals: list):
+    p = it.params
+    prim = it.prim
+    bind = self.bind_region
+    if prim == "scan":
+      body, ch = _rewrite_closed(p["jaxpr"], bind, _join(self.path, "scan/body"))
+      if not ch:
+        return invals, None
+      self.changed = True
+      body, consts = hoist_consts(body)
+      params = dict(p, jaxpr=body, num_consts=p["num_consts"] + len(consts))
+      if "linear" in p:
+        params["linear"] = (False,) * len(consts) + tuple(p["linear"])
+      return list(consts) + invals, params
+    if prim == "while":
+      cj, c1 = _rewrite_closed(p["cond_jaxpr"], bind, _join(self.path, "while/cond"))
+      bj, c2 = _rewrite_closed(p["body_jaxpr"], bind, _join(self.path, "while/body"))
+      if not (c1 or c2):
+        return invals, None
+      self.changed = True
+      cj, cc = hoist_consts(cj)
+      bj, bc = hoist_consts(bj)
+      nc, nb = p["cond_nconsts"], p["body_nconsts"]
+      new_in = (list(cc) + invals[:nc] + list(bc) + invals[nc:nc + nb] + invals[nc + nb:])
+      params = dict(p, cond_jaxpr=cj, body_jaxpr=bj, cond_nconsts=nc + len(cc),
+                    body_nconsts=nb + len(bc))
+      return new_in, params
+    if prim == "cond":
+      branches = p["branches"]
+      res = [_rewrite_closed(b, bind, _join(self.path, f"cond/branch{i}"))
+             for i, b in enumerate(branches)]
+      if not any(ch for _, ch in res):
+        return invals, None
+      self.changed = True
+      all_consts: list = []
+      offsets = []
+      for b, _ in res:
+        offsets.append((len(all_consts), len(b.consts)))
+        all_consts.extend(b.consts)
+      from jaxfuse.capture_flat import _aval_of, eval_jaxpr  # pylint: disable=import-outside-toplevel
+      const_avals = [_aval_of(c) for c in all_consts]
+      op_avals = [v.aval for v in branches[0].jaxpr.invars]
+      nall = len(all_consts)
+      new_branches = []
+      for (b, _), (off, n) in zip(res, offsets):
+        jx = b.jaxpr
+        new_branches.append(trace(
+            lambda *a, jx=jx, off=off, n=n: eval_jaxpr(jx, a[off:off + n], *a[nall:]),
+            const_avals + op_avals))
+      params = dict(p, branches=tuple(new_branches))
+      return [invals[0]] + all_consts + invals[1:], params
+    if prim in ("remat2", "checkpoint", "remat"):
+      body, ch = _rewrite_closed(ClosedJaxpr(p["jaxpr"], ()), bind, _join(self.path, "remat"))
+      if not ch:
+        return invals, None
+      self.changed = True
+      body, consts = hoist_consts(body)
+      return list(consts) + invals, dict(p, jaxpr=body.jaxpr)
+    if prim in CUSTOM_CALLS and "call_jaxpr" in p:
+      body, ch = _rewrite_closed(p["call_jaxpr"], bind, _join(self.path, prim))
+      if not ch:
+        return invals, None
+      self.changed = True
+      return invals, dict(p, call_jaxpr=body)
+    return invals, None
+
+  def emit_group(self, key, env: dict, original: bool = False) -> None:
+    g = self.lvl.groups[key]
+    invals = [_read(env, a) for a in g.invars]
+    if original:
+      outs = bind_eqn(g.eqn, invals)
+    else:
+      call = g.eqn.params["call_jaxpr"]
+      before = self.changed
+      self.changed = False
+
+      def inner(*args):
+        ienv = {}
+        for a, v in zip(g.invars, args):
+          if isinstance(a, FVar):
+            ienv[a] = v
+        self.emit_seq(g.items, ienv, key)
+        return [_read(ienv, a) for a in g.outs]
+
+      new_call = trace(inner, call.in_avals)
+      inner_changed = self.changed
+      self.changed = before or inner_changed
+      if inner_changed:
+        outs = bind_eqn(g.eqn, invals, dict(g.eqn.params, call_jaxpr=new_call))
+      else:
+        outs = bind_eqn(g.eqn, invals)
+    for a, v in zip(g.outs, outs):
+      if isinstance(a, FVar) and not a.is_const:
+        env[a] = v
+
+  def emit_seq(self, idxs: Sequence[int], env: dict, parent, original: bool = False) -> None:
+    """Emits items in order; items of a sub-group become one group call."""
+    done = set()
+    for i in idxs:
+      it = self.lvl.items[i]
+      gs = it.groups
+      if parent is None:
+        child = gs[0] if gs else None
+      else:
+        k = gs.index(parent)
+        child = gs[k + 1] if k + 1 < len(gs) else None
+      if child is None:
+        self.emit_item(it, env, original)
+      elif child not in done:
+        done.add(child)
+        self.emit_group(child, env, original)
+
+  # -- regions -------------------------------------------------------------
+  def emit_region(self, f: _Found, env: dict) -> None:
+    invals = [_read(env, a) for a in f.inputs]
+    res = self.bind_region(f.captured, *invals)
+    if res is None:
+      renv = dict(zip(f.inputs, invals))
+      self.emit_seq(f.items, renv, None, original=True)
+      res = [renv[o] for o in f.outputs]
+    else:
+      res = list(res)
+      if len(res) != len(f.outputs):
+        raise ValueError(f"bind_region returned {len(res)} outputs, the region has "
+                         f"{len(f.outputs)}")
+      self.changed = True
+    for o, v in zip(f.outputs, res):
+      env[o] = v
+
+  # -- the level -----------------------------------------------------------
+  def emit_level(self, env: dict) -> None:
+    lvl = self.lvl
+    removed = set()
+    for f in self.found:
+      removed |= f.removed
+    units = []  # (pos, kind, payload, ins, outs, effects)
+    seen_groups = set()
+    for it in lvl.items:
+      if it.idx in removed:
+        continue
+      if it.groups:
+        key = it.groups[0]
+        if key in seen_groups:
+          continue
+        seen_groups.add(key)
+        g = lvl.groups[key]
+        units.append((it.idx, "group", key, list(g.invars),
+                      [a for a in g.outs if isinstance(a, FVar)], bool(g.eqn.effects)))
+      else:
+        units.append((it.idx, "item", it, list(it.invars), list(it.outvars),
+                      bool(it.eqn.effects)))
+    for f in self.found:
+      units.append((max(f.removed), "region", f, list(f.inputs), list(f.outputs), False))
+    prod = {}
+    for u, unit in enumerate(units):
+      for o in unit[4]:
+        prod.setdefault(o, u)
+    # Liveness: keep only units whose results are needed (or have effects).
+    live = set()
+    work = [prod[a] for a in lvl.outvars if isinstance(a, FVar) and a in prod]
+    work += [u for u, unit in enumerate(units) if unit[5]]
+    while work:
+      u = work.pop()
+      if u in live:
+        continue
+      live.add(u)
+      for a in units[u][3]:
+        if isinstance(a, FVar) and a in prod and prod[a] not in live:
+          work.append(prod[a])
+    # Kahn's algorithm, original order first.
+    deps = {u: {prod[a] for a in units[u][3] if isinstance(a, FVar) and a in prod
+                and prod[a] != u} for u in live}
+    users: dict[int, list] = {}
+    for u, ds in deps.items():
+      for d in ds:
+        users.setdefault(d, []).append(u)
+    pending = {u: len(ds) for u, ds in deps.items()}
+    heap = [(units[u][0], u) for u, n in pending.items() if n == 0]
+    heapq.heapify(heap)
+    emitted = 0
+    while heap:
+      _, u = heapq.heappop(heap)
+      pos, kind, payload, *_ = units[u]
+      if kind == "item":
+        self.emit_item(payload, env)
+      elif kind == "group":
+        self.emit_group(payload, env)
+      else:
+        self.emit_region(payload, env)
+      emitted += 1
+      for w in users.get(u, ()):
+        pending[w] -= 1
+        if pending[w] == 0:
+          heapq.heappush(heap, (units[w][0], w))
+    if emitted != len(live):  # pragma: no cover - would be a capture bug
+      raise RuntimeError("jaxfuse capture: cyclic schedule")
+
+
+def _region_jaxpr(lvl: Level, f: _Found) -> ClosedJaxpr:
+  em = _Emitter(lvl, [], None, "")
+
+  def fn(*args):
+    env = dict(zip(f.inputs, args))
+    em.emit_seq(f.items, env, None, original=True)
+    return [env[o] for o in f.outputs]
+
+  return trace(fn, [v.aval for v in f.inputs])
+
+
+def _count_dots(jaxpr, limit: int = 2) -> int:
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      n += 1
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, ClosedJaxpr):
+          n += _count_dots(sub.jaxpr, limit)
+        elif type(sub).__name__ == "Jaxpr":
+          n += _count_dots(sub, limit)
+    if n >= limit:
+      return n
+  return n
+
+
+def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str) -> tuple[ClosedJaxpr, bool]:
+  if _count_dots(closed.jaxpr) < 2:
+    return closed, False
+  lvl, found = _analyze(closed, path)
+  em = _Emitter(lvl, found, bind_region, path)
+
+  def fn(*args):
+    env = dict(zip(lvl.invars, args))
+    em.emit_level(env)
+    return [_read(env, a) for a in lvl.outvars]
+
+  new = trace(fn, [v.aval for v in closed.jaxpr.invars])
+  if not em.changed:
+    return closed, False
+  return new, True
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+def find_regions(closed_jaxpr: ClosedJaxpr) -> list[CapturedRegion]:
+  """Returns every fusible region of ``closed_jaxpr``, nested bodies included.
+
+  Example::
+
+    closed = jax.make_jaxpr(lambda a, b, d: (a @ b) @ d)(a, b, d)
+    [r] = find_regions(closed)
+    print(r.region)
+  """
+  if not isinstance(closed_jaxpr, ClosedJaxpr):
+    raise TypeError(f"find_regions: closed_jaxpr must be a ClosedJaxpr, got "
+                    f"{type(closed_jaxpr).__name__}")
+  out: list[CapturedRegion] = []
+  _collect(closed_jaxpr, "", out)
+  return out
+
+
+def _collect(closed: ClosedJaxpr, path: str, out: list) -> None:
+  if _count_dots(closed.jaxpr) < 2:
+    return
+  lvl, found = _analyze(closed, path)
+  out.extend(f.captured for f in found)
+  for it in lvl.items:
+    p = it.params
+    if it.prim == "scan":
+      _collect(p["jaxpr"], _join(path, "scan/body"), out)
+    elif it.prim == "while":
+      _collect(p["cond_jaxpr"], _join(path, "while/cond"), out)
+      _collect(p["body_jaxpr"], _join(path, "while/body"), out)
+    elif it.prim == "cond":
+      for i, b in enumerate(p["branches"]):
+        _collect(b, _join(path, f"cond/branch{i}"), out)
+    elif it.prim in ("remat2", "checkpoint", "remat"):
+      _collect(ClosedJaxpr(p["jaxpr"], ()), _join(path, "remat"), out)
+    elif it.prim in CUSTOM_CALLS and "call_jaxpr" in p:
+      _collect(p["call_jaxpr"], _join(path, it.prim), out)
+
+
+def rewrite(closed_jaxpr: ClosedJaxpr,
+            bind_region: Callable[..., Sequence[Any] | None]) -> ClosedJaxpr:
+  """Returns ``closed_jaxpr`` with each region replaced by ``bind_region``.
+
+  ``bind_region(captured, *inputs)`` is called while tracing the new jaxpr,
+  with the region's inputs (tracers) in ``captured.region.inputs`` order; it
+  returns the outputs (``captured.region.outputs`` order) or None to keep the
+  region's original ops. Regions inside scan/while/cond/remat bodies and
+  custom-derivative calls are rewritten inside those bodies. When no
+  region is replaced, ``closed_jaxpr`` itself is returned.
+
+  Example::
+
+    new = rewrite(jax.make_jaxpr(f)(x), lambda cap, *xs: my_prim.bind(*xs, region=cap.region))
+  """
+  if not isinstance(closed_jaxpr, ClosedJaxpr):
+    raise TypeError(f"rewrite: closed_jaxpr must be a ClosedJaxpr, got "
+                    f"{type(closed_jaxpr).__name__}")
+  if not callable(bind_region):
+    raise TypeError("rewrite: bind_region must be callable")
+  try:
+    new, _ = _rewrite_closed(closed_jaxpr, bind_region, "")
+  except Exception as e:  # pylint: disable=broad-except
+    # Never break the user's program: keep the original ops.
+    logging.warning("jaxfuse capture: rewrite failed, regions left to XLA (%s: %s)",
+                    type(e).__name__, e, exc_info=True)
+    return closed_jaxpr
+  return new

@@ -1,0 +1,281 @@
+"""Flat view of a jaxpr for capture: calls inlined, variables renamed.
+
+Capture analyses one "level" of a program at a time: the equations of a
+jaxpr with every ``pjit``/``closed_call`` inlined and every
+``custom_jvp_call``/``custom_vjp_call`` looked through (recorded as a
+*group*, so that it can be re-emitted as the original call, custom rule and
+all, when no region absorbs it). Bodies of ``scan``, ``while``, ``cond`` and
+``remat`` are separate levels, analysed recursively.
+
+Because the same inner jaxpr object can be called from several places (a
+jitted helper called twice), every inlined instance gets fresh variables:
+``FVar`` objects, one per value of the level.
+
+Example::
+
+    level = flatten(jax.make_jaxpr(f)(x))
+    for item in level.items:
+      print(item.idx, item.prim, item.groups)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+try:  # jax >= 0.4.30
+  from jax.extend import core as jex_core
+except ImportError:  # pragma: no cover
+  from jax import core as jex_core  # type: ignore
+
+Literal = jex_core.Literal
+Var = jex_core.Var
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+
+# Call primitives that are plain function calls: inlined for analysis and
+# emission (jax 0.10 prints pjit as "jit").
+INLINE_CALLS = ("pjit", "jit", "closed_call", "core_call")
+# Calls with a custom differentiation rule: looked through for analysis,
+# re-emitted as the original call unless a region absorbs them whole.
+CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                "custom_lin")
+
+_ids = itertools.count()
+
+
+class FVar:
+  """A value of a flattened level. ``const`` holds the array of a closed-over
+  constant (None otherwise)."""
+  __slots__ = ("aval", "id", "const", "is_const")
+
+  def __init__(self, aval, const: Any = None, is_const: bool = False):
+    self.aval = aval
+    self.id = next(_ids)
+    self.const = const
+    self.is_const = is_const
+
+  def __repr__(self):
+    return f"%{self.id}:{self.aval.str_short() if hasattr(self.aval, 'str_short') else self.aval}"
+
+
+Atom = Any  # FVar | Literal
+
+
+def is_lit(a) -> bool:
+  return isinstance(a, Literal)
+
+
+@dataclasses.dataclass(eq=False)
+class Item:
+  """One primitive equation of a level (never a pjit; maybe a custom call
+  that was made opaque)."""
+  idx: int
+  eqn: Any
+  invars: list
+  outvars: list
+  groups: tuple  # keys of enclosing (non-opaque) custom-call groups, outermost first
+
+  @property
+  def prim(self) -> str:
+    return self.eqn.primitive.name
+
+  @property
+  def params(self) -> dict:
+    return self.eqn.params
+
+
+@dataclasses.dataclass(eq=False)
+class Group:
+  """A custom_jvp/custom_vjp call looked through at this level."""
+  key: tuple
+  eqn: Any
+  invars: list   # call-site atoms
+  outs: list     # atoms (inner outputs, renamed)
+  items: list = dataclasses.field(default_factory=list)  # item indices, contiguous
+  parent: tuple | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Level:
+  invars: list
+  constvars: list
+  outvars: list
+  items: list
+  groups: dict
+
+  # -- derived maps (built lazily) -----------------------------------------
+  def build_maps(self) -> None:
+    self.producer: dict[FVar, Item] = {}
+    self.consumers: dict[FVar, list[Item]] = {}
+    for it in self.items:
+      for o in it.outvars:
+        self.producer[o] = it
+      for a in it.invars:
+        if isinstance(a, FVar):
+          self.consumers.setdefault(a, []).append(it)
+    self.out_set = {a for a in self.outvars if isinstance(a, FVar)}
+    # Ancestor bitsets: bit j set when item j feeds item i (transitively).
+    anc = []
+    for it in self.items:
+      m = 0
+      for a in it.invars:
+        p = self.producer.get(a) if isinstance(a, FVar) else None
+        if p is not None:
+          m |= anc[p.idx] | (1 << p.idx)
+      anc.append(m)
+    self.anc = anc
+
+  def group_items(self, key) -> set[int]:
+    return set(self.groups[key].items)
+
+
+def _sub_closed(eqn) -> ClosedJaxpr:
+  p = eqn.params
+  j = p.get("jaxpr", p.get("call_jaxpr", p.get("fun_jaxpr")))
+  if isinstance(j, ClosedJaxpr):
+    return j
+  return ClosedJaxpr(j, ())
+
+
+def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
+  """Flattens ``closed`` into a Level; custom calls whose key is in
+  ``opaque`` stay single items."""
+  items: list[Item] = []
+  groups: dict[tuple, Group] = {}
+  jaxpr = closed.jaxpr
+  env: dict = {}
+  invars = [FVar(v.aval) for v in jaxpr.invars]
+  constvars = [FVar(v.aval, c, True) for v, c in zip(jaxpr.constvars, closed.consts)]
+  env.update(zip(jaxpr.invars, invars))
+  env.update(zip(jaxpr.constvars, constvars))
+
+  def read(e, a):
+    return a if is_lit(a) else e[a]
+
+  def walk(jx, e, gpath: tuple, keypath: tuple):
+    for i, eqn in enumerate(jx.eqns):
+      name = eqn.primitive.name
+      key = keypath + (i,)
+      invals = [read(e, a) for a in eqn.invars]
+      if name in INLINE_CALLS or (name in CUSTOM_CALLS and key not in opaque
+                                  and "call_jaxpr" in eqn.params):
+        inner = _sub_closed(eqn)
+        ie: dict = {}
+        for v, c in zip(inner.jaxpr.constvars, inner.consts):
+          ie[v] = FVar(v.aval, c, True)
+        for v, a in zip(inner.jaxpr.invars, invals):
+          ie[v] = a
+        if name in CUSTOM_CALLS:
+          g = Group(key, eqn, invals, [], [], gpath[-1] if gpath else None)
+          groups[key] = g
+          start = len(items)
+          walk(inner.jaxpr, ie, gpath + (key,), key)
+          g.items = list(range(start, len(items)))
+          g.outs = [read(ie, a) for a in inner.jaxpr.outvars]
+        else:
+          walk(inner.jaxpr, ie, gpath, key)
+        outs = [read(ie, a) for a in inner.jaxpr.outvars]
+        for v, o in zip(eqn.outvars, outs):
+          if not _is_drop(v):
+            e[v] = o
+        continue
+      outs = [FVar(v.aval) for v in eqn.outvars]
+      for v, o in zip(eqn.outvars, outs):
+        if not _is_drop(v):
+          e[v] = o
+      items.append(Item(len(items), eqn, invals, outs, gpath))
+
+  walk(jaxpr, env, (), ())
+  outvars = [read(env, a) for a in jaxpr.outvars]
+  lvl = Level(invars, constvars, outvars, items, groups)
+  lvl.build_maps()
+  return lvl
+
+
+def _is_drop(v) -> bool:
+  return type(v).__name__ == "DropVar"
+
+
+# --------------------------------------------------------------------------
+# Emission helpers
+# --------------------------------------------------------------------------
+
+def spec_of(aval) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                              weak_type=bool(getattr(aval, "weak_type", False)))
+
+
+def bind_eqn(eqn, invals: Sequence, params: dict | None = None) -> list:
+  """Binds ``eqn``'s primitive on ``invals`` (like jax.core.eval_jaxpr)."""
+  params = eqn.params if params is None else params
+  bp = eqn.primitive.get_bind_params(params)
+  if isinstance(bp, tuple):  # older jax: (subfuns, params)
+    subfuns, bind_params = bp
+  else:
+    subfuns, bind_params = (), bp
+  with _source_context(eqn):
+    out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _source_context(eqn):
+  """Keeps the equation's source location on the re-emitted equation, so
+  that regions found in rewritten bodies still report file:line."""
+  try:
+    from jax._src import source_info_util as siu  # pylint: disable=import-outside-toplevel
+    return siu.user_context(eqn.source_info.traceback,
+                            name_stack=siu.current_name_stack() + eqn.source_info.name_stack)
+  except Exception:  # pragma: no cover - internal API moved
+    return contextlib.nullcontext()
+
+
+def eval_jaxpr(jaxpr, consts: Sequence, *args) -> list:
+  """Evaluates an open jaxpr by binding its equations (traceable)."""
+  env: dict = {}
+
+  def read(a):
+    return a.val if is_lit(a) else env[a]
+
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    outs = bind_eqn(eqn, [read(a) for a in eqn.invars])
+    for v, o in zip(eqn.outvars, outs):
+      if not _is_drop(v):
+        env[v] = o
+  return [read(a) for a in jaxpr.outvars]
+
+
+def trace(fn: Callable, avals: Sequence) -> ClosedJaxpr:
+  """``jax.make_jaxpr(fn)`` over abstract values (weak types kept)."""
+  return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])
+
+
+def hoist_consts(closed: ClosedJaxpr, in_avals: Sequence | None = None
+                 ) -> tuple[ClosedJaxpr, list]:
+  """Returns an equivalent ClosedJaxpr without consts that takes the consts as
+  leading arguments, and the consts."""
+  consts = list(closed.consts)
+  if not consts:
+    return closed, []
+  n = len(consts)
+  jx = closed.jaxpr
+  const_avals = [_aval_of(c) for c in consts]
+  in_avals = list(in_avals) if in_avals is not None else [v.aval for v in jx.invars]
+  new = trace(lambda *a: eval_jaxpr(jx, a[:n], *a[n:]), const_avals + in_avals)
+  assert not new.consts, "hoisting left consts behind"
+  return new, consts
+
+
+def _aval_of(x):
+  try:
+    return jax.core.get_aval(x)
+  except Exception:  # pragma: no cover
+    a = np.asarray(x)
+    return jax.core.ShapedArray(a.shape, a.dtype)

@@ -1,0 +1,216 @@
+"""Generated Triton kernels, run in Triton's interpreter, against the IR evaluator.
+
+Every kernel runs on fresh random inputs with NaN-poisoned outputs (so an
+element the kernel forgets to write fails) and is compared in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxfuse import ir
+from jaxfuse.codegen import CodegenError, generate, testing as T
+from jaxfuse.ir import Contraction, Elementwise, Literal, Value, Region
+from jaxfuse.planner import tiling
+from jaxfuse.planner.plan import Plan
+from jaxfuse.runtime import launch
+
+
+def run_and_check(region, plan, seed=0, tol=None):
+  k = generate(region, plan, interpret=True)
+  xs = launch.random_inputs(region, seed)
+  outs = launch.run_interpreted(k, xs)
+  refs = ir.evaluate(region, xs)
+  err = launch.compare(region, outs, refs)
+  tol = launch.tolerance(region) if tol is None else tol
+  assert err <= tol, f"relative error {err:.3g} > {tol:g}\nplan: {plan}\n{k.source}"
+  return k
+
+
+# ----------------------------------------------------------------- GEMM chains
+GEMM = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
+
+GEMM_PLANS = [
+    (("b", "m"), [("n", [("k", [])])], dict(b=1, m=16, n=16, k=16)),        # deep n(k)
+    (("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64)),                 # K in one tile
+    (("b", "m", "h"), [("n", [("k", [])])], dict(b=1, m=16, n=16, k=16, h=16)),  # 2nd grid loop
+    (("b", "m"), [], dict(b=1, m=32, n=64, k=64, h=32)),                    # everything in tiles
+    (("b",), [("m", [("n", [("k", [])])])], dict(b=1, m=32, n=32, k=32)),   # m sequential
+    (("m", "b"), [("n", [])], dict(b=1, m=4, n=16, k=64, h=32)),            # tiny m: no tl.dot
+    (("b", "m"), [("n", [])], dict(b=1, m=1, n=8, k=64, h=32)),             # m scalar
+    (("b", "m"), [("k", [])], dict(b=1, m=16, n=64, k=16, h=32)),           # only k sequential
+]
+
+
+@pytest.mark.parametrize("grid,tree,tiles", GEMM_PLANS)
+def test_gemm_chain_plans(grid, tree, tiles):
+  run_and_check(GEMM, T.simple_plan(GEMM, grid, tree, tiles))
+
+
+def test_gemm_chain_plans_from_planner_placement():
+  """Every skeleton the planner can place at these tiles generates a correct kernel."""
+  tiles = dict(b=1, m=16, n=16, k=16, h=16)
+  placed = 0
+  for sk in tiling.enumerate_skeletons(GEMM):
+    try:
+      expr = tiling.place(GEMM, sk, tiles, grid=("b", "m"))
+    except Exception:  # pylint: disable=broad-except  (the planner rejects it)
+      continue
+    plan = Plan(expr=expr, grid=("b", "m"), tiles=tuple((l.name, tiles[l.name]) for l in GEMM.loops))
+    run_and_check(GEMM, plan)
+    placed += 1
+  assert placed >= 1
+
+
+def test_plan_shows_up_in_source():
+  k = generate(GEMM, T.simple_plan(GEMM, ("b", "m"), [("n", [("k", [])])], dict(b=1, m=16, n=16, k=16)),
+               interpret=True)
+  src = k.source
+  assert "for start_n in range(0, N, BLOCK_N):" in src
+  assert "    for start_k in range(0, K, BLOCK_K):" in src
+  assert "acc_E = tl.dot(" in src and "tl.program_id(1)" in src
+  assert k.grid == (3, 2) and k.constexprs["BLOCK_M"] == 16
+
+
+def test_transposed_operands_and_unaligned_dims():
+  r = T.gemm_chain(M=77, N=200, K=24, H=80, B=1, transpose_b=True, transpose_d=True)
+  run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=32, n=64)))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gemm_chain_dtypes(dtype):
+  r = T.gemm_chain(M=33, N=48, K=32, H=16, dtype=dtype)
+  run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
+
+
+def test_size_one_dims():
+  r = T.gemm_chain(M=1, N=48, K=1, H=5, B=3, transpose_b=True, dtype="float16")
+  run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
+  run_and_check(r, T.simple_plan(r, ("b",), [("n", [])], dict(b=1, m=1, n=16, k=1, h=8)))
+
+
+def test_split_reduction_gemm_chain():
+  plan = T.simple_plan(GEMM, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64), split=("n", 3))
+  k = run_and_check(GEMM, plan)
+  assert k.combine_fn is not None and k.scratch and "part * " in k.source
+
+
+# ------------------------------------------------------------------ attention
+@pytest.mark.parametrize("bias,mask,causal", [(False, False, False), (True, False, False),
+                                              (False, True, False), (False, False, True),
+                                              (True, True, True)])
+def test_attention_streamed(bias, mask, causal):
+  r = T.attention(M=40, N=72, D=24, B=2, heads=2, bias=bias, mask=mask, causal=causal)
+  k = run_and_check(r, T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16)))
+  assert "mx_prev" in k.source          # online softmax
+  if causal:
+    assert "tl.minimum(N, (pid_m + 1) * BLOCK_M)" in k.source   # tiles above the diagonal skipped
+
+
+def test_attention_plans():
+  r = T.attention(M=33, N=40, D=16, B=1, heads=2, causal=True, bias=True)
+  g = ("b", "g", "m")
+  run_and_check(r, T.simple_plan(r, g, [], dict(b=1, g=1, m=16)))                    # n in one tile
+  run_and_check(r, T.simple_plan(r, ("b", "g"), [("m", [("n", [])])], dict(b=1, g=1, m=16, n=16)))
+  run_and_check(r, T.simple_plan(r, g, [("n", [("d", [])])], dict(b=1, g=1, m=16, n=16, d=8)))
+  run_and_check(r, T.simple_plan(r, g, [("n", [])], dict(b=1, g=1, m=1, n=16)))      # one row
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_attention_unaligned_head_dim_80(dtype):
+  r = T.attention(M=77, N=200, D=80, heads=1, causal=True, dtype=dtype)
+  k = run_and_check(r, T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=32, n=64)))
+  assert k.constexprs["BLOCK_D"] == 128
+
+
+def test_split_attention_combines_max_sum_and_acc():
+  r = T.attention(M=24, N=80, D=16, causal=True, mask=True)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16), split=("n", 3))
+  k = run_and_check(r, plan)
+  assert "part_mx_ptr" in k.source and "part_l_ptr" in k.source
+
+
+# ------------------------------------------------------------------------ MLP
+@pytest.mark.parametrize("acts,dtype", [(("gelu", "silu"), "float32"), (("tanh", "relu"), "float16"),
+                                        (("relu", "gelu"), "bfloat16")])
+def test_mlp_three_gemms(acts, dtype):
+  r = T.mlp(M=37, dims=(24, 80, 40, 16), acts=acts, dtype=dtype)
+  run_and_check(r, T.simple_plan(r, ("m",), [], dict(m=16)))
+  run_and_check(r, T.simple_plan(r, ("m",), [("k0", [])], dict(m=16, k0=16)))
+
+
+# ----------------------------------------------------- every elementwise fn
+def _fn_region(fn: str) -> Region:
+  """C = A@B; X = fn(C[, 0.7]) (as float); E = X@D."""
+  f = "float32"
+  base = T.gemm_chain(M=16, N=16, K=8, H=16)
+  arity = ir.ELEMENTWISE_FNS[fn][0]
+  lo = ("b", "m", "n")
+  vals = list(base.values)
+  ops = [base.ops[0]]
+  boolean = fn in ("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not")
+  if fn in ("and", "or", "not"):
+    vals += [Value("P", lo, "bool"), Value("Y", lo, "bool")]
+    ops.append(Elementwise("P", "gt", ("C", Literal(0.5, f))))
+    args = ("P",) if arity == 1 else ("P", "P")
+    ops.append(Elementwise("Y", fn, args))
+  elif fn == "select":
+    vals += [Value("P", lo, "bool"), Value("Y", lo, f)]
+    ops += [Elementwise("P", "gt", ("C", Literal(0.5, f))),
+            Elementwise("Y", "select", ("P", "C", Literal(-1.0, f)))]
+  else:
+    vals.append(Value("Y", lo, "bool" if boolean else f))
+    args = ("C",) if arity == 1 else ("C", Literal(0.7, f))
+    ops.append(Elementwise("Y", fn, args))
+  if boolean:
+    vals.append(Value("Yf", lo, f))
+    ops.append(Elementwise("Yf", "convert", ("Y",)))
+    y = "Yf"
+  else:
+    y = "Y"
+  ops.append(Contraction("E", y, "D", ("n",)))
+  return Region(base.loops, tuple(vals), base.inputs, base.outputs, tuple(ops))
+
+
+@pytest.mark.parametrize("fn", sorted(ir.ELEMENTWISE_FNS))
+def test_every_elementwise_fn(fn):
+  r = _fn_region(fn)
+  k = generate(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)), interpret=True)
+  rng = np.random.default_rng(5)
+  # Positive inputs keep log/sqrt/pow in their domain; values cross 0.7 and 0.5.
+  xs = [rng.uniform(0.05, 0.5, size=b.shape).astype(np.float32) for b in r.inputs]
+  outs = launch.run_interpreted(k, xs)
+  refs = ir.evaluate(r, xs)
+  assert launch.compare(r, outs, refs) <= 2e-5
+
+
+# ------------------------------------------------------------------ fallback
+def test_broken_plan_falls_back_to_next():
+  good = T.simple_plan(GEMM, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  # k has several tiles but no place in the plan: cannot be generated.
+  broken = Plan(expr=good.expr, grid=good.grid, tiles=tuple((l, 16 if l == "k" else t) for l, t in good.tiles))
+  with pytest.raises(CodegenError, match="neither"):
+    generate(GEMM, broken)
+  k = launch.select_kernel(GEMM, [broken, good], backend="interpret")
+  assert k.plan is good
+  with pytest.raises(CodegenError, match="no plan produced a working kernel"):
+    launch.select_kernel(GEMM, [broken], backend="interpret")
+
+
+def test_numerical_self_check_rejects_wrong_kernel():
+  plan = T.simple_plan(GEMM, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  k = generate(GEMM, plan, interpret=True)
+
+  def wrong(kernel, xs):
+    return [o * 1.01 for o in launch.run_interpreted(kernel, xs)]
+
+  with pytest.raises(CodegenError, match="self-check"):
+    launch.self_check(k, wrong)
+  launch.self_check(k, launch.run_interpreted)
+
+
+def test_rule2_plan_rejected_clearly():
+  plan = T.simple_plan(GEMM, ("b", "m"), [("n", [("k", []), ("h", [])])], dict(b=1, m=16, n=16, k=16, h=16))
+  with pytest.raises(CodegenError, match="partial tiles"):
+    generate(GEMM, plan)

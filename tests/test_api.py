@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -237,14 +238,13 @@ def test_static_argnums_and_argnames():
 def test_donate_argnums_and_argnames():
   a, b, d = _rand(13, (8, 16), (16, 12), (12, 4))
   want = jax.jit(gemm_chain)(a, b, d)
-  import warnings
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # CPU cannot always use donated buffers
     got1 = api.jit(gemm_chain, donate_argnums=(0,))(a + 0, b, d)
     got2 = api.jit(gemm_chain, donate_argnames=("d",))(a, b, d + 0)
+    lowered = api.jit(gemm_chain, donate_argnums=(0,)).lower(a, b, d)
   np.testing.assert_array_equal(np.asarray(got1), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got2), np.asarray(want))
-  lowered = api.jit(gemm_chain, donate_argnums=(0,)).lower(a, b, d)
   assert lowered.args_info[0][0].donated
 
 

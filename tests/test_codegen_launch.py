@@ -1,0 +1,76 @@
+"""fused_call inside jax.jit (interpreter backend) and property tests over shapes and plans."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from jaxfuse import ir
+from jaxfuse.codegen import generate, testing as T
+from jaxfuse.runtime import launch
+
+
+def test_fused_call_inside_jit_interpret():
+  r = T.attention(M=24, N=40, D=16, heads=2, causal=True)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16))
+  xs = launch.random_inputs(r, seed=11)
+  f = jax.jit(lambda *a: launch.fused_call(r, list(a), backend="interpret", plan=plan))
+  (out,) = f(*xs)
+  assert out.shape == tuple(r.outputs[0].shape) and out.dtype == np.float32
+  assert launch.compare(r, [np.asarray(out)], ir.evaluate(r, xs)) <= 1e-5
+  # The chosen kernel is reused for the same signature.
+  (out2,) = f(*launch.random_inputs(r, seed=12))
+  assert np.isfinite(np.asarray(out2)).all()
+
+
+def test_fused_call_rejects_bad_args():
+  r = T.gemm_chain(M=16, N=16, K=16, H=16)
+  try:
+    launch.fused_call(r, [1, 2], backend="interpret")
+  except ValueError as e:
+    assert "args" in str(e)
+  else:  # pragma: no cover
+    raise AssertionError("expected ValueError")
+
+
+_tile = st.sampled_from([1, 4, 16, 32])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(M=st.integers(1, 40), N=st.integers(1, 40), K=st.integers(1, 24), H=st.integers(1, 24),
+       tm=_tile, tn=st.sampled_from([4, 16, 32]), tk=st.sampled_from([16, 32]),
+       order=st.sampled_from(["n(k)", "n", "k", "-", "hn(k)"]),
+       dtype=st.sampled_from(["float32", "float16"]))
+def test_gemm_chain_property(M, N, K, H, tm, tn, tk, order, dtype):
+  r = T.gemm_chain(M=M, N=N, K=K, H=H, dtype=dtype)
+  tiles = dict(b=1, m=tm, n=tn, k=tk, h=16)
+  grid = ("b", "m")
+  tree = {"n(k)": [("n", [("k", [])])], "n": [("n", [])], "k": [("k", [])], "-": [],
+          "hn(k)": [("n", [("k", [])])]}[order]
+  if order == "hn(k)":
+    grid = ("b", "m", "h")
+  # Loops left out of the tree must fit one tile.
+  for l in ("n", "k"):
+    if l not in order:
+      tiles[l] = T._next_pow2(r.extent(l))  # pylint: disable=protected-access
+  if order != "hn(k)":
+    tiles["h"] = T._next_pow2(H)  # pylint: disable=protected-access
+  k = generate(r, T.simple_plan(r, grid, tree, tiles), interpret=True)
+  xs = launch.random_inputs(r, seed=M * 1000 + N)
+  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r), (err, k.plan)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(M=st.integers(1, 40), N=st.integers(1, 48), D=st.sampled_from([8, 16, 24]),
+       tm=st.sampled_from([1, 16, 32]), tn=st.sampled_from([16, 32]),
+       causal=st.booleans(), split=st.sampled_from([None, 2]))
+def test_attention_property(M, N, D, tm, tn, causal, split):
+  r = T.attention(M=M, N=N, D=D, causal=causal)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn),
+                       split=("n", split) if split else None)
+  k = generate(r, plan, interpret=True)
+  xs = launch.random_inputs(r, seed=M * 100 + N)
+  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r), (err, plan)

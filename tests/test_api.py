@@ -554,3 +554,17 @@ def test_interpret_backend_uses_fused_call_when_it_works(monkeypatch):
   np.testing.assert_array_equal(np.asarray(api.jit(fn)(*args)),
                                 np.asarray(jax.jit(fn)(*args)))
   assert not calls
+
+
+def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):
+  # Whatever state planner/codegen are in, the answer is right and at most one
+  # fallback line is logged per region.
+  monkeypatch.setattr(primitive, "_warned", set())
+  a, b, d = _rand(24, (24, 16), (16, 32), (32, 8))
+  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+    got = api.jit(gemm_chain)(a, b, d)
+    got = api.jit(lambda *x: gemm_chain(*x))(a, b, d)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(gemm_chain)(a, b, d)),
+                             rtol=2e-3, atol=2e-3)
+  lines = [r for r in caplog.records if "runs its original ops" in r.getMessage()]
+  assert len(lines) <= 1

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Sequence
 
 import jax
@@ -291,6 +292,9 @@ def _bind_captured(captured, *xs):
                       why)
     return None
   name = captured.region.name
+  source = getattr(captured, "source", "") or ""
+  if source:  # a label for printed jaxprs and log lines: where the chain is
+    name = f"{name}@{os.path.basename(source)}"
   return bind_region(captured.region, captured.jaxpr, *xs, name=name)
 
 

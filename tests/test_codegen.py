@@ -214,3 +214,25 @@ def test_rule2_plan_rejected_clearly():
   plan = T.simple_plan(GEMM, ("b", "m"), [("n", [("k", []), ("h", [])])], dict(b=1, m=16, n=16, k=16, h=16))
   with pytest.raises(CodegenError, match="partial tiles"):
     generate(GEMM, plan)
+
+
+def test_batched_dot_and_broadcast_operand():
+  """Heads as a tile dim (3-D tl.dot), a split reshape as strides, an operand
+  broadcast over heads (stride 0), no grid at all."""
+  from jaxfuse.ir import Buffer, Loop  # pylint: disable=g-import-not-at-top
+  M, H, Dd, N = 3, 2, 4, 5
+  f = "float32"
+  r = Region((Loop("m", M), Loop("h", H), Loop("d", Dd), Loop("n", N)),
+             (Value("x", ("h", "m", "d"), f), Value("y", ("h", "n", "d"), f),
+              Value("s", ("h", "m", "n"), f), Value("z", ("h", "n", "d"), f),
+              Value("o", ("h", "m", "d"), f)),
+             (Buffer("x", (M, H * Dd), (("h", Dd), ("m", H * Dd), ("d", 1))),
+              Buffer("y", (N, Dd), (("n", Dd), ("d", 1))),
+              Buffer("z", (N, H * Dd), (("h", Dd), ("n", H * Dd), ("d", 1)))),
+             (Buffer("o", (H, M, Dd), (("h", M * Dd), ("m", Dd), ("d", 1))),),
+             (Contraction("s", "x", "y", ("d",)), Contraction("o", "s", "z", ("n",))))
+  k = run_and_check(r, T.simple_plan(r, (), [], dict(h=2, m=16, n=16, d=16)))
+  assert "tl.broadcast_to(" in k.source and k.grid == (1,)
+  run_and_check(r, T.simple_plan(r, ("h",), [], dict(h=1, m=16, n=16, d=16)))
+  g = T.gemm_chain(M=40, N=48, K=40, H=24, B=3)
+  run_and_check(g, T.simple_plan(g, ("m",), [("n", [])], dict(b=4, m=16, n=16, k=64)))

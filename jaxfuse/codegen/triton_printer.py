@@ -337,6 +337,7 @@ class _Printer:
     if self.split:
       counts["__split__"] = self.split[1]
     allx = extra + loops     # outermost first; the split axis outermost
+    self.grid_counts = counts
     if not allx:
       return [], (1,)
     rev = list(reversed(allx))

@@ -245,8 +245,12 @@ def inspect(fun: Callable, *args: Any, device: Any = None,
   notes: list[str] = []
   target = _unwrap(fun)
   fname = getattr(target, "__name__", type(target).__name__)
-  closed = _trace(target, args, kwargs)
-  found = capture.find_regions(closed)
+  closed = _trace(target, args, kwargs)  # bad input: jax's own error
+  try:
+    found = capture.find_regions(closed)
+  except Exception as e:  # pylint: disable=broad-except
+    notes.append(f"capture failed ({_err(e)}): the function would run unfused")
+    found = []
   spec, devices = _device(device, notes)
   dev_name = getattr(spec, "name", None) if spec is not None else None
 

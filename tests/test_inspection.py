@@ -157,3 +157,20 @@ def test_nested_region_path():
   assert len(rep.regions) == 1
   assert rep.regions[0].path  # found inside the scan body
   np.testing.assert_equal(rep.regions[0].flops, 2 * 64 * 48 * 32 + 2 * 64 * 48 * 16)
+
+
+def test_capture_failure_is_a_note(monkeypatch):
+  from jaxfuse import capture
+
+  def boom(*a, **k):
+    raise RuntimeError("capture exploded")
+
+  monkeypatch.setattr(capture, "find_regions", boom)
+  rep = inspection.inspect(gemm_chain, *_g1())
+  assert rep.regions == [] and any("capture exploded" in n for n in rep.notes)
+
+
+def test_bad_input_gets_jax_error():
+  a, b, d = _g1()
+  with pytest.raises(TypeError):
+    inspection.inspect(gemm_chain, a, d, b)

@@ -321,10 +321,14 @@ else:  # pragma: no cover - older jax
 def _pp_rule(eqn, context, settings):
   """Prints the region's name and einsum instead of its whole sub-jaxpr."""
   from jax._src import core as _core  # pylint: disable=g-import-not-at-top
-  region = eqn.params["region"]
-  params = {"name": eqn.params["name"], "einsum": region.einsum_summary(),
-            "loops": ",".join(f"{l.name}={l.extent}" for l in region.loops)}
-  return _core._pp_eqn(eqn.replace(params=params), context, settings)  # pylint: disable=protected-access
+  try:
+    region = eqn.params["region"]
+    params = {"name": eqn.params["name"], "einsum": region.einsum_summary(),
+              "loops": ",".join(f"{l.name}={l.extent}" for l in region.loops)}
+    return _core._pp_eqn(eqn.replace(params=params), context, settings)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except
+    # A jax whose printer changed: print the equation the default way.
+    return _core._pp_eqn(eqn, context, settings)  # pylint: disable=protected-access
 
 
 try:

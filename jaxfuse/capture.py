@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -78,9 +79,12 @@ class _Found:
   chain: list            # dot items
   items: list            # all item indices in the region (sorted)
   removed: set           # item indices replaced by the region
-  inputs: list           # FVars
+  inputs: list           # FVars, one per input buffer
+  input_src: list        # the level's FVar each input reads (repeats allowed)
   outputs: list          # FVars
   region: ir.Region
+  sub_items: dict = dataclasses.field(default_factory=dict)   # idx -> Item reading inputs
+  group_invars: dict = dataclasses.field(default_factory=dict)  # custom call -> its args
   captured: CapturedRegion | None = None
 
 
@@ -218,7 +222,7 @@ class _LevelAnalysis:
     big = [a for a in p.invars if not self.const_like(a)]
     return len(big) <= 1
 
-  def candidate(self, chain: list[Item], epilogue: str) -> _Found:
+  def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool) -> _Found:
     lvl = self.lvl
     removed: set[int] = {d.idx for d in chain}
     for d, x in zip(chain, chain[1:]):
@@ -273,17 +277,51 @@ class _LevelAnalysis:
           members.add(p.idx)
           stack.append(p)
     order = sorted(members)
-    inputs: list[FVar] = []
     produced = set()
     for i in order:
-      it = self.items[i]
-      for a in it.invars:
-        if isinstance(a, FVar) and a not in produced and a not in inputs:
+      for a in self.items[i].invars:
+        if isinstance(a, FVar) and a not in produced:
           q = lvl.producer.get(a)
           if q is not None and (q.idx in removed or lvl.anc[q.idx] & removed_mask):
             raise Reject("the region is not convex (an input depends on it)")
-          inputs.append(a)
-      produced.update(it.outvars)
+      produced.update(self.items[i].outvars)
+    # Region inputs. With split_inputs, one buffer per use (per item operand,
+    # or per argument of a custom call absorbed whole): the same array read
+    # through different index maps (e.g. (x @ w) @ w) must not force its
+    # loops equal. The region's jaxpr reads each use from its own input.
+    inputs: list[FVar] = []
+    input_src: list[FVar] = []
+    alias: dict = {}
+
+    def use(a, key):
+      if key not in alias:
+        alias[key] = FVar(a.aval) if split_inputs else a
+        inputs.append(alias[key])
+        input_src.append(a)
+      return alias[key]
+
+    def internal(a) -> bool:
+      p = lvl.producer.get(a)
+      return p is not None and p.idx in members
+
+    sub_items: dict[int, Item] = {}
+    group_invars: dict = {}
+    for i in order:
+      it = self.items[i]
+      g = it.groups[0] if it.groups else None
+      if g is not None and g not in group_invars:
+        group_invars[g] = [
+            use(a, (g, a) if split_inputs else a)
+            if isinstance(a, FVar) and not internal(a) else a
+            for a in lvl.groups[g].invars]
+      nv = []
+      for pos, a in enumerate(it.invars):
+        if isinstance(a, FVar) and not internal(a):
+          key = a if not split_inputs else ((g, a) if g is not None else (i, pos))
+          nv.append(use(a, key))
+        else:
+          nv.append(a)
+      sub_items[i] = Item(it.idx, it.eqn, nv, it.outvars, it.groups)
     outputs: list[FVar] = []
     for i in sorted(removed):
       for o in self.items[i].outvars:
@@ -291,8 +329,10 @@ class _LevelAnalysis:
           outputs.append(o)
     if not outputs:
       raise Reject("the region's results are unused")
-    region = build_region([self.items[i] for i in order], inputs, outputs, chain)
-    return _Found(chain, order, removed, inputs, outputs, region)
+    region = build_region([sub_items[i] for i in order], inputs, outputs,
+                          [sub_items[d.idx] for d in chain])
+    return _Found(chain, order, removed, inputs, input_src, outputs, region,
+                  sub_items, group_invars)
 
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
@@ -305,9 +345,9 @@ class _LevelAnalysis:
           sub = chain[start:start + length]
           f = None
           why = None
-          for epi in ("all", "pointwise", "none"):
+          for epi, split in itertools.product(("all", "pointwise", "none"), (False, True)):
             try:
-              f = self.candidate(sub, epi)
+              f = self.candidate(sub, epi, split)
               break
             except Reject as e:
               why = str(e)
@@ -474,9 +514,11 @@ class _Emitter:
       return invals, dict(p, call_jaxpr=body)
     return invals, None
 
-  def emit_group(self, key, env: dict, original: bool = False) -> None:
+  def emit_group(self, key, env: dict, original: bool = False,
+                 found: _Found | None = None) -> None:
     g = self.lvl.groups[key]
-    invals = [_read(env, a) for a in g.invars]
+    args = found.group_invars[key] if found is not None else g.invars
+    invals = [_read(env, a) for a in args]
     if original:
       outs = bind_eqn(g.eqn, invals)
     else:
@@ -503,8 +545,10 @@ class _Emitter:
       if isinstance(a, FVar) and not a.is_const:
         env[a] = v
 
-  def emit_seq(self, idxs: Sequence[int], env: dict, parent, original: bool = False) -> None:
-    """Emits items in order; items of a sub-group become one group call."""
+  def emit_seq(self, idxs: Sequence[int], env: dict, parent, original: bool = False,
+               found: _Found | None = None) -> None:
+    """Emits items in order; items of a sub-group become one group call.
+    Within a region (``found``), items read the region's input aliases."""
     done = set()
     for i in idxs:
       it = self.lvl.items[i]
@@ -515,18 +559,18 @@ class _Emitter:
         k = gs.index(parent)
         child = gs[k + 1] if k + 1 < len(gs) else None
       if child is None:
-        self.emit_item(it, env, original)
+        self.emit_item(found.sub_items[i] if found is not None else it, env, original)
       elif child not in done:
         done.add(child)
-        self.emit_group(child, env, original)
+        self.emit_group(child, env, original, found if parent is None else None)
 
   # -- regions -------------------------------------------------------------
   def emit_region(self, f: _Found, env: dict) -> None:
-    invals = [_read(env, a) for a in f.inputs]
+    invals = [_read(env, a) for a in f.input_src]
     res = self.bind_region(f.captured, *invals)
     if res is None:
       renv = dict(zip(f.inputs, invals))
-      self.emit_seq(f.items, renv, None, original=True)
+      self.emit_seq(f.items, renv, None, original=True, found=f)
       res = [renv[o] for o in f.outputs]
     else:
       res = list(res)
@@ -560,7 +604,7 @@ class _Emitter:
         units.append((it.idx, "item", it, list(it.invars), list(it.outvars),
                       bool(it.eqn.effects)))
     for f in self.found:
-      units.append((max(f.removed), "region", f, list(f.inputs), list(f.outputs), False))
+      units.append((max(f.removed), "region", f, list(f.input_src), list(f.outputs), False))
     prod = {}
     for u, unit in enumerate(units):
       for o in unit[4]:
@@ -611,7 +655,7 @@ def _region_jaxpr(lvl: Level, f: _Found) -> ClosedJaxpr:
 
   def fn(*args):
     env = dict(zip(f.inputs, args))
-    em.emit_seq(f.items, env, None, original=True)
+    em.emit_seq(f.items, env, None, original=True, found=f)
     return [env[o] for o in f.outputs]
 
   return trace(fn, [v.aval for v in f.inputs])

@@ -448,10 +448,17 @@ class _Builder:
         for d in ax:
           for l in leaves(d):
             self.ext[l.name] = l.ext
+    # Size-1 loops that only an input's own shape carries (e.g. the axis that
+    # x[0] slices away) are dropped from that input: index 0 is implied.
+    carriers: dict[str, int] = {}
+    for var, axl in self.axes.items():
+      for name in {l.name for ax in axl for d in ax for l in leaves(d) if l.ext == 1}:
+        carriers[name] = carriers.get(name, 0) + 1
+    shared_unit = {n for n, c in carriers.items() if c > 1}
     in_bufs = []
     for i, v in enumerate(self.inputs):
       dt = _dtype_name(v.aval.dtype)
-      loops = self.loops_of(v)
+      loops = [l for l in self.loops_of(v) if self.ext[l] != 1 or l in shared_unit]
       name = self.fresh("x", loops, dt)
       self.val[v] = name
       in_bufs.append(ir.Buffer(name, tuple(v.aval.shape), self._strides(v, loops)))
@@ -672,4 +679,21 @@ def build_region(items: Sequence[Item], inputs: Sequence[FVar], outputs: Sequenc
   region = b.emit()
   if len(region.contractions) < 2:
     raise Reject("fewer than two contractions")
+  _check_reduced_loops_stay_reduced(region)
   return region
+
+
+def _check_reduced_loops_stay_reduced(region: ir.Region) -> None:
+  """A loop a contraction reduces must not index anything computed from its
+  result (as in (x @ w) @ w.T read through one buffer): the planner treats
+  a loop as either reduced or kept downstream of the op that reduces it."""
+  downstream: dict[str, set] = {}
+  for op in region.ops:
+    gone = set()
+    for a in op.inputs:
+      gone |= downstream.get(a, set())
+    if gone & set(region.value(op.out).loops):
+      raise Reject("a reduced loop is reused downstream")
+    if isinstance(op, ir.Contraction):
+      gone = gone | set(op.reduce)
+    downstream[op.out] = gone

@@ -1,0 +1,426 @@
+"""Capture: which regions are found (loops, extents, paths) and rewrite."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import capture, ir
+
+try:
+  from jax.extend.core import jaxpr_as_fun
+except ImportError:  # pragma: no cover
+  from jax.core import jaxpr_as_fun  # type: ignore
+
+RNG = np.random.default_rng(1234)
+
+
+def rand(*shape, dtype=jnp.float32, scale=1.0):
+  return jnp.asarray(RNG.standard_normal(shape) * scale, dtype)
+
+
+# --------------------------------------------------------------------------
+# Programs
+# --------------------------------------------------------------------------
+
+def gemm_chain(a, b, d):
+  return (a @ b) @ d
+
+
+def attention(q, k, v):
+  s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_bias(q, k, v, bias):
+  s = jnp.einsum("bqd,bkd->bqk", q, k) / 3.0 + bias
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_mask(q, k, v, mask):
+  s = jnp.einsum("bqd,bkd->bqk", q, k)
+  s = jnp.where(mask, s, -1e9)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_causal(q, k, v):
+  t = q.shape[1]
+  s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  s = jnp.where(causal[None], s, -jnp.inf)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_causal_iota(q, k, v):
+  t = q.shape[1]
+  row = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+  s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+  s = jnp.where(row >= col, s, jnp.finfo(s.dtype).min)
+  return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def attention_hand_softmax(q, k, v):
+  s = q @ jnp.swapaxes(k, -1, -2) * 0.3
+  m = jnp.max(s, axis=-1, keepdims=True)
+  e = jnp.exp(s - m)
+  p = e / jnp.sum(e, axis=-1, keepdims=True)
+  return p @ v
+
+
+def attention_bthd(q, k, v):
+  """[B, T, H, D] layout: heads split by transposes, merged by a reshape."""
+  qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+  s = jnp.einsum("bhqd,bhkd->bhqk", qh, kh) / np.sqrt(q.shape[-1]).astype(np.float32)
+  o = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), vh)
+  b, h, t, d = o.shape
+  return o.transpose(0, 2, 1, 3).reshape(b, t, h * d)
+
+
+def mlp3(x, w1, w2, w3, act1, act2):
+  return act2(act1(x @ w1) @ w2) @ w3
+
+
+ACTS = {
+    "relu": jax.nn.relu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_erf": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "tanh": jnp.tanh,
+}
+
+
+@jax.custom_jvp
+def my_softmax(x):
+  e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+@my_softmax.defjvp
+def _my_softmax_jvp(primals, tangents):
+  (x,), (tx,) = primals, tangents
+  y = my_softmax(x)
+  return y, y * (tx - (y * tx).sum(-1, keepdims=True))
+
+
+def attention_custom_jvp(q, k, v):
+  return my_softmax(q @ jnp.swapaxes(k, -1, -2)) @ v
+
+
+def mlp_scan(x, w1, w2):
+  def body(c, _):
+    return jnp.tanh(jax.nn.relu(c @ w1) @ w2), None
+  c, _ = jax.lax.scan(body, x, None, length=3)
+  return c
+
+
+def mlp_checkpoint(x, w1, w2, w3):
+  return jax.checkpoint(lambda x: jax.nn.silu(jax.nn.gelu(x @ w1) @ w2) @ w3)(x)
+
+
+def regions_of(f, *args):
+  return capture.find_regions(jax.make_jaxpr(f)(*args))
+
+
+def one_region(f, *args) -> capture.CapturedRegion:
+  rs = regions_of(f, *args)
+  assert len(rs) == 1, [r.region for r in rs]
+  return rs[0]
+
+
+def check_region_matches_jaxpr(r: capture.CapturedRegion, rtol=1e-4, atol=1e-5):
+  ins = []
+  for b in r.region.inputs:
+    dt = r.region.value(b.value).dtype
+    if dt == "bool":
+      ins.append(RNG.standard_normal(b.shape) > 0)
+    else:
+      ins.append((RNG.standard_normal(b.shape) * 0.5).astype(ir.np_dtype(dt)))
+  ref = jaxpr_as_fun(r.jaxpr)(*ins)
+  got = ir.evaluate(r.region, ins)
+  assert len(ref) == len(got)
+  for a, g in zip(ref, got):
+    np.testing.assert_allclose(np.asarray(a, np.float64), g, rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------
+# Exactly one region, right loops
+# --------------------------------------------------------------------------
+
+def test_batch_gemm_chain():
+  a, b, d = rand(3, 40, 24), rand(3, 24, 20), rand(3, 20, 12)
+  r = one_region(gemm_chain, a, b, d)
+  assert r.region.loop_extents == {"b": 3, "m": 40, "n": 20, "k": 24, "h": 12}
+  assert r.region.einsum_summary() == "bmk,bkn->bmn ; bmn,bnh->bmh"
+  assert [b.shape for b in r.region.inputs] == [(3, 40, 24), (3, 24, 20), (3, 20, 12)]
+  line = inspect.getsourcelines(gemm_chain)[1] + 1
+  assert r.path == "" and r.source.endswith(f"test_capture.py:{line}")
+  check_region_matches_jaxpr(r)
+
+
+ATTN = {"b": 2, "m": 12, "n": 10, "k": 8, "h": 6}
+
+
+def _qkv():
+  return rand(2, 12, 8), rand(2, 10, 8), rand(2, 10, 6)
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias", "mask", "causal", "causal_iota",
+                                     "hand", "custom_jvp"])
+def test_attention(variant):
+  q, k, v = _qkv()
+  if variant in ("causal", "causal_iota"):
+    k, v = rand(2, 12, 8), rand(2, 12, 6)
+  fn, extra = {
+      "plain": (attention, ()),
+      "bias": (attention_bias, (rand(2, 12, 10),)),
+      "mask": (attention_mask, (rand(2, 12, 10) > 0,)),
+      "causal": (attention_causal, ()),
+      "causal_iota": (attention_causal_iota, ()),
+      "hand": (attention_hand_softmax, ()),
+      "custom_jvp": (attention_custom_jvp, ()),
+  }[variant]
+  r = one_region(fn, q, k, v, *extra)
+  want = dict(ATTN, n=k.shape[1])
+  assert r.region.loop_extents == want
+  assert r.region.einsum_summary() == "bmk,bnk->bmn ; bmn,bnh->bmh"
+  reds = [op for op in r.region.ops if isinstance(op, ir.Reduction)]
+  assert {(op.kind, op.loop) for op in reds} == {("max", "n"), ("sum", "n")}
+  if variant.startswith("causal"):
+    assert {op.loop for op in r.region.ops if isinstance(op, ir.Iota)} == {"m", "n"}
+  assert len(r.region.outputs) == 1
+  check_region_matches_jaxpr(r)
+
+
+def test_attention_bthd_layout_folds_into_strides():
+  q, k, v = rand(2, 12, 3, 8), rand(2, 10, 3, 8), rand(2, 10, 3, 8)
+  r = one_region(attention_bthd, q, k, v)
+  ext = r.region.loop_extents
+  assert sorted(ext.values()) == sorted([2, 3, 12, 10, 8, 8])
+  assert ext["b"] == 2 and ext["m"] == 12 and ext["n"] == 10 and ext["k"] == 8
+  # No copies: inputs are the untransposed arrays, read through strides.
+  assert [b.shape for b in r.region.inputs] == [(2, 12, 3, 8), (2, 10, 3, 8), (2, 10, 3, 8)]
+  qb = r.region.inputs[0]
+  assert qb.stride("b") == 12 * 3 * 8 and qb.stride("m") == 3 * 8 and qb.stride("k") == 1
+  out = r.region.outputs[0]
+  assert out.shape == (2, 12, 24)
+  assert out.stride("m") == 24 and out.stride("h") == 1 and out.stride("b") == 12 * 24
+  check_region_matches_jaxpr(r)
+
+
+@pytest.mark.parametrize("act1,act2", [("relu", "gelu_tanh"), ("gelu_erf", "silu"),
+                                       ("tanh", "relu")])
+def test_mlp3(act1, act2):
+  x, w1, w2, w3 = rand(2, 9, 8), rand(8, 24), rand(24, 16), rand(16, 5)
+  r = one_region(lambda *a: mlp3(*a, ACTS[act1], ACTS[act2]), x, w1, w2, w3)
+  assert r.region.loop_extents == {"b": 2, "m": 9, "k": 8, "n": 24, "p": 16, "h": 5}
+  assert len(r.region.contractions) == 3
+  check_region_matches_jaxpr(r)
+
+
+def test_mlp_inside_scan():
+  x, w1, w2 = rand(4, 8), rand(8, 16), rand(16, 8)
+  r = one_region(mlp_scan, x, w1, w2)
+  assert r.path == "scan/body"
+  assert r.region.loop_extents == {"m": 4, "k": 8, "n": 16, "h": 8}
+  check_region_matches_jaxpr(r)
+
+
+def test_mlp_inside_checkpoint():
+  x, w1, w2, w3 = rand(4, 8), rand(8, 16), rand(16, 8), rand(8, 3)
+  r = one_region(mlp_checkpoint, x, w1, w2, w3)
+  assert r.path == "remat"
+  assert len(r.region.contractions) == 3
+  check_region_matches_jaxpr(r)
+
+
+def test_while_and_cond_bodies():
+  def f(x, w):
+    y = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: ((c[0] @ w) @ w, c[1] + 1), (x, 0))[0]
+    z = jax.lax.cond(x.sum() > 0, lambda x: jax.nn.relu(x @ w) @ w, lambda x: x, x)
+    return y + z
+  rs = regions_of(f, rand(8, 8), rand(8, 8))
+  assert sorted(r.path for r in rs) == ["cond/branch1", "while/body"]
+  for r in rs:
+    check_region_matches_jaxpr(r)
+
+
+def test_custom_vjp_body_region_keeps_rule():
+  @jax.custom_vjp
+  def attn(q, k, v):
+    return attention(q, k, v)
+  attn.defvjp(lambda q, k, v: (attn(q, k, v), (q, k, v)),
+              lambda res, g: tuple(jnp.full_like(x, 3.0) for x in res))
+  q, k, v = _qkv()
+  closed = jax.make_jaxpr(lambda *a: attn(*a) * 2)(q, k, v)
+  [r] = capture.find_regions(closed)
+  # Absorbed whole (with the "* 2" epilogue): the region's own ops keep the call.
+  assert "custom_vjp_call" in str(r.jaxpr)
+  new = capture.rewrite(closed, lambda cap, *xs: jaxpr_as_fun(cap.jaxpr)(*xs))
+  assert "custom_vjp_call" in str(new)
+  g = jax.grad(lambda *a: jaxpr_as_fun(new)(*a)[0].sum(), argnums=(0, 1, 2))(q, k, v)
+  for x in g:
+    np.testing.assert_array_equal(np.asarray(x), 3.0)
+
+
+def test_extra_output_and_const_input():
+  w = np.asarray(RNG.standard_normal((8, 6)), np.float32)
+
+  def f(q, k, v):
+    s = q @ jnp.swapaxes(k, -1, -2)
+    return jax.nn.softmax(s, -1) @ v, s.sum(), jnp.tanh(v[0] @ w) @ jnp.transpose(w)
+  q, k, v = rand(2, 5, 8), rand(2, 6, 8), rand(2, 6, 8)
+  rs = regions_of(f, q, k, v)
+  assert len(rs) == 2
+  attn_r = next(r for r in rs if len(r.region.outputs) == 2)
+  outs = {attn_r.region.value(b.value).loops for b in attn_r.region.outputs}
+  assert outs == {("b", "m", "n"), ("b", "m", "h")}
+  const_r = next(r for r in rs if r is not attn_r)
+  # The closed-over array is read twice with different index maps (two
+  # buffers, so that no loop is both reduced and kept).
+  assert [b.shape for b in const_r.region.inputs] == [(1, 6, 8), (8, 6), (8, 6)]
+  assert len(const_r.region.loops) == 4
+  for r in rs:
+    check_region_matches_jaxpr(r)
+  _check_rewrite(f, q, k, v, expect_calls=2)
+
+
+def test_prologue_scale_and_epilogue():
+  def f(q, k, v, bias):
+    s = (q * 0.5) @ jnp.swapaxes(k, -1, -2).astype(jnp.float32)
+    return jax.nn.relu(jax.nn.softmax(s, -1) @ v + bias).astype(jnp.bfloat16)
+  q, k, v, bias = rand(2, 5, 8), rand(2, 6, 8), rand(2, 6, 4), rand(4)
+  r = one_region(f, q, k, v, bias)
+  assert [b.shape for b in r.region.inputs] == [(2, 5, 8), (2, 6, 8), (2, 6, 4), (4,)]
+  assert r.region.value(r.region.outputs[0].value).dtype == "bfloat16"
+  assert r.region.inputs[3].strides == (("h", 1),)
+  check_region_matches_jaxpr(r, rtol=1e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------------
+# Nothing captured
+# --------------------------------------------------------------------------
+
+NOTHING = {
+    "single_matmul": (lambda a, b: a @ b, [(4, 8), (8, 3)]),
+    "matmul_bias_relu": (lambda a, b, c: jax.nn.relu(a @ b + c), [(4, 8), (8, 3), (3,)]),
+    "two_independent": (lambda a, b, c, d: (a @ b, c @ d), [(4, 8), (8, 3), (4, 8), (8, 3)]),
+    "sort_between": (lambda a, b, d: jnp.sort(a @ b, axis=-1) @ d, [(4, 8), (8, 3), (3, 5)]),
+    "gather_between": (lambda a, b, d: jnp.take(a @ b, jnp.array([2, 0, 1]), axis=0) @ d,
+                       [(4, 8), (8, 3), (3, 5)]),
+    "cumsum_between": (lambda a, b, d: jnp.cumsum(a @ b, axis=-1) @ d, [(4, 8), (8, 3), (3, 5)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOTHING))
+def test_nothing_captured(name):
+  f, shapes = NOTHING[name]
+  args = [rand(*s) for s in shapes]
+  assert regions_of(f, *args) == []
+  _check_rewrite(f, *args, expect_calls=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.complex64])
+def test_unsupported_dtypes_not_captured(dtype):
+  a = jnp.asarray(RNG.integers(-3, 3, (4, 8)), dtype)
+  b = jnp.asarray(RNG.integers(-3, 3, (8, 3)), dtype)
+  d = jnp.asarray(RNG.integers(-3, 3, (3, 5)), dtype)
+  assert regions_of(gemm_chain, a, b, d) == []
+
+
+def test_bad_arguments():
+  with pytest.raises(TypeError, match="closed_jaxpr"):
+    capture.find_regions(lambda x: x)
+  closed = jax.make_jaxpr(gemm_chain)(rand(2, 3), rand(3, 4), rand(4, 5))
+  with pytest.raises(TypeError, match="bind_region"):
+    capture.rewrite(closed, None)
+
+
+# --------------------------------------------------------------------------
+# rewrite
+# --------------------------------------------------------------------------
+
+def _check_rewrite(f, *args, expect_calls=None):
+  closed = jax.make_jaxpr(f)(*args)
+  calls = []
+
+  def bind_original(cap, *xs):
+    calls.append(cap)
+    assert len(xs) == len(cap.region.inputs)
+    for x, b in zip(xs, cap.region.inputs):
+      assert tuple(x.shape) == tuple(b.shape)
+    return jaxpr_as_fun(cap.jaxpr)(*xs)
+
+  want = jaxpr_as_fun(closed)(*args)
+  new = capture.rewrite(closed, bind_original)
+  if expect_calls is not None:
+    assert len(calls) == expect_calls
+  got = jaxpr_as_fun(new)(*args)
+  for w, g in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+  jit_want = jax.jit(f)(*args)
+  jit_got = jax.jit(jaxpr_as_fun(new))(*args)
+  for w, g in zip(jax.tree_util.tree_leaves(jit_want), jit_got):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+  # bind_region returning None: the same computation (the input itself).
+  assert capture.rewrite(closed, lambda cap, *xs: None) is closed
+  return new
+
+
+REWRITE_CASES = {
+    "gemm_chain": (gemm_chain, [(3, 10, 7), (3, 7, 12), (3, 12, 5)]),
+    "attention_causal": (attention_causal, [(2, 9, 8), (2, 9, 8), (2, 9, 4)]),
+    "attention_bthd": (attention_bthd, [(2, 7, 2, 8), (2, 5, 2, 8), (2, 5, 2, 8)]),
+    "mlp_scan": (mlp_scan, [(4, 8), (8, 16), (16, 8)]),
+    "mlp_checkpoint": (mlp_checkpoint, [(4, 8), (8, 16), (16, 8), (8, 3)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REWRITE_CASES))
+def test_rewrite_with_original_ops_is_identical(name):
+  f, shapes = REWRITE_CASES[name]
+  _check_rewrite(f, *[rand(*s) for s in shapes], expect_calls=1)
+
+
+def test_rewrite_replaces_region_and_keeps_unabsorbed_custom_jvp():
+  def f(x, w1, w2, w3):
+    y = jax.nn.relu(x @ w3)          # single matmul: its relu stays a custom_jvp_call
+    return jnp.tanh(jax.nn.relu(x @ w1) @ w2), y
+  args = rand(4, 8), rand(8, 16), rand(16, 6), rand(8, 6)
+  closed = jax.make_jaxpr(f)(*args)
+  seen = []
+
+  def bind_zeros(cap, *xs):
+    seen.append(cap)
+    return [jnp.zeros(b.shape, a.dtype) for b, a in zip(cap.region.outputs, cap.jaxpr.out_avals)]
+
+  text = str(capture.rewrite(closed, bind_zeros))
+  assert len(seen) == 1
+  assert text.count("custom_jvp_call") == 1      # the unabsorbed relu, still a custom call
+  assert text.count("dot_general") == 1
+  new = capture.rewrite(closed, lambda cap, *xs: jaxpr_as_fun(cap.jaxpr)(*xs))
+  g0 = jax.grad(lambda *a: jaxpr_as_fun(closed)(*a)[0].sum(), argnums=(0, 1))(*args)
+  g1 = jax.grad(lambda *a: jaxpr_as_fun(new)(*a)[0].sum(), argnums=(0, 1))(*args)
+  for a, b in zip(g0, g1):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_rewrite_region_call_replaces_ops():
+  """A bind_region that computes something else shows where regions are."""
+  q, k, v = _qkv()
+
+  def f(q, k, v):
+    return attention(q, k, v) + 1.0
+  closed = jax.make_jaxpr(f)(q, k, v)
+
+  def bind(cap, *xs):
+    return [jnp.zeros(b.shape, cap.jaxpr.out_avals[i].dtype)
+            for i, b in enumerate(cap.region.outputs)]
+  new = capture.rewrite(closed, bind)
+  assert "dot_general" not in str(new) and "exp" not in str(new)
+  # The "+ 1.0" is the region's epilogue, replaced too.
+  np.testing.assert_array_equal(np.asarray(jaxpr_as_fun(new)(q, k, v)[0]), 0.0)

@@ -559,12 +559,23 @@ def test_interpret_backend_uses_fused_call_when_it_works(monkeypatch):
 def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):
   # Whatever state planner/codegen are in, the answer is right and at most one
   # fallback line is logged per region.
+  launch = pytest.importorskip("jaxfuse.runtime.launch")
   monkeypatch.setattr(primitive, "_warned", set())
+  backends = []
+  real = launch.fused_call
+
+  def counting(region, args, *, backend="triton", plan=None):
+    backends.append(backend)
+    return real(region, args, backend=backend, plan=plan)
+
+  monkeypatch.setattr(launch, "fused_call", counting)
   a, b, d = _rand(24, (24, 16), (16, 32), (32, 8))
   with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
-    got = api.jit(gemm_chain)(a, b, d)
-    got = api.jit(lambda *x: gemm_chain(*x))(a, b, d)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(gemm_chain)(a, b, d)),
-                             rtol=2e-3, atol=2e-3)
+    got1 = api.jit(gemm_chain)(a, b, d)
+    got2 = api.jit(lambda *x: gemm_chain(*x))(a, b, d)
+  want = np.asarray(jax.jit(gemm_chain)(a, b, d))
+  for got in (got1, got2):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=2e-3)
+  assert backends and set(backends) == {"interpret"}
   lines = [r for r in caplog.records if "runs its original ops" in r.getMessage()]
   assert len(lines) <= 1

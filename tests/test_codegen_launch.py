@@ -74,3 +74,24 @@ def test_attention_property(M, N, D, tm, tn, causal, split):
   xs = launch.random_inputs(r, seed=M * 100 + N)
   err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
   assert err <= launch.tolerance(r), (err, plan)
+
+
+def test_planner_ranked_plans_generate_correct_kernels():
+  import pytest  # pylint: disable=g-import-not-at-top
+  planner = pytest.importorskip("jaxfuse.planner")
+  if not hasattr(planner, "plan_region"):
+    pytest.skip("planner.plan_region not available")
+  for r in (T.gemm_chain(M=64, N=96, K=40, H=24, B=2, dtype="float16"),
+            T.attention(M=40, N=72, D=80, heads=2, causal=True, bias=True, dtype="float16"),
+            T.mlp(M=37, dims=(24, 80, 40, 16))):
+    res = planner.plan_region(r, use_cache=False)
+    assert res.ranked, res.why_not
+    for p in res.ranked[:2]:
+      k = generate(r, p, interpret=True)
+      xs = launch.random_inputs(r, seed=3)
+      assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r), p
+  # And the whole chain, planner to pure_callback, inside jit.
+  r = T.gemm_chain(M=48, N=40, K=24, H=16)
+  xs = launch.random_inputs(r, seed=4)
+  (out,) = jax.jit(lambda *a: launch.fused_call(r, list(a), backend="interpret"))(*xs)
+  assert launch.compare(r, [np.asarray(out)], ir.evaluate(r, xs)) <= 1e-5

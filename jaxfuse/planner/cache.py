@@ -1,0 +1,131 @@
+"""On-disk plan cache (DESIGN conventions).
+
+One JSON file per key under ``<cache_dir>/plans/``; the key hashes the
+region's canonical signature (names-independent; includes shapes, dtypes,
+strides), the device (name and SM count), the jaxfuse version and this
+file's format version. Writes are atomic (temporary file + ``os.replace``);
+a corrupt, unreadable or stale entry is logged once and ignored, never
+raised.
+
+Example::
+
+    key = plan_key(region, device)
+    store(key, ranked_plans)
+    plans = load(key, region)      # None on a miss
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Optional, Sequence
+
+from absl import logging
+
+from jaxfuse import ir
+from jaxfuse.devices import DeviceSpec
+from jaxfuse.planner import tiling
+from jaxfuse.planner.plan import Plan, Prediction
+
+__all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+
+
+def _version() -> str:
+  try:
+    import jaxfuse  # pylint: disable=import-outside-toplevel
+    return str(getattr(jaxfuse, "__version__", "0"))
+  except Exception:  # pylint: disable=broad-except
+    return "0"
+
+
+def _cache_dir() -> str:
+  from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
+  return os.environ.get("JAXFUSE_CACHE_DIR") or config.cache_dir
+
+
+def plan_key(region: ir.Region, device: DeviceSpec) -> str:
+  text = "|".join([region.signature(), device.name, str(device.sm_count),
+                   str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION)])
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cache_path(key: str, cache_dir: Optional[str] = None) -> str:
+  return os.path.join(cache_dir or _cache_dir(), "plans", f"{key}.json")
+
+
+def _plan_to_json(p: Plan) -> dict:
+  return {
+      "expr": str(p.expr), "grid": list(p.grid), "tiles": [list(t) for t in p.tiles],
+      "skeleton": p.skeleton, "num_warps": p.num_warps, "num_stages": p.num_stages,
+      "split": list(p.split) if p.split else None,
+      "predicted": None if p.predicted is None else {
+          f: getattr(p.predicted, f) for f in Prediction.__dataclass_fields__},
+  }
+
+
+def _plan_from_json(d: dict, region: ir.Region) -> Plan:
+  loops = [l.name for l in region.loops]
+  expr = tiling.parse(d["expr"], loops) if d["expr"] != "()" else tiling.TilingExpr(())
+  tiles = tuple((str(l), int(t)) for l, t in d["tiles"])
+  if sorted(l for l, _ in tiles) != sorted(loops):
+    raise ValueError("tiles do not match the region's loops")
+  pred = Prediction(**d["predicted"]) if d.get("predicted") else None
+  return Plan(expr=expr, grid=tuple(d["grid"]), tiles=tiles, skeleton=d.get("skeleton", ""),
+              num_warps=int(d["num_warps"]), num_stages=int(d["num_stages"]),
+              split=tuple(d["split"]) if d.get("split") else None, predicted=pred)
+
+
+def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
+         ) -> Optional[tuple[list[Plan], dict]]:
+  """``(plans, extra)`` stored under ``key`` or None (miss, corrupt, stale).
+
+  Plans are stored with the region's own loop/value names; the key matches
+  regions equal up to names, so an entry written under other names is
+  treated as a miss.
+  """
+  path = cache_path(key, cache_dir)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, "r", encoding="utf-8") as f:
+      data = json.load(f)
+    if data.get("format") != FORMAT_VERSION or data.get("version") != _version():
+      logging.info("jaxfuse planner: stale plan cache entry %s ignored", path)
+      return None
+    if data.get("region_text") != region.to_text(with_header=True):
+      return None
+    plans = [_plan_from_json(p, region) for p in data["plans"]]
+    return plans, dict(data.get("extra") or {})
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse planner: corrupt plan cache entry %s ignored (%s)", path, e)
+    return None
+
+
+def store(key: str, region: ir.Region, plans: Sequence[Plan], extra: Optional[dict] = None,
+          cache_dir: Optional[str] = None) -> bool:
+  """Writes atomically; returns False (with a log line) when it cannot."""
+  path = cache_path(key, cache_dir)
+  data = {"format": FORMAT_VERSION, "version": _version(),
+          "region_text": region.to_text(with_header=True),
+          "plans": [_plan_to_json(p) for p in plans], "extra": extra or {}}
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
+    try:
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+      os.replace(tmp, path)
+    except BaseException:
+      try:
+        os.unlink(tmp)
+      except OSError:
+        pass
+      raise
+    return True
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse planner: cannot write plan cache %s (%s)", path, e)
+    return False

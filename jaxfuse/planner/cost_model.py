@@ -1,0 +1,146 @@
+"""MCFuser's analytical performance model (IV-A, eq. 2-5) on placed plans.
+
+``t = (t_mem + t_comp) * alpha`` with
+
+* ``t_mem = sum over Load/Store statements of bytes x trip counts / W``
+  (``movement.placed_volume``: hoisted statements run fewer times),
+* ``t_comp = sum over Compute statements of tile FLOPs x trip counts / P``
+  (contractions at the tensor-core rate of the input dtype, elementwise ops
+  and reductions at the vector rate; recomputation under loops or grid
+  axes an op does not use is counted, which is what makes binding a
+  consumer-private loop such as ``h`` to program ids cost something),
+* ``alpha = (N_block + N_SM) / N_block``.
+
+A split reduction (``Plan.split``) adds the second pass: partial results
+in fp32 written by the first kernel, read and reduced by the second, plus
+one kernel launch.
+
+Example::
+
+    pred = predict(region, expr, tiles, grid, get_device("h100"))
+    pred.time_s, pred.alpha, pred.programs
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence
+
+from jaxfuse import ir
+from jaxfuse.devices import DeviceSpec, region_dtype
+from jaxfuse.planner import movement, pruning, tiling
+from jaxfuse.planner.plan import Prediction
+
+__all__ = ["predict", "num_programs", "choose_warps_stages", "accumulator_bytes",
+           "floor_time", "unfused_time"]
+
+
+def num_programs(region: ir.Region, tiles: Mapping[str, int], grid: Sequence[str],
+                 split: Optional[tuple[str, int]] = None) -> int:
+  ext = region.loop_extents
+  n = 1
+  for g in grid:
+    n *= math.ceil(ext[g] / tiles[g])
+  if split:
+    n *= split[1]
+  return n
+
+
+def accumulator_bytes(region: ir.Region, tiles: Mapping[str, int]) -> int:
+  """Registers held by fp32 accumulator tiles of the contractions."""
+  vm = region.value_map
+  return sum(4 * math.prod(tiles[l] for l in vm[op.out].loops)
+             for op in region.contractions)
+
+
+def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
+                        device: DeviceSpec) -> tuple[int, int]:
+  """num_warps 8 for dot tiles of 128x128 or more, else 4; num_stages 3
+  when the shared-memory estimate leaves room for a third buffer, else 2."""
+  vm = region.value_map
+  area = max([math.prod(tiles[l] for l in vm[op.out].loops) for op in region.contractions]
+             or [0])
+  warps = 8 if area >= 128 * 128 else 4
+  smem = pruning.smem_estimate(region, tiles)
+  stages = 3 if 1.5 * smem <= device.smem_per_block_bytes else 2
+  return warps, stages
+
+
+def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
+            grid: Sequence[str], device: DeviceSpec,
+            split: Optional[tuple[str, int]] = None) -> Prediction:
+  """The model's time for a placed plan (see the module docstring)."""
+  ext = region.loop_extents
+  vm = region.value_map
+
+  def trips(l):
+    t = math.ceil(ext[l] / tiles[l])
+    if split and l == split[0]:
+      t = math.ceil(t / split[1])
+    return t
+
+  programs = num_programs(region, tiles, grid, split)
+  per_tensor = movement.placed_volume(region, expr, tiles, grid, split)
+  bytes_moved = sum(per_tensor.values())
+  flops = 0
+  vec = 0
+  peak = device.peak(region_dtype(region))
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind != "C":
+      continue
+    op = region.producer(st.value)
+    ol = set(region.op_loops(op))
+    around = set(enclosing) | set(grid)
+    work = 1
+    for l in ol:
+      work *= tiles[l] * (trips(l) if l in around else 1)
+    for l in around - ol:
+      work *= trips(l)
+    if split:
+      # every part runs this statement; per-program trips of the split loop
+      # are already its share
+      work *= split[1]
+    if isinstance(op, ir.Contraction):
+      flops += 2 * work
+    else:
+      vec += work
+  t_mem = bytes_moved / device.mem_bandwidth_Bps
+  t_comp = flops / peak + vec / device.vector_flops
+  extra = 0.0
+  if split:
+    out_elems = sum(math.prod(ext[l] for l in vm[b.value].loops) for b in region.outputs)
+    partial = out_elems * split[1] * 4
+    final = sum(math.prod(ext[l] for l in vm[b.value].loops) *
+                ir.dtype_itemsize(vm[b.value].dtype) for b in region.outputs)
+    # first pass writes fp32 partials instead of the outputs; second pass
+    # reads them and writes the outputs.
+    t_mem += (partial - final) / device.mem_bandwidth_Bps
+    extra = (partial + final) / device.mem_bandwidth_Bps + device.kernel_launch_s
+    bytes_moved += 2 * partial
+  alpha = (programs + device.sm_count) / programs
+  time_s = (t_mem + t_comp) * alpha + extra
+  return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp, alpha=alpha,
+                    bytes_moved=int(bytes_moved), flops=int(flops),
+                    smem_bytes=pruning.smem_estimate(region, tiles),
+                    programs=programs)
+
+
+def floor_time(region: ir.Region, device: DeviceSpec) -> float:
+  """Roofline floor: max(FLOPs / P, minimum bytes / W)."""
+  return max(region.flops() / device.peak(region_dtype(region)),
+             region.min_bytes() / device.mem_bandwidth_Bps)
+
+
+def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
+  """A rough time for the region as separate ops (each intermediate
+  written and read once, one launch per contraction)."""
+  vm = region.value_map
+  ext = region.loop_extents
+  inter = 0
+  for op in region.ops:
+    if op.out in region.output_names:
+      continue
+    inter += 2 * math.prod(ext[l] for l in vm[op.out].loops) * ir.dtype_itemsize(vm[op.out].dtype)
+  t = (region.min_bytes() + inter) / device.mem_bandwidth_Bps
+  t = max(t, region.flops() / device.peak(region_dtype(region)))
+  return t + device.kernel_launch_s * max(len(region.contractions) - 1, 0)

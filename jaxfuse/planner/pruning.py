@@ -1,0 +1,314 @@
+"""Pruning rules 1-4 of MCFuser III-C, for any region.
+
+Rule 1 (deduplication). MCFuser: "bind spatial loops with blockIdx ... remove
+the loops bound to blockIdx to derive the sub-tiling expression; candidates
+sharing a sub-tiling expression per thread block are equivalent". We take
+that literally: the sub-expression is what one thread block executes, i.e.
+the full expression with every Load/Compute/Store at its rightmost related
+loop (MCFuser III-B, Fig. 4(a)), then the loops bound to program ids
+removed. Two expressions are one candidate when those per-block programs
+print the same. Relocation of memory statements (hoisting) happens later,
+per tile size, in ``tiling.place``; it is an optimisation of a candidate,
+not part of its identity.
+
+Rule 2. "When the reduced loop is positioned outside the spatial loops,
+multiple tiles of partial results are cached": in the per-block
+sub-expression, an op's reduced loop encloses a loop that indexes the
+op's result (``kn`` for ``C = A·B``: every n-tile of C accumulates across
+the k loop).
+
+What this gives for MCFuser's GEMM chain (M=N=1024, K=H=512, m and h bound):
+26 expressions -> 8 per-block programs (Rule 1) -> 4 (Rule 2). The paper
+reports 5 and 3. No definition we found reproduces both the paper's counts
+and its own example (``mhnk`` and ``mnkh`` both give ``nk``): with loop
+structure alone (which the example implies) the deep tilings give only
+``nk`` and ``kn`` and the two flat tilings at most two more, so 4 is the
+maximum, and Rule 2 leaves 2. Counting compute placement only gives 3 -> 2;
+ours is the literal per-block program and is asserted in the tests.
+The search itself does not depend on this choice: ``tiling.place`` rejects
+and hoists per tile size, and equal placed programs are evaluated once.
+
+Rule 3. Tiles are powers of two from 16 (``tl.dot``) to the next power of
+two above the extent. Power-of-two extents take no padding (tile <= extent);
+other extents keep tiles whose padding ratio is below 0.05. Because Triton
+blocks must be powers of two, an extent like 80 or 100 may have no exact
+tile: the padded single tile (next power of two) is always kept for
+non-power-of-two extents up to ``MAX_PADDED_SINGLE`` so the loop can still
+live in one masked tile (needed when it must be one tile, e.g. a
+non-streamable softmax row or a head dim), and when nothing at all passes,
+the least-padded tile is kept.
+
+Rule 4. The shared-memory estimate (MCFuser eq. 1: sum of the tile
+footprints of the chain's tensors, in bytes) must not exceed 1.2 x the
+device's shared memory per block.
+
+Example::
+
+    counts = space_counts(region, get_device("h100"))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Optional, Sequence
+
+from jaxfuse import ir
+from jaxfuse.planner import tiling
+
+__all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
+           "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
+           "rule4_ok", "space_counts", "MAX_PADDED_SINGLE", "SMEM_SLACK"]
+
+SMEM_SLACK = 1.2
+MAX_PADDED_SINGLE = 256
+MIN_DOT_TILE = 16
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def raw_tile_options(extent: int) -> int:
+  """MCFuser's raw count of tile sizes: multiples of 16 up to the extent."""
+  return math.ceil(extent / MIN_DOT_TILE)
+
+
+def padding_ratio(extent: int, tile: int) -> float:
+  return (math.ceil(extent / tile) * tile - extent) / extent
+
+
+def rule3_ok(extent: int, tile: int) -> bool:
+  if _is_pow2(extent):
+    return tile <= extent
+  return padding_ratio(extent, tile) < 0.05
+
+
+def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tuple[int, ...]:
+  """Legal tiles for ``loop``: 1 for batch loops, powers of two >= 16 up to
+  the next power of two above the extent for ``tl.dot`` loops (>= 1 for
+  others), filtered by Rule 3 (see the module docstring for the padded
+  single tile kept for extents like 80)."""
+  ext = region.extent(loop)
+  if loop in tiling.batch_loops(region):
+    return (1,)
+  lo = MIN_DOT_TILE if loop in tiling.dot_loops(region) else 1
+  hi = max(_next_pow2(ext), lo)
+  cands = []
+  t = lo
+  while t <= hi:
+    cands.append(t)
+    t *= 2
+  if not rule3:
+    return tuple(cands)
+  keep = [t for t in cands if rule3_ok(ext, t)]
+  if not _is_pow2(ext) and hi <= MAX_PADDED_SINGLE and hi not in keep:
+    keep.append(hi)
+  if not keep:
+    keep = [min(cands, key=lambda t: (padding_ratio(ext, t), t))]
+  return tuple(sorted(keep))
+
+
+# -- Rule 1 / Rule 2 --------------------------------------------------------
+
+def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[tiling.TilingExpr]:
+  """The skeleton with L/C/S statements at their rightmost related loop
+  (MCFuser Fig. 4(a)), no hoisting, no validity checks. None when an op's
+  loops are not nested in this skeleton."""
+  parent: dict[str, Optional[str]] = {}
+  children: dict[Optional[str], list] = {None: []}
+
+  def build(body, p):
+    for n in body:
+      if isinstance(n, tiling.LoopNode):
+        parent[n.loop] = p
+        children.setdefault(p, []).append(n.loop)
+        children.setdefault(n.loop, [])
+        build(n.body, n.loop)
+  build(skeleton.body, None)
+
+  def anc(l):
+    out = []
+    while l is not None:
+      out.append(l)
+      l = parent[l]
+    return out
+
+  def anchor(loops):
+    rel = [l for l in loops if l in parent]
+    if not rel:
+      return None, True
+    deepest = max(rel, key=lambda l: len(anc(l)))
+    ok = all(l in anc(deepest) for l in rel)
+    return deepest, ok
+
+  stmts: dict[Optional[str], list] = {}
+  ops = list(region.ops)
+  idx = {op.out: i for i, op in enumerate(ops)}
+  for i, op in enumerate(ops):
+    a, ok = anchor(region.op_loops(op))
+    if not ok:
+      return None
+    for x in op.inputs:
+      if x in region.input_names:
+        la, _ = anchor(region.value(x).loops)
+        # the load sits at its rightmost related loop on the consumer's path
+        if la is not None and a is not None and la not in anc(a):
+          la = a
+        stmts.setdefault(la, []).append(((i, 0), tiling.Stmt("L", x)))
+    stmts.setdefault(a, []).append(((i, 1), tiling.Stmt("C", op.out)))
+    if op.out in region.output_names:
+      sa, _ = anchor(region.value(op.out).loops)
+      stmts.setdefault(sa, []).append(((i, 2), tiling.Stmt("S", op.out)))
+
+  def sub_min(l):
+    m = min([k[0] for k, _ in stmts.get(l, [])] or [math.inf])
+    for c in children.get(l, []):
+      m = min(m, sub_min(c))
+    return m
+
+  def emit(l):
+    items = [(k, s) for k, s in stmts.get(l, [])]
+    for c in children.get(l, []):
+      items.append(((sub_min(c), 1), c))
+    items.sort(key=lambda p: p[0])
+    out = []
+    for _, it in items:
+      out.append(it if isinstance(it, tiling.Stmt) else tiling.LoopNode(it, emit(it)))
+    return tuple(out)
+
+  return tiling.TilingExpr(emit(None))
+
+
+def rule1_key(region: ir.Region, skeleton: tiling.TilingExpr, bound: Iterable[str]) -> Optional[str]:
+  """The per-block program of ``skeleton`` with ``bound`` loops on the grid."""
+  placed = _naive_placed(region, skeleton)
+  if placed is None:
+    return None
+  return str(_normalize(region, tiling.strip_loops(placed, bound)))
+
+
+def _normalize(region: ir.Region, expr: tiling.TilingExpr) -> tiling.TilingExpr:
+  """Statements of one scope in dependence order (loads before their first
+  consumer, stores after the compute), so that splicing removed loops does
+  not make two equal per-block programs print differently."""
+  idx = {op.out: i for i, op in enumerate(region.ops)}
+  first_use = {}
+  for i, op in enumerate(region.ops):
+    for a in op.inputs:
+      first_use.setdefault(a, i)
+
+  def key(n):
+    if isinstance(n, tiling.Stmt):
+      if n.kind == "L":
+        return (first_use.get(n.value, 0), 0, n.value)
+      return (idx[n.value], 1 if n.kind == "C" else 2, "")
+    ks = [key(c) for c in n.body]
+    return (min(ks)[0] if ks else math.inf, 1, "")
+
+  def rec(body):
+    out = [tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
+           for n in body]
+    return tuple(sorted(out, key=key))
+  return tiling.TilingExpr(rec(expr.body))
+
+
+def rule1_classes(region: ir.Region, skeletons: Sequence[tiling.TilingExpr],
+                  bound: Iterable[str]) -> dict[str, list[tiling.TilingExpr]]:
+  """Rule 1: skeletons grouped by per-block program (insertion ordered; the
+  first skeleton of each group is its representative)."""
+  bound = tuple(bound)
+  out: dict[str, list[tiling.TilingExpr]] = {}
+  for sk in skeletons:
+    key = rule1_key(region, sk, bound)
+    if key is not None:
+      out.setdefault(key, []).append(sk)
+  return out
+
+
+def violates_rule2(region: ir.Region, sub: tiling.TilingExpr) -> bool:
+  """Rule 2 on a per-block expression: some op's reduced loop encloses a
+  loop that indexes the op's result."""
+  def walk(nodes, enclosing: tuple[str, ...]) -> bool:
+    for n in nodes:
+      if isinstance(n, tiling.LoopNode):
+        if walk(n.body, enclosing + (n.loop,)):
+          return True
+      elif n.kind == "C":
+        op = region.producer(n.value)
+        red = tiling.reduced_by(op)
+        out_loops = set(region.value(op.out).loops)
+        for i, l in enumerate(enclosing):
+          if l in red and any(x in out_loops for x in enclosing[i + 1:]):
+            return True
+    return False
+  return walk(sub.body, ())
+
+
+# -- Rule 4 ------------------------------------------------------------------
+
+def smem_estimate(region: ir.Region, tiles: Mapping[str, int]) -> int:
+  """MCFuser eq. (1) in bytes: tile footprints of the region's inputs,
+  contraction results and outputs (elementwise temporaries live in
+  registers alongside them and are not counted)."""
+  vm = region.value_map
+  names = list(region.input_names)
+  names += [op.out for op in region.contractions]
+  names += [v for v in region.output_names if v not in names]
+  total = 0
+  for v in dict.fromkeys(names):
+    val = vm[v]
+    total += math.prod(tiles[l] for l in val.loops) * ir.dtype_itemsize(val.dtype)
+  return total
+
+
+def rule4_ok(region: ir.Region, tiles: Mapping[str, int], smem_per_block: int) -> bool:
+  return smem_estimate(region, tiles) <= SMEM_SLACK * smem_per_block
+
+
+# -- counts ------------------------------------------------------------------
+
+def space_counts(region: ir.Region, device, bound: Optional[Sequence[str]] = None) -> dict:
+  """The search-space sizes per pruning stage (MCFuser Fig. 7).
+
+  ``bound``: loops bound to program ids for Rule 1 (default: the region's
+  spatial loops, as MCFuser binds them). Returns raw, expressions,
+  rule1_expressions, rule2_expressions, rule3 (candidates), rule4
+  (candidates), and the per-loop tile candidates.
+  """
+  sks = tiling.enumerate_skeletons(region)
+  loops = tiling.tiled_loops(region)
+  raw = len(sks) * math.prod(raw_tile_options(region.extent(l)) for l in loops)
+  bound = tuple(region.spatial_loops() if bound is None else bound)
+  classes = rule1_classes(region, sks, bound)
+  kept = []
+  for key, members in classes.items():
+    sub = _normalize(region, tiling.strip_loops(_naive_placed(region, members[0]), bound))
+    if not violates_rule2(region, sub):
+      kept.append(key)
+  cands = {l: tile_candidates(region, l) for l in loops}
+  combos = 1
+  for l in loops:
+    combos *= len(cands[l])
+  n3 = len(kept) * combos
+  fit = 0
+  ext = region.loop_extents
+  full = {l: 1 for l in ext}
+  import itertools  # pylint: disable=import-outside-toplevel
+  for ts in itertools.product(*(cands[l] for l in loops)):
+    t = dict(full)
+    t.update(zip(loops, ts))
+    if rule4_ok(region, t, device.smem_per_block_bytes):
+      fit += 1
+  return {
+      "raw": raw,
+      "expressions": len(sks),
+      "rule1_expressions": len(classes),
+      "rule2_expressions": len(kept),
+      "rule3": n3,
+      "rule4": len(kept) * fit,
+      "tile_candidates": {l: list(c) for l, c in cands.items()},
+  }

@@ -1,0 +1,335 @@
+"""The search space of plans and MCFuser's heuristic search (Alg. 1).
+
+A candidate is ``(grid, skeleton, tiles, split)``:
+
+* ``grid``: the default grid (batch loops and spatial loops every
+  contraction uses) or that grid plus spatial loops private to consumers
+  (``h``: producers recomputed per program) -- the low-parallelism option;
+* ``skeleton``: a representative of each Rule 1 class (per-block program
+  for that grid) surviving Rule 2;
+* ``tiles``: Rule 3 candidates per loop, Rule 4 (shared memory) and a
+  register bound on the fp32 accumulators;
+* ``split``: ``None`` or ``(loop, parts)`` for a reduction loop whose
+  contraction's result is an output (partial results combined by a second
+  pass), considered when the grid is smaller than the SM count.
+
+``tiling.place`` turns a candidate into the per-program expression (or
+rejects it); ``cost_model.predict`` ranks it. Alg. 1: a population of N
+candidates (random, seeded, plus Chimera's Lagrange tiles and a balanced
+seed per skeleton), ranked by the model; the top n measured when a
+``measure`` callback is given; stop when the best improves by less than
+``eps`` (relative); the next population by sampling weighted by 1/estimate
+and mutating one loop's tile (or the grid/split/skeleton). Deterministic
+for a given seed.
+
+Example::
+
+    res = search(region, get_device("h100"), seed=0)
+    res.ranked[0]   # the best Plan
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from typing import Callable, Optional, Sequence
+
+from absl import logging
+
+from jaxfuse import ir
+from jaxfuse.devices import DeviceSpec
+from jaxfuse.planner import cost_model, lagrange, pruning, tiling
+from jaxfuse.planner.plan import Plan
+
+__all__ = ["Candidate", "Space", "SearchResult", "build_space", "search",
+           "splittable_loops", "make_plan"]
+
+# Accumulators above this many bytes of fp32 registers per program spill
+# (half of an SM's 64K-register file).
+MAX_ACC_BYTES = 128 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  grid: tuple[str, ...]
+  skeleton: str
+  tiles: tuple[tuple[str, int], ...]
+  split: Optional[tuple[str, int]] = None
+
+
+@dataclasses.dataclass
+class Space:
+  region: ir.Region
+  device: DeviceSpec
+  grids: list[tuple[str, ...]]
+  skeletons: dict[tuple[str, ...], list[tiling.TilingExpr]]
+  tile_cands: dict[str, tuple[int, ...]]
+  splits: list[Optional[tuple[str, int]]]
+  streamable: frozenset[str]
+  counts: dict
+
+
+@dataclasses.dataclass
+class SearchResult:
+  ranked: list[Plan]
+  evaluated: int
+  iterations: int
+  rejected: dict[str, int]
+  space: dict
+
+
+def splittable_loops(region: ir.Region) -> tuple[str, ...]:
+  """Reduction loops whose reducing ops are contractions producing region
+  outputs (possibly through a final convert): partial sums over parts of
+  such a loop combine by addition in a second pass."""
+  out = []
+  outs = set(region.output_names)
+  red = region.reduced_loops()
+  for l in red:
+    reducers = [op for op in region.ops if l in tiling.reduced_by(op)]
+    ok = bool(reducers)
+    for op in reducers:
+      if not isinstance(op, ir.Contraction):
+        ok = False
+        break
+      tgt = op.out
+      cons = region.consumers(tgt)
+      if tgt in outs and not cons:
+        continue
+      if (len(cons) == 1 and isinstance(cons[0], ir.Elementwise) and cons[0].fn == "convert"
+          and cons[0].out in outs and not region.consumers(cons[0].out)):
+        continue
+      ok = False
+    if ok:
+      out.append(l)
+  order = [x.name for x in region.loops]
+  return tuple(sorted(out, key=order.index))
+
+
+def build_space(region: ir.Region, device: DeviceSpec, *,
+                streamable: Optional[frozenset[str]] = None) -> Space:
+  stream = tiling.streamable_loops(region) if streamable is None else frozenset(streamable)
+  base = tiling.default_grid(region)
+  extra = [l for l in region.spatial_loops() if l not in base]
+  grids = []
+  for r in range(len(extra) + 1):
+    for sub in itertools.combinations(extra, r):
+      g = set(base) | set(sub)
+      grids.append(tuple(l.name for l in region.loops if l.name in g))
+  sks = tiling.enumerate_skeletons(region)
+  skeletons = {}
+  counts = {"expressions": len(sks)}
+  for g in grids:
+    classes = pruning.rule1_classes(region, sks, g)
+    keep = []
+    for key, members in classes.items():
+      sub = pruning._normalize(region, tiling.strip_loops(  # pylint: disable=protected-access
+          pruning._naive_placed(region, members[0]), g))  # pylint: disable=protected-access
+      if not pruning.violates_rule2(region, sub):
+        keep.append(members[0])
+    skeletons[g] = keep
+    counts[f"grid({','.join(g)})"] = {"rule1": len(classes), "rule2": len(keep)}
+  tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
+  splits: list[Optional[tuple[str, int]]] = [None]
+  for l in splittable_loops(region):
+    for p in (2, 4, 8, 16):
+      if math.ceil(region.extent(l) / 16) >= p:
+        splits.append((l, p))
+  n_tiles = math.prod(len(c) for c in tile_cands.values())
+  counts["tile_combinations"] = n_tiles
+  counts["candidates"] = sum(len(v) for v in skeletons.values()) * n_tiles * len(splits)
+  return Space(region, device, grids, skeletons, tile_cands, splits, stream, counts)
+
+
+def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
+              streamable: frozenset[str]) -> Plan:
+  """Places a candidate and predicts it; raises PlacementError or ValueError."""
+  tiles = dict(cand.tiles)
+  if not pruning.rule4_ok(region, tiles, device.smem_per_block_bytes):
+    raise tiling.PlacementError(
+        f"shared memory estimate {pruning.smem_estimate(region, tiles)} B exceeds "
+        f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
+  if cost_model.accumulator_bytes(region, tiles) > MAX_ACC_BYTES:
+    raise tiling.PlacementError(
+        f"fp32 accumulators of {cost_model.accumulator_bytes(region, tiles)} B "
+        "exceed the register budget")
+  if cand.split:
+    l, parts = cand.split
+    if math.ceil(region.extent(l) / tiles[l]) < parts:
+      raise tiling.PlacementError(f"split {l}x{parts} has fewer tiles than parts")
+  expr = tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
+                      split=cand.split)
+  if cand.split:
+    top = [n.loop for n in expr.body if isinstance(n, tiling.LoopNode)]
+    if cand.split[0] not in top:
+      raise tiling.PlacementError(f"split loop {cand.split[0]} is not a top-level loop")
+    idx = next(i for i, n in enumerate(expr.body)
+               if isinstance(n, tiling.LoopNode) and n.loop == cand.split[0])
+    if any(s.kind == "S" for s in tiling.TilingExpr(expr.body[:idx + 1]).statements()):
+      raise tiling.PlacementError("split plans store outputs only after the split loop")
+  pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split)
+  warps, stages = cost_model.choose_warps_stages(region, tiles, device)
+  return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
+              num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
+
+
+def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
+  """Deterministic seeds: per grid and skeleton, a balanced tiling, the
+  Lagrange tiling of the first deep order, and single tiles on the loops
+  that cannot stream."""
+  region = space.region
+  loops = [l.name for l in region.loops]
+  out = []
+  balanced = {}
+  for l in loops:
+    c = space.tile_cands[l]
+    under = [t for t in c if t <= 64]
+    balanced[l] = under[-1] if under else c[0]
+  seeds_tiles = [balanced]
+  big = {}
+  for l in loops:
+    c = space.tile_cands[l]
+    big[l] = c[-1] if (l in region.reduced_loops() and l not in space.streamable) else balanced[l]
+  seeds_tiles.append(big)
+  try:
+    deep = [s for g in space.grids for s in space.skeletons[g] if s.is_deep()]
+    if deep:
+      perm = tiling.default_grid(region) + tuple(deep[0].loops())
+      lt = lagrange.lagrange_tiles(region, [p for p in perm if p in tiling.tiled_loops(region)],
+                                   space.device)
+      if lt:
+        seeds_tiles.append({l: lt.get(l, balanced[l]) for l in loops})
+  except Exception as e:  # pylint: disable=broad-except
+    logging.info("jaxfuse planner: no Lagrange seed (%s)", e)
+  for g in space.grids:
+    for sk in space.skeletons[g]:
+      for t in seeds_tiles:
+        out.append(Candidate(g, str(sk), tuple((l, t[l]) for l in loops), None))
+  return out
+
+
+def _random(space: Space, rng: random.Random) -> Candidate:
+  g = rng.choice([g for g in space.grids if space.skeletons[g]])
+  sk = rng.choice(space.skeletons[g])
+  tiles = tuple((l, rng.choice(c)) for l, c in space.tile_cands.items())
+  split = rng.choice(space.splits) if rng.random() < 0.25 else None
+  return Candidate(g, str(sk), tiles, split)
+
+
+def _mutate(space: Space, c: Candidate, rng: random.Random) -> Candidate:
+  r = rng.random()
+  if r < 0.75:
+    tiles = dict(c.tiles)
+    movable = [l for l, cs in space.tile_cands.items() if len(cs) > 1]
+    if movable:
+      l = rng.choice(movable)
+      cs = space.tile_cands[l]
+      i = cs.index(tiles[l]) if tiles[l] in cs else 0
+      j = max(0, min(len(cs) - 1, i + rng.choice((-2, -1, 1, 2))))
+      tiles[l] = cs[j]
+    return dataclasses.replace(c, tiles=tuple(tiles.items()))
+  if r < 0.85:
+    return dataclasses.replace(c, split=rng.choice(space.splits))
+  g = rng.choice([g for g in space.grids if space.skeletons[g]])
+  return dataclasses.replace(c, grid=g, skeleton=str(rng.choice(space.skeletons[g])))
+
+
+def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
+           measure: Optional[Callable[[Sequence[Plan]], Sequence[float]]] = None,
+           population: int = 96, top_n: int = 8, eps: float = 0.01,
+           max_iters: int = 12, min_iters: int = 3,
+           streamable: Optional[frozenset[str]] = None,
+           space: Optional[Space] = None) -> SearchResult:
+  """MCFuser Alg. 1 over ``build_space`` (see the module docstring)."""
+  space = space or build_space(region, device, streamable=streamable)
+  rng = random.Random(seed)
+  memo: dict[Candidate, Optional[Plan]] = {}
+  rejected: dict[str, int] = {}
+  measured: dict[Candidate, float] = {}
+
+  def evaluate(c: Candidate) -> Optional[Plan]:
+    if c in memo:
+      return memo[c]
+    try:
+      p = make_plan(region, device, c, space.streamable)
+    except (tiling.PlacementError, ValueError) as e:
+      reason = str(e)
+      key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"
+      if "register budget" in reason:
+        key = "fp32 accumulators exceed the register budget"
+      rejected[key] = rejected.get(key, 0) + 1
+      p = None
+    memo[c] = p
+    return p
+
+  if not any(space.skeletons.values()):
+    return SearchResult([], 0, 0, {"no tiling expression places every op": 1}, space.counts)
+  pop = _seeds(space, rng)
+  n_seeds = len(pop)
+  while len(pop) < population + n_seeds:
+    pop.append(_random(space, rng))
+  best_t = math.inf
+  it = 0
+  stale = 0
+  for it in range(1, max_iters + 1):
+    plans = [(c, evaluate(c)) for c in pop]
+    valid = [(c, p) for c, p in plans if p is not None]
+    if not valid:
+      # Nothing valid yet: widen with fresh random candidates.
+      pop = [_random(space, rng) for _ in range(population)]
+      continue
+    valid.sort(key=lambda cp: (cp[1].predicted.time_s, str(cp[1])))
+    uniq, seen = [], set()
+    for c, p in valid:
+      k = (str(p.expr), p.grid, p.tiles, p.split)
+      if k not in seen:
+        seen.add(k)
+        uniq.append((c, p))
+    top = uniq[:top_n]
+    if measure is not None:
+      todo = [(c, p) for c, p in top if c not in measured]
+      if todo:
+        try:
+          times = list(measure([p for _, p in todo]))
+        except Exception as e:  # pylint: disable=broad-except
+          logging.warning("jaxfuse planner: measure failed (%s); model only", e)
+          measure = None
+          times = []
+        for (c, _), t in zip(todo, times):
+          measured[c] = float(t) if t is not None and math.isfinite(t) else math.inf
+      cand_t = [measured.get(c, math.inf) for c, _ in top]
+      top1_t = min(cand_t) if cand_t else math.inf
+    else:
+      top1_t = top[0][1].predicted.time_s
+    improved = best_t - top1_t
+    if top1_t < best_t:
+      best_t = top1_t
+    if it >= min_iters and improved < eps * best_t:
+      stale += 1
+      if stale >= 2:
+        break
+    else:
+      stale = 0
+    # Next population: weighted by 1/estimate, one mutation each.
+    weights = [1.0 / max(p.predicted.time_s, 1e-12) for _, p in valid]
+    parents = rng.choices([c for c, _ in valid], weights=weights, k=population)
+    pop = [_mutate(space, c, rng) for c in parents] + [c for c, _ in uniq[:top_n]]
+
+  # Rank every valid plan seen: measured ones first by measurement.
+  allv = [(c, p) for c, p in memo.items() if p is not None]
+
+  def key(cp):
+    c, p = cp
+    m = measured.get(c)
+    return (0 if m is not None and math.isfinite(m) else 1,
+            m if m is not None and math.isfinite(m) else p.predicted.time_s, str(p))
+  allv.sort(key=key)
+  ranked, seen = [], set()
+  for c, p in allv:
+    k = (str(p.expr), p.grid, p.tiles, p.split)
+    if k not in seen:
+      seen.add(k)
+      ranked.append(p)
+  return SearchResult(ranked, len(memo), it, rejected, space.counts)

@@ -1,0 +1,270 @@
+"""Planner tests against the papers' figures (MCFuser III-C/IV, Chimera IV-B)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import numpy as np
+import pytest
+
+from jaxfuse import ir
+from jaxfuse.devices import get_device
+from jaxfuse.planner import (cache, cost_model, examples, lagrange, movement, plan_region,
+                             pruning, search, tiling)
+
+H100 = get_device("h100")
+
+
+def chain4(m, n, k, h):
+  return examples.gemm_chain(1, m, n, k, h, batch=False)
+
+
+# -- tiling expressions ------------------------------------------------------
+
+def test_enumeration_gemm_chain_26():
+  sks = tiling.enumerate_skeletons(chain4(64, 64, 64, 64))
+  strs = [str(s) for s in sks]
+  assert len(strs) == 26 and len(set(strs)) == 26
+  assert sum(s.is_deep() for s in sks) == 24
+  assert set(strs[24:]) == {"mn(k,h)", "nm(k,h)"}
+
+
+def test_enumeration_other_regions():
+  att = examples.attention(1, 2, 128, 128, 64)
+  assert tiling.batch_loops(att) == ("b", "g")
+  assert len(tiling.enumerate_skeletons(att)) == 26
+  mlp = examples.mlp_chain(1, 256, [64, 128, 64, 32])
+  sks = tiling.enumerate_skeletons(mlp)
+  assert sum(s.is_deep() for s in sks) == math.factorial(5)
+  assert any(not s.is_deep() for s in sks)
+
+
+@pytest.mark.parametrize("text", ["mhnk", "mn(k,h)", "mh(n(k(La,Lb,Cc),Ld,Ce),Se)",
+                                  "m.hd.(n,k)", "(La,n(Lb,Cc),Sc)"])
+def test_parse_print_round_trip(text):
+  assert str(tiling.parse(text)) == text
+
+
+def test_place_flash_like_chain():
+  r = chain4(256, 256, 64, 64)
+  e = tiling.place(r, "mhnk", {"m": 64, "n": 64, "k": 32, "h": 32}, grid=("m",))
+  assert str(e) == "h(n(k(La,Lbb,Cc),Ld,Ce),Se)"
+  # Rule 2 at placement: E accumulated over n with several h tiles inside n.
+  with pytest.raises(tiling.PlacementError):
+    tiling.place(r, "mnhk", {"m": 64, "n": 64, "k": 32, "h": 32}, grid=("m",))
+  # a consumer inside its producer's reduction loop
+  with pytest.raises(tiling.PlacementError):
+    tiling.place(r, "mkhn", {"m": 64, "n": 64, "k": 32, "h": 32}, grid=("m",))
+
+
+def test_hoisting_cuts_a_traffic_by_h_times_n():
+  m, n, k, h = 256, 512, 64, 256
+  r = chain4(m, n, k, h)
+  t = {"m": 64, "n": 64, "k": 32, "h": 64}
+  e1 = tiling.place(r, "mhnk", t, grid=("m",))
+  t2 = dict(t, k=64)                  # K <= T_K: k has one tile
+  e2 = tiling.place(r, "mhnk", t2, grid=("m",))
+  assert str(e2) == "(La,h(n(Lbb,Cc,Ld,Ce),Se))"
+  a1 = movement.placed_volume(r, e1, t, ("m",))["a"]
+  a2 = movement.placed_volume(r, e2, t2, ("m",))["a"]
+  assert a2 == m * k * 2
+  assert a1 == a2 * (h // 64) * (n // 64)
+
+
+# -- pruning (MCFuser Fig. 7) ------------------------------------------------
+
+def test_space_counts_mcfuser_example():
+  c = pruning.space_counts(chain4(1024, 1024, 512, 512), H100)
+  assert c["raw"] == (24 + 2) * 64 ** 2 * 32 ** 2 == 109_051_904
+  assert c["expressions"] == 26
+  # Paper: 5 and 3; see pruning's docstring for why we count 8 and 4.
+  assert c["rule1_expressions"] == 8
+  assert c["rule2_expressions"] == 4
+  assert c["rule3"] == 4 * 7 * 7 * 6 * 6 == 7056
+  assert c["rule4"] == 3548
+  assert 10 ** 3 <= c["rule4"] <= 10 ** 4
+
+
+def test_rule1_classes_contain_paper_pair_and_rule2_drops_kn():
+  r = chain4(1024, 1024, 512, 512)
+  cl = pruning.rule1_classes(r, tiling.enumerate_skeletons(r), ("m", "h"))
+  for key, members in cl.items():
+    sub = tiling.strip_loops(tiling.parse(key), ())
+    names = [str(s) for s in members]
+    if any(s.startswith("k") or "k" in s[:s.index("n")] for s in names if "(" not in s):
+      assert pruning.violates_rule2(r, sub)
+
+
+def test_rule3_tiles():
+  assert pruning.tile_candidates(chain4(1024, 64, 64, 64), "m") == (16, 32, 64, 128, 256, 512, 1024)
+  att = examples.attention(1, 1, 208, 208, 80)
+  assert pruning.tile_candidates(att, "d") == (16, 128)      # exact 16, padded single tile
+  assert pruning.tile_candidates(att, "m") == (16, 256)
+  r = chain4(100, 64, 64, 64)                                # nothing exact: padded kept
+  assert pruning.tile_candidates(r, "m") == (128,)
+  assert pruning.tile_candidates(att, "b") == (1,)
+
+
+def test_rule4_smem():
+  r = chain4(1024, 1024, 512, 512)
+  t = {"m": 64, "n": 64, "k": 64, "h": 64}
+  assert pruning.smem_estimate(r, t) == 5 * 64 * 64 * 2
+  assert pruning.rule4_ok(r, t, H100.smem_per_block_bytes)
+  assert not pruning.rule4_ok(r, {"m": 512, "n": 512, "k": 512, "h": 512}, H100.smem_per_block_bytes)
+
+
+# -- Chimera data movement and Lagrange tiles ---------------------------------
+
+def test_chimera_volume_mlkn_random():
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    M, K, L, N = (int(x) for x in rng.integers(16, 700, size=4))
+    TM, TK, TL, TN = (int(2 ** x) for x in rng.integers(4, 9, size=4))
+    # Chimera letters: A:MxK, B:KxL, D:LxN  ==  gemm_chain(m=M, n=L, k=K, h=N)
+    r = chain4(M, L, K, N)
+    tiles = {"m": TM, "n": TL, "k": TK, "h": TN}
+    dv, mu, per = movement.chimera_volume(r, "mnkh", tiles)   # order m l k n
+    want = (M * K * math.ceil(L / TL) + K * L * math.ceil(M / TM)
+            + N * L * math.ceil(M / TM) + M * N * math.ceil(L / TL))
+    assert dv == pytest.approx(want, rel=1e-12)
+    assert per["a"] == pytest.approx(M * K * math.ceil(L / TL))
+    assert mu == max(TM * TK + TK * TL + TM * TL, TM * TL + TL * TN + TM * TN)
+
+
+@pytest.mark.parametrize("mc,alpha", [(64 * 1024, 16), (116 * 1024, 32)])
+def test_lagrange_closed_form_and_numerical(mc, alpha):
+  r = chain4(4096, 4096, 512, 512)
+  tm, tl, tn = lagrange.chain_closed_form(mc, alpha)
+  assert tm == tl == pytest.approx(-alpha + math.sqrt(alpha ** 2 + mc))
+  # the closed form is a stationary point: MU is tight at it
+  assert tm * tl + alpha * (tm + tl) == pytest.approx(mc)
+  num = lagrange.solve(r, "mnkh", mc, lower=alpha)
+  assert num["m"] == pytest.approx(tm, rel=0.01)
+  assert num["n"] == pytest.approx(tl, rel=0.01)
+  assert num["h"] == pytest.approx(tn, rel=0.01)
+  greedy = lagrange.solve_greedy(r, "mnkh", mc, lower=alpha)
+  assert greedy["m"] == pytest.approx(tm, rel=0.05)
+  dv_star = 2 * 4096 * 4096 * (512 + 512) / tm
+  dv_num, _, _ = movement.chimera_volume(r, "mnkh", num, continuous=True)
+  assert dv_num == pytest.approx(dv_star, rel=0.01)
+  t = lagrange.round_tiles(r, "mnkh", num, mc)
+  assert all(v & (v - 1) == 0 for v in t.values())
+  assert movement.chimera_volume(r, "mnkh", t)[1] <= mc
+
+
+# -- model and search -----------------------------------------------------------
+
+def _check_executable(region, plan):
+  assert set(plan.tile_map) == {l.name for l in region.loops}
+  assert plan.num_warps in (4, 8) and plan.num_stages in (2, 3)
+  assert not set(plan.grid) & set(plan.expr.loops())
+
+
+def test_attention_flash_order():
+  att = examples.attention(1, 12, 1024, 1024, 64)
+  res = search.search(att, H100, seed=0, streamable=frozenset({"n"}))
+  best = res.ranked[0]
+  _check_executable(att, best)
+  ctx = tiling.statement_contexts(best.expr)
+  co = [enc for s, enc in ctx if str(s) == "Co"][0]
+  so = [enc for s, enc in ctx if str(s) == "Sout"][0]
+  assert "n" in co and "n" not in so          # output on chip across the n loop
+  assert ("m", "n") not in [(a, b) for a, b in zip(so, so[1:])]
+
+
+def test_g10_parallelism():
+  g10 = examples.gemm_chain(1, 1024, 1024, 128, 128)
+  res = plan_region(g10, "h100", use_cache=False)
+  assert res.best is not None
+  _check_executable(g10, res.best)
+  if res.best.predicted.programs < H100.sm_count:
+    assert "SMs" in res.space["parallelism"]
+  # the low-parallelism options are in the space and ranked
+  ranked = search.search(g10, H100, seed=0).ranked
+  assert any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
+
+
+def test_model_alpha_and_recompute():
+  r = examples.gemm_chain(1, 1024, 1024, 128, 128)
+  t = {"b": 1, "m": 64, "n": 64, "k": 128, "h": 64}
+  e1 = tiling.place(r, "mhnk", t, ("b", "m"))
+  e2 = tiling.place(r, "mhnk", t, ("b", "m", "h"))
+  p1 = cost_model.predict(r, e1, t, ("b", "m"), H100)
+  p2 = cost_model.predict(r, e2, t, ("b", "m", "h"), H100)
+  assert p1.programs == 16 and p2.programs == 32
+  assert p1.alpha == pytest.approx((16 + 132) / 16)
+  # GEMM1 runs once per h tile either way (sequential h loop or h programs)
+  assert p1.flops == p2.flops == r.flops() + 2 * 1024 * 1024 * 128
+  t1 = dict(t, h=128)                   # one h tile: no recomputation
+  e3 = tiling.place(r, "mhnk", t1, ("b", "m"))
+  assert cost_model.predict(r, e3, t1, ("b", "m"), H100).flops == r.flops()
+
+
+def test_no_plan_for_huge_single_tile():
+  # c - sum_n(c) read back along n: not streamable, so n must be one tile.
+  ext = {"m": 64, "n": 16384, "k": 64, "h": 64}
+  loops = tuple(ir.Loop(l, e) for l, e in ext.items())
+  def buf(v, ls):
+    shape = tuple(ext[l] for l in ls)
+    return ir.Buffer(v, shape, tuple(zip(ls, ir.contiguous_strides(shape))))
+  vals = (ir.Value("a", ("m", "k"), "float16"), ir.Value("b", ("k", "n"), "float16"),
+          ir.Value("c", ("m", "n"), "float32"), ir.Value("s", ("m",), "float32"),
+          ir.Value("t", ("m", "n"), "float16"), ir.Value("d", ("n", "h"), "float16"),
+          ir.Value("e", ("m", "h"), "float16"))
+  ops = (ir.Contraction("c", "a", "b", ("k",)), ir.Reduction("s", "sum", "c", "n"),
+         ir.Elementwise("t", "sub", ("c", "s")), ir.Contraction("e", "t", "d", ("n",)))
+  r = ir.Region(loops, vals, (buf("a", ("m", "k")), buf("b", ("k", "n")), buf("d", ("n", "h"))),
+                (buf("e", ("m", "h")),), ops)
+  res = plan_region(r, "h100", use_cache=False)
+  assert res.best is None and res.ranked == ()
+  assert "no legal plan" in res.why_not
+
+
+def test_search_deterministic():
+  r = examples.gemm_chain(1, 512, 256, 64, 128)
+  a = search.search(r, H100, seed=3)
+  b = search.search(r, H100, seed=3)
+  assert [str(p) for p in a.ranked[:10]] == [str(p) for p in b.ranked[:10]]
+
+
+def test_measure_callback_reorders():
+  r = examples.gemm_chain(1, 512, 256, 64, 128)
+  calls = []
+
+  def measure(plans):
+    calls.append(len(plans))
+    # pretend the plan with the most programs is fastest
+    return [1.0 / p.predicted.programs for p in plans]
+  res = plan_region(r, "h100", measure=measure, use_cache=False)
+  assert calls and res.best is not None
+  seen = res.ranked[0].predicted.programs
+  assert all(seen >= p.predicted.programs for p in res.ranked[:2])
+
+
+# -- cache ----------------------------------------------------------------------
+
+def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = examples.gemm_chain(1, 512, 256, 64, 64)
+  res = plan_region(r, "h100")
+  assert not res.from_cache
+  again = plan_region(r, "h100")
+  assert again.from_cache
+  assert [str(p) for p in again.ranked] == [str(p) for p in res.ranked]
+  assert again.best.predicted == res.best.predicted
+  files = os.listdir(tmp_path / "plans")
+  assert len(files) == 1 and not any(f.startswith(".tmp") for f in files)
+  path = tmp_path / "plans" / files[0]
+  path.write_text("{not json")
+  with caplog.at_level(logging.WARNING):
+    third = plan_region(r, "h100")
+  assert not third.from_cache and str(third.best) == str(res.best)
+  assert any("corrupt plan cache" in m for m in caplog.messages)
+  json.loads(path.read_text())       # rewritten whole
+  data = json.loads(path.read_text())
+  data["version"] = "0.0.stale"
+  path.write_text(json.dumps(data))
+  assert not plan_region(r, "h100").from_cache

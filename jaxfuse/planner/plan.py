@@ -16,7 +16,17 @@ Contract between ``jaxfuse.planner`` and ``jaxfuse.codegen`` (both read it):
   stores output ``y``.
 * ``split``: optional ``(loop, parts)``: a reduction loop divided among
   ``parts`` programs whose partial results a second pass combines (for
-  grids too small for the GPU, MCFuser's alpha).
+  grids too small for the GPU, MCFuser's alpha). The planner proposes it
+  only for loops that ``planner.search.splittable_loops`` allows (reduced
+  only by contractions whose results are outputs, maybe through a convert),
+  with the split loop a top-level loop of ``expr`` and every store after it.
+* ``skeleton``: the full (unplaced) tiling expression the plan came from,
+  e.g. ``mhnk``; informational.
+
+``tiling.place(region, skeleton, tiles, grid=None, *, streamable=None,
+split=None)`` builds ``expr``; grid loops may include spatial loops that
+some producer does not use (``h`` of the GEMM chain): each program then
+recomputes its producer tiles.
 """
 
 from __future__ import annotations

@@ -519,7 +519,7 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
   Example::
 
       place(chain, "mhnk", {"m": 64, "n": 64, "k": 512, "h": 64}, grid=("m",))
-      # -> h(La,n(Lb,Cc,Ld,Ce),Se): K fits a tile, so A loads once per program
+      # K=512 fits one tile: -> (La,h(n(Lb,Cc,Ld,Ce),Se)), A loads once per program
   """
   if isinstance(skeleton, str):
     skeleton = parse(skeleton, [l.name for l in region.loops])

@@ -46,6 +46,9 @@ __all__ = ["CapturedRegion", "find_regions", "rewrite"]
 _MAX_REACH = 512       # items explored forward/backward from one contraction
 _MAX_PROLOGUE = 64     # prologue items pulled into one region
 _MAX_BARRIER_ROUNDS = 32
+# Longest chain fused into one region: MCFuser/Chimera plan chains of 2-3
+# contractions; longer chains are split into several regions.
+_MAX_CONTRACTIONS = 4
 
 
 @dataclasses.dataclass
@@ -102,8 +105,11 @@ def _is_dot(it: Item) -> bool:
           and _dtype(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
 
 
+_CHEAP = PRIMITIVES - {"dot_general"}
+
+
 def _is_cheap(it: Item) -> bool:
-  return it.prim in PRIMITIVES and it.prim != "dot_general"
+  return it.eqn.primitive.name in _CHEAP
 
 
 class _LevelAnalysis:
@@ -113,6 +119,8 @@ class _LevelAnalysis:
     self.lvl = lvl
     self.items = lvl.items
     self._const_like: dict[int, bool] = {}
+    self.taken: set[int] = set()   # items replaced by regions found so far
+    self._bwd: dict = {}
 
   # ---- reachability -------------------------------------------------------
   def fwd(self, d: Item) -> tuple[set, dict]:
@@ -141,6 +149,10 @@ class _LevelAnalysis:
     return seen, reached
 
   def bwd(self, atom) -> set:
+    """Cheap items that ``atom`` is computed from (through cheap items)."""
+    key = atom if isinstance(atom, FVar) else None
+    if key is not None and key in self._bwd:
+      return self._bwd[key]
     seen: set[int] = set()
     stack = [atom]
     while stack:
@@ -152,6 +164,8 @@ class _LevelAnalysis:
         continue
       seen.add(p.idx)
       stack.extend(p.invars)
+    if key is not None:
+      self._bwd[key] = seen
     return seen
 
   # ---- chains ------------------------------------------------------------
@@ -213,7 +227,7 @@ class _LevelAnalysis:
     return ok
 
   def prologue_ok(self, p: Item, removed_mask: int) -> bool:
-    if not _is_cheap(p) or p.prim in REDUCE_PRIMS:
+    if not _is_cheap(p) or p.prim in REDUCE_PRIMS or p.idx in self.taken:
       return False
     if self.lvl.anc[p.idx] & removed_mask:
       return False
@@ -336,11 +350,11 @@ class _LevelAnalysis:
 
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
-    taken: set[int] = set()
+    taken = self.taken
 
     def attempt(chain: list[Item]):
       n = len(chain)
-      for length in range(n, 1, -1):
+      for length in range(min(n, _MAX_CONTRACTIONS), 1, -1):
         for start in range(n - length + 1):
           sub = chain[start:start + length]
           f = None
@@ -365,6 +379,18 @@ class _LevelAnalysis:
 
     for ch in self.chains():
       attempt(ch)
+    # Each region's inputs must exist outside every region, or be another
+    # region's output; drop regions that would read a value a neighbour
+    # computes internally (rare: overlapping prologues).
+    while True:
+      removed = set().union(*(f.removed for f in found)) if found else set()
+      exported = {o for f in found for o in f.outputs}
+      bad = [f for f in found
+             if any((p := self.lvl.producer.get(a)) is not None and p.idx in removed
+                    and a not in exported for a in f.input_src)]
+      if not bad:
+        break
+      found = [f for f in found if f is not bad[0]]
     found.sort(key=lambda f: f.chain[0].idx)
     return found
 

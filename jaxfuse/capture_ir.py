@@ -688,12 +688,21 @@ def _check_reduced_loops_stay_reduced(region: ir.Region) -> None:
   result (as in (x @ w) @ w.T read through one buffer): the planner treats
   a loop as either reduced or kept downstream of the op that reduces it."""
   downstream: dict[str, set] = {}
+  batch: dict[str, set] = {}
   for op in region.ops:
-    gone = set()
+    gone, kept = set(), set()
     for a in op.inputs:
       gone |= downstream.get(a, set())
+      kept |= batch.get(a, set())
     if gone & set(region.value(op.out).loops):
       raise Reject("a reduced loop is reused downstream")
     if isinstance(op, ir.Contraction):
+      # A batch loop (e.g. attention heads) reduced later, as in
+      # merge-heads @ wo, would couple the programs of the batch loop.
+      if kept & set(op.reduce):
+        raise Reject("a contraction reduces an upstream batch loop")
       gone = gone | set(op.reduce)
+      lhs, rhs = region.value(op.lhs).loops, region.value(op.rhs).loops
+      kept = kept | (set(lhs) & set(rhs) & set(region.value(op.out).loops))
     downstream[op.out] = gone
+    batch[op.out] = kept

@@ -424,3 +424,23 @@ def test_rewrite_region_call_replaces_ops():
   assert "dot_general" not in str(new) and "exp" not in str(new)
   # The "+ 1.0" is the region's epilogue, replaced too.
   np.testing.assert_array_equal(np.asarray(jaxpr_as_fun(new)(q, k, v)[0]), 0.0)
+
+
+def test_vmapped_heads_and_jitted_helper():
+  def per_head(q, k, v):
+    return jax.nn.softmax(q @ k.T / 3.0) @ v
+
+  def heads(q, k, v):   # [B, T, H, D] through two vmaps
+    return jax.vmap(jax.vmap(per_head, in_axes=(1, 1, 1), out_axes=1))(q, k, v)
+
+  r = one_region(heads, rand(2, 5, 3, 4), rand(2, 6, 3, 4), rand(2, 6, 3, 4))
+  assert sorted(r.region.loop_extents.values()) == [2, 3, 4, 4, 5, 6]
+  check_region_matches_jaxpr(r)
+
+  def helper_twice(x, w1, w2):
+    h = jax.jit(lambda a, b: jax.nn.relu(a @ b))
+    return h(h(x, w1), w2) @ w1.T
+  r = one_region(helper_twice, rand(4, 8), rand(8, 8), rand(8, 8))
+  assert len(r.region.contractions) == 3
+  check_region_matches_jaxpr(r)
+  _check_rewrite(helper_twice, rand(4, 8), rand(8, 8), rand(8, 8), expect_calls=1)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -49,6 +48,11 @@ _MAX_BARRIER_ROUNDS = 32
 # Longest chain fused into one region: MCFuser/Chimera plan chains of 2-3
 # contractions; longer chains are split into several regions.
 _MAX_CONTRACTIONS = 4
+# Candidate variants tried per chain, most inclusive first:
+# (epilogue, one input buffer per use, prologue).
+_VARIANTS = (("all", False, True), ("all", True, True), ("pointwise", False, True),
+             ("none", False, True), ("none", True, True), ("all", False, False),
+             ("none", True, False))
 
 
 @dataclasses.dataclass
@@ -236,7 +240,12 @@ class _LevelAnalysis:
     big = [a for a in p.invars if not self.const_like(a)]
     return len(big) <= 1
 
-  def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool) -> _Found:
+  def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool,
+                prologue: bool = True) -> _Found:
+    """The region of ``chain``: its middle ops, an epilogue ('all',
+    'pointwise' or 'none'), the prologue of its other operands (when
+    ``prologue``), inputs (one buffer per use when ``split_inputs``) and
+    outputs. Raises Reject when it is not valid to fuse."""
     lvl = self.lvl
     removed: set[int] = {d.idx for d in chain}
     for d, x in zip(chain, chain[1:]):
@@ -287,7 +296,8 @@ class _LevelAnalysis:
         p = lvl.producer.get(a)
         if p is None or p.idx in members:
           continue
-        if len(members) - len(removed) < _MAX_PROLOGUE and self.prologue_ok(p, removed_mask):
+        if (prologue and len(members) - len(removed) < _MAX_PROLOGUE
+            and self.prologue_ok(p, removed_mask)):
           members.add(p.idx)
           stack.append(p)
     order = sorted(members)
@@ -359,9 +369,9 @@ class _LevelAnalysis:
           sub = chain[start:start + length]
           f = None
           why = None
-          for epi, split in itertools.product(("all", "pointwise", "none"), (False, True)):
+          for epi, split, pro in _VARIANTS:
             try:
-              f = self.candidate(sub, epi, split)
+              f = self.candidate(sub, epi, split, pro)
               break
             except Reject as e:
               why = str(e)

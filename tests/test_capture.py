@@ -444,3 +444,12 @@ def test_vmapped_heads_and_jitted_helper():
   assert len(r.region.contractions) == 3
   check_region_matches_jaxpr(r)
   _check_rewrite(helper_twice, rand(4, 8), rand(8, 8), rand(8, 8), expect_calls=1)
+
+
+def test_non_affine_prologue_becomes_an_input():
+  def f(a, b, d):
+    a2 = a.reshape(6, 4)       # [4, 6] -> [6, 4]: not a split/merge of dims
+    return jnp.tanh(a2 @ b) @ d
+  r = one_region(f, rand(4, 6), rand(4, 5), rand(5, 3))
+  assert [b.shape for b in r.region.inputs] == [(6, 4), (4, 5), (5, 3)]
+  check_region_matches_jaxpr(r)

@@ -300,6 +300,13 @@ class _LevelAnalysis:
             and self.prologue_ok(p, removed_mask)):
           members.add(p.idx)
           stack.append(p)
+    # A custom call (e.g. jax.nn.softmax on jax >= 0.11) whose ops are all in
+    # the region and partly replaced is absorbed whole: its chain-independent
+    # ops (such as a cast of its -inf argument) are replaced too.
+    for g in lvl.groups.values():
+      gi = set(g.items)
+      if gi and gi & removed and gi <= members and not gi <= removed:
+        removed |= gi
     order = sorted(members)
     produced = set()
     for i in order:

@@ -453,3 +453,36 @@ def test_non_affine_prologue_becomes_an_input():
   r = one_region(f, rand(4, 6), rand(4, 5), rand(5, 3))
   assert [b.shape for b in r.region.inputs] == [(6, 4), (4, 5), (5, 3)]
   check_region_matches_jaxpr(r)
+
+
+@pytest.mark.parametrize("custom_jvp", [False, True])
+@pytest.mark.parametrize("use_where", [False, True])
+def test_softmax_as_custom_jvp_call(custom_jvp, use_where):
+  """jax >= 0.11 emits jax.nn.softmax as a custom_jvp_call; absorb it whole."""
+  try:
+    old = jax.config.jax_softmax_custom_jvp
+  except AttributeError:
+    pytest.skip("this jax has no softmax_custom_jvp flag")
+  q, k, v = _qkv()
+  mask = rand(2, 12, 10) > -0.5
+
+  def f(q, k, v, mask):
+    s = jnp.einsum("bqd,bkd->bqk", q, k)
+    p = jax.nn.softmax(s, -1, where=mask) if use_where else jax.nn.softmax(s, -1)
+    return jnp.einsum("bqk,bkd->bqd", p, v)
+  jax.config.update("jax_softmax_custom_jvp", custom_jvp)
+  try:
+    closed = jax.make_jaxpr(f)(q, k, v, mask)
+    assert ("custom_jvp_call" in str(closed)) == custom_jvp
+    [r] = capture.find_regions(closed)
+    assert r.region.einsum_summary() == "bmk,bnk->bmn ; bmn,bnh->bmh"
+    check_region_matches_jaxpr(r)
+    if custom_jvp:
+      assert "custom_jvp_call" in str(r.jaxpr)     # the rule travels with the region
+    new = _check_rewrite(f, q, k, v, mask, expect_calls=1)
+    g0 = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v, mask)
+    g1 = jax.grad(lambda *a: jaxpr_as_fun(new)(*a)[0].sum(), argnums=(0, 1, 2))(q, k, v, mask)
+    for a, b in zip(g0, g1):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  finally:
+    jax.config.update("jax_softmax_custom_jvp", old)

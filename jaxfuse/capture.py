@@ -29,11 +29,12 @@ import dataclasses
 import heapq
 from typing import Any, Callable, Sequence
 
+import numpy as np
 from absl import logging
 
 from jaxfuse import ir
 from jaxfuse.capture_flat import (
-    CUSTOM_CALLS, INLINE_CALLS, ClosedJaxpr, FVar, Item, Level, bind_eqn,
+    CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
     flatten, hoist_consts, is_lit, trace)
 from jaxfuse.capture_ir import (
     CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS,
@@ -96,7 +97,6 @@ class _Found:
 
 
 def _dtype(a) -> str:
-  import numpy as np  # pylint: disable=import-outside-toplevel
   return np.dtype(a.aval.dtype).name
 
 
@@ -530,8 +530,7 @@ class _Emitter:
       for b, _ in res:
         offsets.append((len(all_consts), len(b.consts)))
         all_consts.extend(b.consts)
-      from jaxfuse.capture_flat import _aval_of, eval_jaxpr  # pylint: disable=import-outside-toplevel
-      const_avals = [_aval_of(c) for c in all_consts]
+      const_avals = [aval_of(c) for c in all_consts]
       op_avals = [v.aval for v in branches[0].jaxpr.invars]
       nall = len(all_consts)
       new_branches = []

@@ -266,16 +266,16 @@ def hoist_consts(closed: ClosedJaxpr, in_avals: Sequence | None = None
     return closed, []
   n = len(consts)
   jx = closed.jaxpr
-  const_avals = [_aval_of(c) for c in consts]
+  const_avals = [aval_of(c) for c in consts]
   in_avals = list(in_avals) if in_avals is not None else [v.aval for v in jx.invars]
   new = trace(lambda *a: eval_jaxpr(jx, a[:n], *a[n:]), const_avals + in_avals)
   assert not new.consts, "hoisting left consts behind"
   return new, consts
 
 
-def _aval_of(x):
-  try:
-    return jax.core.get_aval(x)
-  except Exception:  # pragma: no cover
-    a = np.asarray(x)
-    return jax.core.ShapedArray(a.shape, a.dtype)
+def aval_of(x):
+  """The abstract value of a concrete array (a jaxpr constant)."""
+  typeof = getattr(jax, "typeof", None)
+  if typeof is not None:
+    return typeof(x)
+  return jax.core.get_aval(x)  # pragma: no cover - older jax

@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any, Sequence
 

@@ -486,3 +486,38 @@ def test_softmax_as_custom_jvp_call(custom_jvp, use_where):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
   finally:
     jax.config.update("jax_softmax_custom_jvp", old)
+
+
+def test_rewrite_bodies_with_constants_from_bind_region():
+  """bind_region results that close over arrays become body constants: they
+  are hoisted into scan/while/cond/remat operands."""
+  def f(x, w):
+    def body(c, _):
+      return jnp.tanh(c @ w) @ w, None
+    a, _ = jax.lax.scan(body, x, None, length=2)
+    b = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: ((c[0] @ w) @ w, c[1] + 1), (x, 0))[0]
+    c = jax.lax.cond(x.sum() > 0, lambda x: jax.nn.relu(x @ w) @ w, lambda x: x, x)
+    d = jax.checkpoint(lambda x: jnp.tanh(x @ w) @ w)(x)
+    return a + b + c + d
+  x, w = rand(8, 8), rand(8, 8, scale=0.3)
+  closed = jax.make_jaxpr(f)(x, w)
+  offset = np.full((8, 8), 0.5, np.float32)   # a numpy array: a jaxpr constant
+  seen = []
+
+  def bind(cap, *xs):
+    seen.append(cap.path)
+    return [o + offset for o in jaxpr_as_fun(cap.jaxpr)(*xs)]
+  new = capture.rewrite(closed, bind)
+  assert sorted(seen) == ["cond/branch1", "remat", "scan/body", "while/body"]
+
+  def g(x, w):   # the same program with the offset written in
+    def body(c, _):
+      return jnp.tanh(c @ w) @ w + offset, None
+    a, _ = jax.lax.scan(body, x, None, length=2)
+    b = jax.lax.while_loop(lambda c: c[1] < 2,
+                           lambda c: ((c[0] @ w) @ w + offset, c[1] + 1), (x, 0))[0]
+    c = jax.lax.cond(x.sum() > 0, lambda x: jax.nn.relu(x @ w) @ w + offset, lambda x: x, x)
+    d = jax.checkpoint(lambda x: jnp.tanh(x @ w) @ w + offset)(x)
+    return a + b + c + d
+  np.testing.assert_allclose(np.asarray(jaxpr_as_fun(new)(x, w)[0]), np.asarray(g(x, w)),
+                             rtol=1e-5, atol=1e-5)

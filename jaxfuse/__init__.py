@@ -13,5 +13,11 @@ Example::
 """
 
 from jaxfuse.config import config  # noqa: F401
+from jaxfuse.api import fuse, fused_jaxpr, jit  # noqa: F401
+from jaxfuse.inspection import Report, RegionReport, inspect  # noqa: F401
+from jaxfuse import ir  # noqa: F401
 
 __version__ = "0.1.0"
+
+__all__ = ["jit", "fuse", "fused_jaxpr", "inspect", "Report", "RegionReport",
+           "config", "ir", "__version__"]

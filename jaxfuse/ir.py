@@ -40,7 +40,7 @@ import numpy as np
 __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
-    "evaluate", "contiguous_strides", "dtype_itemsize",
+    "evaluate", "simplify", "contiguous_strides", "dtype_itemsize",
 ]
 
 
@@ -571,6 +571,70 @@ class Region:
 
   def __repr__(self):
     return f"<Region {self.name} {self.einsum_summary()} sig={self.signature()}>"
+
+
+def _identity_operand(op, vm) -> "str | None":
+  """The operand an elementwise op returns unchanged, if it is an identity.
+
+  ``max(x, -inf)`` (jax.nn.softmax's ``initial=-inf``), ``min(x, inf)``,
+  ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0`` and a ``convert`` to the same
+  dtype return ``x`` exactly (NaN included); dropping them keeps the
+  region's algebra visible to the planner and the streaming analysis.
+  """
+  if not isinstance(op, Elementwise):
+    return None
+  out = vm[op.out]
+  names = [a for a in op.args if isinstance(a, str)]
+  lits = [a for a in op.args if isinstance(a, Literal)]
+  if op.fn == "convert" and len(names) == 1:
+    x = names[0]
+  elif len(names) == 1 and len(lits) == 1:
+    x, c = names[0], float(lits[0].value)
+    first = isinstance(op.args[0], str)
+    ok = ((op.fn == "max" and c == -math.inf) or (op.fn == "min" and c == math.inf)
+          or (op.fn == "mul" and c == 1.0) or (op.fn == "add" and c == 0.0)
+          or (op.fn in ("sub", "div") and first and c == (0.0 if op.fn == "sub" else 1.0)))
+    if not ok:
+      return None
+  else:
+    return None
+  v = vm[x]
+  if v.dtype != out.dtype or set(v.loops) != set(out.loops):
+    return None
+  return x
+
+
+def simplify(region: Region) -> Region:
+  """Removes identity elementwise ops (see ``_identity_operand``).
+
+  Example::
+
+      simplify(r)   # max(-inf, max_n s) -> max_n s
+  """
+  vm = region.value_map
+  outputs = set(region.output_names)
+  alias: dict[str, str] = {}
+  ops = []
+  for op in region.ops:
+    def a(x):
+      return alias.get(x, x) if isinstance(x, str) else x
+    if isinstance(op, Contraction):
+      op = Contraction(op.out, a(op.lhs), a(op.rhs), op.reduce)
+    elif isinstance(op, Elementwise):
+      op = Elementwise(op.out, op.fn, tuple(a(x) for x in op.args))
+    elif isinstance(op, Reduction):
+      op = Reduction(op.out, op.kind, a(op.arg), op.loop)
+    x = _identity_operand(op, vm)
+    if x is not None and op.out not in outputs and vm[x].loops == vm[op.out].loops:
+      alias[op.out] = x
+      continue
+    ops.append(op)
+  if not alias:
+    return region
+  used = set(region.input_names) | {op.out for op in ops}
+  values = tuple(v for v in region.values if v.name in used)
+  return Region(region.loops, values, region.inputs, region.outputs, tuple(ops),
+                name=region.name)
 
 
 # --------------------------------------------------------------------------

@@ -671,9 +671,37 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
   for y, t in store_scope.items():
     t.items.append(((idx[y], 2, 0), Stmt("S", y)))
 
+  deferred = _deferred_pairs(region) if stream else frozenset()
+
+  def defs_uses(it) -> tuple[set[str], set[str]]:
+    """Values an item (statement or loop subtree) defines and reads."""
+    if isinstance(it, Stmt):
+      if it.kind == "C":
+        op = ops[idx[it.value]]
+        return {it.value}, {a for a in op.inputs if (it.value, a) not in deferred}
+      return ({it.value}, set()) if it.kind == "L" else (set(), {it.value})
+    d, u = set(), set()
+    for _, sub in it.items:
+      sd, su = defs_uses(sub)
+      d |= sd
+      u |= su
+    return d, u - d
+
   def emit(t: _T) -> tuple[Node, ...]:
+    # Op-index order, except that an item never precedes one that defines a
+    # value it reads (an iota or scale at this scope feeding a loop below).
+    pending = sorted(t.items, key=lambda p: p[0])
+    info = [defs_uses(it) for _, it in pending]
     out: list[Node] = []
-    for _, it in sorted(t.items, key=lambda p: p[0]):
+    while pending:
+      pick = 0
+      for i in range(len(pending)):
+        later_defs = set().union(*(info[j][0] for j in range(len(pending)) if j != i))
+        if not (info[i][1] & later_defs):
+          pick = i
+          break
+      _, it = pending.pop(pick)
+      info.pop(pick)
       if isinstance(it, Stmt):
         out.append(it)
       else:
@@ -681,8 +709,30 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
     return tuple(out)
 
   expr = TilingExpr(emit(root))
-  _check_order(region, expr)
+  _check_order(region, expr, deferred)
   return expr
+
+
+def _deferred_pairs(region) -> frozenset[tuple[str, str]]:
+  """(value, factor) pairs where the streaming analysis defers ``factor``
+  (the softmax denominator) past the loop: inside the loop ``value`` is its
+  operand's tile, so it may be computed before ``factor`` exists."""
+  try:
+    from jaxfuse.codegen import streaming  # pylint: disable=import-outside-toplevel
+    info = streaming.analyze(region)
+  except Exception:  # pylint: disable=broad-except
+    return frozenset()
+  pairs = set()
+  for st in info.streamed.values():
+    for v, _ in st.deferred:
+      sc = st.scale_of(v)
+      for _, factor in (sc.deferred if sc else ()):
+        pairs.add((v, factor))
+        # The factor's own producers (a convert of the sum, ...) are post
+        # values too: anything in ``post`` may follow the deferred value.
+      for p in st.post:
+        pairs.add((v, p))
+  return frozenset(pairs)
 
 
 def _all_nodes(root: _T) -> list[_T]:
@@ -694,8 +744,10 @@ def _all_nodes(root: _T) -> list[_T]:
   return out
 
 
-def _check_order(region, expr: TilingExpr) -> None:
-  """Every statement's operands are produced earlier in program order."""
+def _check_order(region, expr: TilingExpr,
+                 deferred: frozenset[tuple[str, str]] = frozenset()) -> None:
+  """Every statement's operands are produced earlier in program order
+  (except factors the streaming analysis defers past their loop)."""
   inputs = set(region.input_names)
   seen: set[str] = set()
   loaded: set[str] = set()
@@ -707,7 +759,7 @@ def _check_order(region, expr: TilingExpr) -> None:
       for a in op.inputs:
         if a in inputs and a not in loaded:
           raise PlacementError(f"C{st.value} before L{a}")
-        if a not in inputs and a not in seen:
+        if a not in inputs and a not in seen and (st.value, a) not in deferred:
           raise PlacementError(f"C{st.value} before C{a} in {expr}")
       seen.add(st.value)
     elif st.value not in seen:

@@ -232,7 +232,11 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
 def _run_on_gpu(kernel: GeneratedKernel, xs: list) -> list[np.ndarray]:
   import jax  # pylint: disable=g-import-not-at-top
   fn = jax.jit(lambda *a: triton_launch(kernel, a))
-  return [np.asarray(o) for o in jax.block_until_ready(fn(*xs))]
+  # The self-check runs while the region is being lowered, i.e. inside a
+  # trace: evaluate eagerly on concrete arrays instead of staging out.
+  with jax.ensure_compile_time_eval():
+    outs = jax.block_until_ready(fn(*[jax.device_put(x) for x in xs]))
+  return [np.asarray(o) for o in outs]
 
 
 # ------------------------------------------------------------ selection

@@ -163,3 +163,17 @@ def test_evaluate_checks_arguments():
     ir.evaluate(r, [np.ones((2, 5, 4)), np.ones((2, 7, 3)), np.ones((2, 7, 4))])
   with pytest.raises(ValueError, match="precision"):
     ir.evaluate(r, [np.ones((2, 5, 3)), np.ones((2, 7, 3)), np.ones((2, 7, 4))], precision="fp8")
+
+
+def test_jax_reference_matches_numpy_evaluator():
+  """jaxfuse.runtime.reference (the GPU self-check's reference) agrees with
+  the NumPy ground truth, split/broadcast buffers and causal masks included."""
+  import jax.numpy as jnp
+  from jaxfuse.runtime import reference
+  rng = np.random.default_rng(5)
+  for region in (_chain(), _attention(causal=True)):
+    xs = [rng.normal(size=b.shape).astype(np.float32) for b in region.inputs]
+    want = ir.evaluate(region, xs)
+    got = reference.evaluate(region, [jnp.asarray(x) for x in xs])
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-5)

@@ -1,0 +1,110 @@
+"""The IR evaluated with jax.numpy in float32: a reference that runs on the GPU.
+
+``jaxfuse.ir.evaluate`` (NumPy, float64) is the ground truth in tests; for a
+self-check of a kernel at full size on the GPU (a 8x16x2048x2048 attention
+has 537M scores) it is far too slow, so the launch path compares against this
+float32 evaluation on the device instead. Same semantics, op by op.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse import ir
+
+__all__ = ["evaluate"]
+
+_JNP_FNS = {
+    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide,
+    "max": jnp.maximum, "min": jnp.minimum, "pow": jnp.power, "neg": jnp.negative,
+    "abs": jnp.abs, "exp": jnp.exp, "exp2": jnp.exp2, "log": jnp.log,
+    "log1p": jnp.log1p, "expm1": jnp.expm1, "tanh": jnp.tanh,
+    "logistic": jax.nn.sigmoid, "erf": jax.scipy.special.erf, "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt, "square": jnp.square, "sign": jnp.sign,
+    "eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal,
+    "gt": jnp.greater, "ge": jnp.greater_equal, "and": jnp.logical_and,
+    "or": jnp.logical_or, "not": jnp.logical_not,
+    "select": lambda p, f, t: jnp.where(p, t, f), "convert": lambda x: x,
+}
+
+
+def _align(x, loops: Sequence[str], target: Sequence[str]):
+  present = [l for l in target if l in loops]
+  x = jnp.transpose(x, [list(loops).index(l) for l in present])
+  shape, it = [], iter(x.shape)
+  for l in target:
+    shape.append(next(it) if l in present else 1)
+  return x.reshape(shape)
+
+
+def _work_dtype(dtype: str):
+  return jnp.float32 if dtype in ir.FLOAT_DTYPES else ir.np_dtype(dtype)
+
+
+def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
+  """Outputs of ``region`` on ``inputs`` (shaped like its input buffers),
+  every float op in float32; outputs cast to their IR dtypes."""
+  if set(_JNP_FNS) != set(ir.ELEMENTWISE_FNS):  # pragma: no cover - table drift
+    raise NotImplementedError(sorted(set(ir.ELEMENTWISE_FNS) ^ set(_JNP_FNS)))
+  vm, ext = region.value_map, region.loop_extents
+  env = {}
+  for buf, arr in zip(region.inputs, inputs):
+    v = vm[buf.value]
+    present = [l for l in v.loops if l in buf.loops]
+    # offset = sum(stride * index): a gather over the flat array, so any
+    # stride map (transposes, split or merged dims) reads the right elements.
+    off = np.full([ext[l] for l in present], buf.offset, dtype=np.int64)
+    for i, l in enumerate(present):
+      shape = [1] * len(present)
+      shape[i] = ext[l]
+      off = off + buf.stride(l) * np.arange(ext[l]).reshape(shape)
+    flat = jnp.ravel(arr)
+    view = jnp.take(flat, jnp.asarray(off.astype(np.int32)))
+    full = jnp.broadcast_to(_align(view, present, v.loops), [ext[l] for l in v.loops])
+    env[v.name] = full.astype(_work_dtype(v.dtype))
+  for op in region.ops:
+    out = vm[op.out]
+    if isinstance(op, ir.Contraction):
+      a, b = vm[op.lhs], vm[op.rhs]
+      letters = {}
+      for l in list(a.loops) + list(b.loops):
+        letters.setdefault(l, chr(ord("a") + len(letters)))
+      spec = (f"{''.join(letters[l] for l in a.loops)},{''.join(letters[l] for l in b.loops)}"
+              f"->{''.join(letters[l] for l in out.loops)}")
+      res = jnp.einsum(spec, env[op.lhs], env[op.rhs],
+                       precision=jax.lax.Precision.HIGHEST)
+    elif isinstance(op, ir.Elementwise):
+      args = [jnp.asarray(a.value, _work_dtype(a.dtype)) if isinstance(a, ir.Literal)
+              else _align(env[a], vm[a].loops, out.loops) for a in op.args]
+      res = jnp.broadcast_to(_JNP_FNS[op.fn](*args), [ext[l] for l in out.loops])
+    elif isinstance(op, ir.Reduction):
+      arg = vm[op.arg]
+      axis = arg.loops.index(op.loop)
+      res = (jnp.max if op.kind == "max" else jnp.sum)(env[op.arg], axis=axis)
+      rest = [l for l in arg.loops if l != op.loop]
+      res = _align(res, rest, out.loops).reshape([ext[l] for l in out.loops])
+    else:
+      res = jnp.arange(ext[op.loop], dtype=jnp.int32)
+    if out.dtype in ir.FLOAT_DTYPES:  # round like the IR dtype, keep float32
+      res = res.astype(ir.np_dtype(out.dtype)).astype(jnp.float32)
+    else:
+      res = res.astype(ir.np_dtype(out.dtype))
+    env[op.out] = res
+  outs = []
+  for buf in region.outputs:
+    v = vm[buf.value]
+    val = _align(env[v.name], v.loops, buf.loops)
+    off = np.full([ext[l] for l in buf.loops], buf.offset, dtype=np.int64)
+    for i, (l, s) in enumerate(buf.strides):
+      shape = [1] * len(buf.loops)
+      shape[i] = ext[l]
+      off = off + s * np.arange(ext[l]).reshape(shape)
+    flat = jnp.zeros((buf.size,), ir.np_dtype(v.dtype))
+    flat = flat.at[jnp.asarray(off.reshape(-1).astype(np.int32))].set(
+        val.reshape(-1).astype(ir.np_dtype(v.dtype)))
+    outs.append(flat.reshape(buf.shape))
+  return outs

@@ -506,10 +506,13 @@ def _install_launch(monkeypatch, fused_call):
 def test_interpret_backend_falls_back_with_one_log_line(monkeypatch, caplog, failure):
   calls = []
   if failure == "missing":
+    import jaxfuse.runtime as runtime_pkg
     monkeypatch.setitem(sys.modules, "jaxfuse.runtime.launch", None)
+    # An earlier test may have imported it as a package attribute.
+    monkeypatch.delattr(runtime_pkg, "launch", raising=False)
     monkeypatch.setattr(primitive, "_warned", set())
   else:
-    def fused_call(region, args, *, backend="triton", plan=None):
+    def fused_call(region, args, *, backend="triton", plan=None, **kwargs):
       calls.append(backend)
       if failure == "raises":
         raise RuntimeError("codegen failed for the test")
@@ -533,7 +536,7 @@ def test_interpret_backend_falls_back_with_one_log_line(monkeypatch, caplog, fai
 def test_interpret_backend_uses_fused_call_when_it_works(monkeypatch):
   calls = []
 
-  def fused_call(region, args, *, backend="triton", plan=None):
+  def fused_call(region, args, *, backend="triton", plan=None, **kwargs):
     calls.append((region.name, backend))
     # A stand-in kernel: the IR's NumPy evaluator through a host callback, as
     # the real launch runs Triton's interpreter.
@@ -564,7 +567,7 @@ def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):
   backends = []
   real = launch.fused_call
 
-  def counting(region, args, *, backend="triton", plan=None):
+  def counting(region, args, *, backend="triton", plan=None, **kwargs):
     backends.append(backend)
     return real(region, args, backend=backend, plan=plan)
 

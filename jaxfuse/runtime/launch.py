@@ -254,20 +254,76 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[np.ndarray]:
   return [np.asarray(o) for o in outs]
 
 
-def _candidate_plans(region: ir.Region, plan) -> list:
+def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> list:
   if plan is not None:
     return list(plan) if isinstance(plan, (list, tuple)) else [plan]
   try:
     from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+    from jaxfuse.devices import get_device, is_mbci  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise CodegenError(f"no planner available: {e}") from e
-  res = plan_region(region)
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  measured = backend == "triton" and config.tune == "measure"
+  res = plan_region(region, measure=make_measure(region) if measured else None)
   ranked = list(getattr(res, "ranked", ()) or ())
   if not ranked and getattr(res, "best", None) is not None:
     ranked = [res.best]
   if not ranked:
     raise CodegenError(f"planner found no plan: {getattr(res, 'why_not', None)}")
+  if backend == "triton":
+    # MCFuser fuses chains that are memory-bound (intensity below the ridge
+    # point); a compute-bound chain is left to XLA's library GEMMs. The
+    # model's absolute times are not calibrated against XLA's (alpha is a
+    # ranking penalty), so the keep-or-drop decision against XLA itself is
+    # made by measurement (tune='measure', see _keep_fused). The
+    # interpreter path is for testing kernels, so it always runs them.
+    mbci, ai, ridge = is_mbci(region, get_device(res.device or None))
+    if not mbci:
+      raise CodegenError(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
+                         f"{ridge:.0f}; left to XLA")
   return ranked
+
+
+_xla_decisions: dict[str, tuple[float, float]] = {}
+
+
+def _time_original(original: Callable, region: ir.Region, reps: int = 20) -> float:
+  """Seconds per call of the region's original ops (XLA) on the device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  xs = [jax.device_put(x) for x in random_inputs(region, seed=7)]
+  f = jax.jit(original)
+  with jax.ensure_compile_time_eval():
+    jax.block_until_ready(f(*xs))
+    ts = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*xs))
+      ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
+  """Measured refinement's last step: the chosen kernel against XLA's own
+  ops, timed the same way; raises CodegenError when XLA is faster."""
+  import jax  # pylint: disable=g-import-not-at-top
+  sig = k.region.signature()
+  if sig not in _xla_decisions:
+    xs = [jax.device_put(x) for x in random_inputs(k.region, seed=7)]
+    f = jax.jit(lambda *a: triton_launch(k, a))
+    with jax.ensure_compile_time_eval():
+      jax.block_until_ready(f(*xs))
+      ts = []
+      for _ in range(20):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*xs))
+        ts.append(time.perf_counter() - t0)
+    _xla_decisions[sig] = (float(np.median(ts)), _time_original(original, k.region))
+  t_fused, t_xla = _xla_decisions[sig]
+  logging.info("jaxfuse: region %s measured fused %.1f us, XLA %.1f us",
+               k.region.einsum_summary(), t_fused * 1e6, t_xla * 1e6)
+  if t_fused > t_xla:
+    raise CodegenError(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
+                       f"XLA {t_xla * 1e6:.1f} us")
 
 
 def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
@@ -306,12 +362,16 @@ def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
 
 
 def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton",
-               plan=None, check: bool = True) -> list[Any]:
+               plan=None, check: bool = True,
+               original: Optional[Callable] = None) -> list[Any]:
   """Runs ``region`` on ``args`` (jax arrays or tracers) through a generated kernel.
 
   ``plan``: a Plan (or a ranked list) to use instead of the planner's. The
   kernel that survives the fallback chain is cached per region and backend.
-  Raises CodegenError (the caller then runs the original ops).
+  ``original``: the region's original ops as a function; with
+  ``config.tune == 'measure'`` on the GPU the chosen kernel is timed against
+  it and dropped when XLA is faster. Raises CodegenError (the caller then
+  runs the original ops).
 
   Example::
 
@@ -326,7 +386,12 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
   with _lock:
     k = _chosen.get(key)
   if k is None:
-    k = select_kernel(region, _candidate_plans(region, plan), backend=backend, check=check)
+    k = select_kernel(region, _candidate_plans(region, plan, backend=backend),
+                      backend=backend, check=check)
+    if backend == "triton" and original is not None and plan is None:
+      from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+      if config.tune == "measure":
+        _keep_fused(k, original)
     with _lock:
       _chosen[key] = k
   if backend == "triton":

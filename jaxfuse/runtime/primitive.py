@@ -162,7 +162,8 @@ def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
     from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
 
     def fused(*xs):
-      outs = launch.fused_call(region, list(xs), backend=backend)
+      outs = launch.fused_call(region, list(xs), backend=backend,
+                               original=functools.partial(_eval_original, jaxpr=jaxpr))
       outs = list(outs)
       want = region_out_avals(region, jaxpr)
       if len(outs) != len(want):

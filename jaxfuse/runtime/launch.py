@@ -287,37 +287,35 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
 _xla_decisions: dict[str, tuple[float, float]] = {}
 
 
-def _time_original(original: Callable, region: ir.Region, reps: int = 20) -> float:
-  """Seconds per call of the region's original ops (XLA) on the device."""
+def _per_call_time(fn: Callable, region: ir.Region, lo: int = 2, hi: int = 8,
+                   reps: int = 5) -> float:
+  """Seconds per call of ``fn`` on the device: the slope between ``lo`` and
+  ``hi`` unrolled calls on distinct random inputs in one jit (DESIGN's
+  method), which takes Python dispatch out of the number."""
   import jax  # pylint: disable=g-import-not-at-top
-  xs = [jax.device_put(x) for x in random_inputs(region, seed=7)]
-  f = jax.jit(original)
-  with jax.ensure_compile_time_eval():
-    jax.block_until_ready(f(*xs))
+  sets = [[jax.device_put(x) for x in random_inputs(region, seed=7 + i)] for i in range(hi)]
+
+  def timed(n):
+    g = jax.jit(lambda s: [fn(*a) for a in s[:n]])
+    jax.block_until_ready(g(sets))
     ts = []
     for _ in range(reps):
       t0 = time.perf_counter()
-      jax.block_until_ready(f(*xs))
+      jax.block_until_ready(g(sets))
       ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
+    return float(np.median(ts))
+
+  with jax.ensure_compile_time_eval():
+    return max((timed(hi) - timed(lo)) / (hi - lo), 0.0)
 
 
 def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
   """Measured refinement's last step: the chosen kernel against XLA's own
   ops, timed the same way; raises CodegenError when XLA is faster."""
-  import jax  # pylint: disable=g-import-not-at-top
   sig = k.region.signature()
   if sig not in _xla_decisions:
-    xs = [jax.device_put(x) for x in random_inputs(k.region, seed=7)]
-    f = jax.jit(lambda *a: triton_launch(k, a))
-    with jax.ensure_compile_time_eval():
-      jax.block_until_ready(f(*xs))
-      ts = []
-      for _ in range(20):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*xs))
-        ts.append(time.perf_counter() - t0)
-    _xla_decisions[sig] = (float(np.median(ts)), _time_original(original, k.region))
+    _xla_decisions[sig] = (_per_call_time(lambda *a: triton_launch(k, a), k.region),
+                           _per_call_time(original, k.region))
   t_fused, t_xla = _xla_decisions[sig]
   logging.info("jaxfuse: region %s measured fused %.1f us, XLA %.1f us",
                k.region.einsum_summary(), t_fused * 1e6, t_xla * 1e6)

@@ -230,10 +230,10 @@ class _LevelAnalysis:
     self._const_like[p.idx] = ok
     return ok
 
-  def prologue_ok(self, p: Item, removed_mask: int) -> bool:
+  def prologue_ok(self, p: Item, dep) -> bool:
     if not _is_cheap(p) or p.prim in REDUCE_PRIMS or p.idx in self.taken:
       return False
-    if self.lvl.anc[p.idx] & removed_mask:
+    if dep(p):
       return False
     if p.prim in LAYOUT_PRIMS or p.prim in ("convert_element_type", "iota"):
       return True
@@ -262,13 +262,13 @@ class _LevelAnalysis:
       allowed = PRIMITIVES - REDUCE_PRIMS - {"dot_general", "iota"}
       if epilogue == "pointwise":
         allowed = allowed - {"broadcast_in_dim"}
+      dep = lvl.depends(removed)   # sees the items added below (same set)
       while stack:
         v = stack.pop()
         for c in sorted(lvl.consumers.get(v, ()), key=lambda c: c.idx):
           if c.idx in removed or c.prim not in allowed:
             continue
           ok = True
-          rmask = sum(1 << i for i in removed)
           for a in c.invars:
             if not isinstance(a, FVar):
               continue
@@ -278,13 +278,13 @@ class _LevelAnalysis:
             if q.idx in removed:
               if q.idx not in tail:
                 ok = False
-            elif lvl.anc[q.idx] & rmask:
+            elif dep(q):
               ok = False
           if ok:
             removed.add(c.idx)
             tail.add(c.idx)
             stack.extend(c.outvars)
-    removed_mask = sum(1 << i for i in removed)
+    dep = lvl.depends(removed)
     # Prologue: cheap producers of the other operands.
     members = set(removed)
     stack = [self.items[i] for i in sorted(removed)]
@@ -297,7 +297,7 @@ class _LevelAnalysis:
         if p is None or p.idx in members:
           continue
         if (prologue and len(members) - len(removed) < _MAX_PROLOGUE
-            and self.prologue_ok(p, removed_mask)):
+            and self.prologue_ok(p, dep)):
           members.add(p.idx)
           stack.append(p)
     # A custom call (e.g. jax.nn.softmax on jax >= 0.11) whose ops are all in
@@ -307,13 +307,14 @@ class _LevelAnalysis:
       gi = set(g.items)
       if gi and gi & removed and gi <= members and not gi <= removed:
         removed |= gi
+    dep = lvl.depends(removed)
     order = sorted(members)
     produced = set()
     for i in order:
       for a in self.items[i].invars:
         if isinstance(a, FVar) and a not in produced:
           q = lvl.producer.get(a)
-          if q is not None and (q.idx in removed or lvl.anc[q.idx] & removed_mask):
+          if q is not None and dep(q):
             raise Reject("the region is not convex (an input depends on it)")
       produced.update(self.items[i].outvars)
     # Region inputs. With split_inputs, one buffer per use (per item operand,
@@ -438,7 +439,9 @@ def _analyze(closed: ClosedJaxpr, path: str) -> tuple[Level, list[_Found]]:
   else:  # pragma: no cover - pathological nesting
     return flatten(closed, opaque), []
   for f in found:
-    f.captured = CapturedRegion(f.region, _region_jaxpr(lvl, f), _source(f.chain[0]), path)
+    # ir.simplify drops identity ops such as softmax's max(-inf, .).
+    f.captured = CapturedRegion(ir.simplify(f.region), _region_jaxpr(lvl, f),
+                                _source(f.chain[0]), path)
   return lvl, found
 
 

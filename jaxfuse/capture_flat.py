@@ -120,19 +120,49 @@ class Level:
         if isinstance(a, FVar):
           self.consumers.setdefault(a, []).append(it)
     self.out_set = {a for a in self.outvars if isinstance(a, FVar)}
-    # Ancestor bitsets: bit j set when item j feeds item i (transitively).
-    anc = []
-    for it in self.items:
-      m = 0
-      for a in it.invars:
-        p = self.producer.get(a) if isinstance(a, FVar) else None
-        if p is not None:
-          m |= anc[p.idx] | (1 << p.idx)
-      anc.append(m)
-    self.anc = anc
 
   def group_items(self, key) -> set[int]:
     return set(self.groups[key].items)
+
+  def depends(self, removed: set) -> Callable[[Item], bool]:
+    """A predicate: does an item depend (transitively) on an item in
+    ``removed``? Walks back only through items after the first removed one,
+    so a query costs the span of the region, not the program."""
+    lo = min(removed) if removed else len(self.items)
+    memo: dict[int, bool] = {}
+    producer = self.producer
+
+    def dep(item: Item) -> bool:
+      if item.idx in removed:
+        return True
+      if item.idx <= lo:
+        return False
+      if item.idx in memo:
+        return memo[item.idx]
+      stack = [item]
+      order = []
+      seen = {item.idx}
+      while stack:  # iterative DFS; then resolve in reverse topological order
+        it = stack.pop()
+        order.append(it)
+        for a in it.invars:
+          p = producer.get(a) if isinstance(a, FVar) else None
+          if (p is not None and p.idx > lo and p.idx not in removed
+              and p.idx not in memo and p.idx not in seen):
+            seen.add(p.idx)
+            stack.append(p)
+      order.sort(key=lambda it: it.idx)
+      for it in order:
+        r = False
+        for a in it.invars:
+          p = producer.get(a) if isinstance(a, FVar) else None
+          if p is not None and (p.idx in removed or (p.idx > lo and memo.get(p.idx, False))):
+            r = True
+            break
+        memo[it.idx] = r
+      return memo[item.idx]
+
+    return dep
 
 
 def _sub_closed(eqn) -> ClosedJaxpr:

@@ -383,6 +383,12 @@ class _LevelAnalysis:
               break
             except Reject as e:
               why = str(e)
+            except Exception as e:  # pylint: disable=broad-except
+              # A capture bug must not break the user's program: leave it to XLA.
+              why = f"{type(e).__name__}: {e}"
+              logging.warning("jaxfuse capture: chain at eqn %d left to XLA after an "
+                              "internal error (%s)", sub[0].idx, why)
+              break
           if f is None:
             logging.vlog(1, "jaxfuse capture: chain of %d contractions at eqn %d "
                          "left to XLA: %s", len(sub), sub[0].idx, why)

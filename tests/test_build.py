@@ -15,23 +15,27 @@ def _build_calls():
   for node in tree.body:
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
       call = node.value
-      kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords
-                if not isinstance(k.value, ast.Call)}
+      kwargs = {}
+      for k in call.keywords:
+        try:
+          kwargs[k.arg] = ast.literal_eval(k.value)
+        except ValueError:  # deps = REQUIREMENTS + [...]: not needed here
+          pass
       calls.append((call.func.id, kwargs))
   return calls
 
 
-def _srcs(rule):
+def _srcs(rule, name=None):
   out = set()
   for kind, kw in _build_calls():
-    if kind == rule:
+    if kind == rule and (name is None or kw.get("name") == name):
       out.update(kw.get("srcs", []))
   return out
 
 
 def test_every_library_module_is_in_build():
   modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "jaxfuse").rglob("*.py")}
-  listed = _srcs("py_library")
+  listed = _srcs("py_library", "jaxfuse")
   assert modules - listed == set(), f"modules missing from BUILD: {sorted(modules - listed)}"
   assert listed - modules == set(), f"BUILD names files that do not exist: {sorted(listed - modules)}"
 

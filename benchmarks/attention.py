@@ -1,0 +1,259 @@
+"""Attention benchmark: MCFuser Table III (S1-S9), causal variants, large cases.
+
+The workload is plain JAX attention, ``softmax(q k^T * scale [+ causal mask])
+v``, written with ``einsum`` and ``jax.nn.softmax``; ``jaxfuse.jit`` and
+``jax.jit`` compile that same function. Also measured in the same run, on the
+same values:
+
+* ``dpa-cudnn`` / ``dpa-xla``: ``jax.nn.dot_product_attention`` with
+  ``implementation='cudnn'`` / ``'xla'`` ([B, T, N, H] layout);
+* ``pallas``: ``jax.experimental.pallas.ops.gpu.attention.mha`` when it
+  imports (GPU only);
+* ``torch-flash`` / ``torch-cudnn``: PyTorch ``scaled_dot_product_attention``
+  pinned to the flash / cuDNN backend when torch has CUDA.
+
+Layout changes a baseline needs are done once before timing. Case names:
+``S1``..``S9`` (MCFuser: batch 1, heads, M queries, N keys, head dims K=H),
+``S1-causal``.., and ``L-T<seq>-d<dim>`` (batch 8, 16 heads) with causal
+variants. Causal masks are top-left aligned (query i sees keys j <= i), as in
+``jax.nn.dot_product_attention`` and PyTorch.
+
+Example::
+
+    python -m benchmarks.attention --cases=mcfuser --dtype=float16 --plot
+    python benchmarks/attention.py --shapes=1x12x512x512x64,2x8x1024x1024x128c
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from benchmarks import harness
+
+harness.define_flags(default_cases="all",
+                     shapes_help="Extra cases 'BxHxMxNxD' (batch, heads, "
+                     "queries, keys, head dim), suffix 'c' for causal; "
+                     "comma-separated; with --cases unset only these run.")
+flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd"],
+                  "Layout of q/k/v in the plain JAX function that jax.jit and "
+                  "jaxfuse.jit compile: [B, heads, T, D] or [B, T, heads, D].")
+
+FLAGS = flags.FLAGS
+
+# (heads, M, N, K, H, network), MCFuser Table III; batch 1.
+MCFUSER = {
+    "S1": (8, 512, 512, 64, 64, "Bert-Small"), "S2": (12, 512, 512, 64, 64, "Bert-Base"),
+    "S3": (16, 512, 512, 64, 64, "Bert-Large"), "S4": (12, 256, 256, 64, 64, "ViT-Base"),
+    "S5": (16, 256, 256, 64, 64, "ViT-Large"), "S6": (16, 256, 256, 80, 80, "ViT-Huge"),
+    "S7": (1, 512, 256, 64, 64, "MLP-Mixer"), "S8": (1, 768, 384, 64, 64, "MLP-Mixer"),
+    "S9": (1, 1024, 512, 64, 64, "MLP-Mixer"),
+}
+
+# (batch, heads, T, d): the large cases.
+LARGE = {f"L-T{t}-d{d}": (8, 16, t, d) for t in (2048, 4096) for d in (64, 128)}
+
+
+def make_attention(causal: bool, scale: float, layout: str) -> Callable:
+  """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile)."""
+  qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
+  pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
+
+  def attention(q, k, v):
+    s = jnp.einsum(qk, q, k) * scale
+    if causal:
+      m, n = s.shape[-2], s.shape[-1]
+      qi = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
+      ki = jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
+      s = jnp.where(qi >= ki, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum(pv, p, v)
+  return attention
+
+
+def causal_pairs(m: int, n: int) -> int:
+  """(query, key) pairs a top-left causal mask keeps."""
+  return sum(min(i + 1, n) for i in range(m))
+
+
+def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
+              causal: bool, layout: str, group: str, dtype: str,
+              extra: dict | None = None) -> harness.Case:
+  scale = 1.0 / math.sqrt(dk)
+  fn = make_attention(causal, scale, layout)
+
+  def shape(t, d):
+    return (b, h, t, d) if layout == "bhtd" else (b, t, h, d)
+
+  def make_inputs(key, dt):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (harness.normal(kq, shape(m, dk), dt), harness.normal(kk, shape(n, dk), dt),
+            harness.normal(kv, shape(n, dv), dt))
+
+  pairs = causal_pairs(m, n) if causal else m * n
+  item = jnp.dtype(dtype).itemsize
+  flops = 2.0 * b * h * pairs * (dk + dv)
+  nbytes = float(item * b * h * (m * dk + n * dk + n * dv + m * dv))
+  params = {"batch": b, "heads": h, "M": m, "N": n, "K": dk, "H": dv,
+            "causal": causal, "layout": layout, "scale": scale}
+  params.update(extra or {})
+  return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
+
+
+def parse_shapes(spec: str) -> list[tuple[tuple[int, ...], bool]]:
+  out = []
+  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
+    t = tok.lower()
+    causal = t.endswith("c")
+    parts = t.rstrip("c").split("x")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+      raise ValueError(f"--shapes: {tok!r} is not BxHxMxNxD[c] with positive ints")
+    out.append((tuple(int(p) for p in parts), causal))
+  return out
+
+
+def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
+  cases = {}
+  groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
+            "shapes": []}
+  for causal in (False, True):
+    sfx = "-causal" if causal else ""
+    for s, (h, m, n, dk, dv, net) in MCFUSER.items():
+      c = make_case(s + sfx, 1, h, m, n, dk, dv, causal=causal, layout=layout,
+                    group="MCFuser Table III" + (" causal" if causal else ""),
+                    dtype=dtype, extra={"network": net})
+      cases[c.name] = c
+      groups["mcfuser" + sfx].append(c.name)
+    for s, (b, h, t, d) in LARGE.items():
+      c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout,
+                    group="large" + (" causal" if causal else ""), dtype=dtype)
+      cases[c.name] = c
+      groups["large" + sfx].append(c.name)
+  for (b, h, m, n, d), causal in parse_shapes(shapes):
+    c = make_case(f"B{b}-H{h}-M{m}-N{n}-D{d}" + ("-causal" if causal else ""),
+                  b, h, m, n, d, d, causal=causal, layout=layout, group="custom",
+                  dtype=dtype)
+    cases[c.name] = c
+    groups["shapes"].append(c.name)
+  groups["tables"] = groups["mcfuser"]
+  groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"]
+  return cases, groups
+
+
+# --- baselines ---------------------------------------------------------------
+
+def _swap(x):
+  """[B, H, T, D] <-> [B, T, H, D]."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _dpa_xla_check():
+  # XLA:CPU rejects the f16xf16->f32 dot that dot_product_attention emits.
+  if not harness.on_gpu() and FLAGS.dtype != "float32":
+    return f"jax.nn.dot_product_attention(xla) needs float32 on CPU, not {FLAGS.dtype}"
+  return None
+
+
+def _pallas_check():
+  try:
+    from jax.experimental.pallas.ops.gpu import attention as _  # noqa: F401  pylint: disable=g-import-not-at-top
+  except Exception as e:
+    return f"pallas mha does not import ({type(e).__name__}: {e})"
+  return None
+
+
+def _torch_backend_check(backend: str):
+  def check():
+    try:
+      from torch.nn.attention import SDPBackend  # noqa: F401  pylint: disable=g-import-not-at-top
+      getattr(SDPBackend, backend)
+    except Exception as e:
+      return f"torch SDPA backend {backend} unavailable ({type(e).__name__})"
+    return None
+  return check
+
+
+def _torch_context(backend: str):
+  def ctx():
+    import torch  # pylint: disable=g-import-not-at-top
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=g-import-not-at-top
+    import contextlib  # pylint: disable=g-import-not-at-top
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode())
+    stack.enter_context(sdpa_kernel([getattr(SDPBackend, backend)]))
+    return stack
+  return ctx
+
+
+def impls_for(case: harness.Case) -> list[harness.Impl]:
+  p = case.params
+  causal, scale, layout = p["causal"], p["scale"], p["layout"]
+  # Everything below but the plain function wants [B, T, N, H] (jax) or
+  # [B, N, T, H] (torch); convert outside timing.
+  to_btnh = (lambda q, k, v: (_swap(q), _swap(k), _swap(v))) if layout == "bhtd" else None
+  from_btnh = _swap if layout == "bhtd" else None
+
+  def dpa(impl):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation=impl)
+
+  def pallas(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention as pa  # pylint: disable=g-import-not-at-top
+    return pa.mha(q, k, v, None, sm_scale=scale, causal=causal)
+
+  def torch_sdpa(q, k, v):
+    import torch  # pylint: disable=g-import-not-at-top
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale)
+
+  def torch_prep(q, k, v):
+    xs = (q, k, v) if layout == "bhtd" else (_swap(q), _swap(k), _swap(v))
+    return tuple(harness.jax_to_torch(x).contiguous() for x in xs)
+
+  def torch_restore(o):
+    return o if layout == "bhtd" else o.transpose(1, 2)
+
+  impls = [
+      harness.jaxfuse_impl(case.fn),
+      harness.xla_impl(case.fn),
+      harness.JaxImpl("dpa-cudnn", dpa("cudnn"), prepare=to_btnh, restore=from_btnh,
+                      needs_gpu=True,
+                      note="jax.nn.dot_product_attention(implementation='cudnn')"),
+      harness.JaxImpl("dpa-xla", dpa("xla"), prepare=to_btnh, restore=from_btnh,
+                      check=_dpa_xla_check,
+                      note="jax.nn.dot_product_attention(implementation='xla')"),
+      harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
+                      needs_gpu=True, check=_pallas_check,
+                      note="jax.experimental.pallas.ops.gpu.attention.mha"),
+  ]
+  for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
+    impls.append(harness.TorchImpl(
+        name, torch_sdpa, prepare=torch_prep, restore=torch_restore,
+        check=_torch_backend_check(backend), context=_torch_context(backend),
+        note=f"torch SDPA {backend} (eager)"))
+  return impls
+
+
+def main(argv) -> int:
+  del argv
+  cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes)
+  spec = FLAGS.cases
+  if FLAGS.shapes and not flags.FLAGS["cases"].present:
+    spec = "shapes"
+  names = harness.select(cases, spec, groups)
+  return harness.main("attention", [cases[n] for n in names], impls_for,
+                      title=f"attention ({FLAGS.dtype}, {FLAGS.layout})")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1353 @@
+"""Shared benchmark harness: timing, kernel profiling, reference checks, output.
+
+Every benchmark binary describes its workloads as :class:`Case` objects and
+its competitors as :class:`Impl` objects, then calls :func:`main`. For each
+case the harness, in one run:
+
+* draws ``4K`` independent sets of random inputs (never zeros);
+* computes a float32 reference (float64 on the CPU) of the case's plain JAX
+  function on the first and last of the first ``K`` sets;
+* for every implementation: compiles a function that makes ``K`` independent
+  unrolled calls on distinct inputs, checks the outputs of that very
+  function against the reference, measures the per-call time by the slope
+  method (time ``K`` and ``4K`` calls, ``(t4K - tK) / 3K``, median of
+  ``--reps``), and, on a GPU, the kernel time and kernel count per call from a
+  profiler trace (``jax.profiler`` perfetto trace, or ``torch.profiler``);
+* derives TFLOP/s, GB/s, the roofline floor ``max(flops/peak, bytes/bw)`` and
+  the fraction of the floor reached;
+* for ``jaxfuse`` also records the regions found, the chosen plans, the
+  model's predicted time, planning and tuning time (``jaxfuse.inspect``,
+  ``jaxfuse.planner.plan_region``).
+
+Results go to ``<out>.json`` and ``<out>.csv``, a markdown table on stdout,
+and with ``--plot`` to ``<out>_roofline.png`` and ``<out>_speedup.png``.
+
+Example (a binary)::
+
+    from benchmarks import harness
+    harness.define_flags(default_cases="all")
+
+    def cases():
+      return {"G1": harness.Case("G1", fn, make_inputs, flops, nbytes, {...})}
+
+    def impls(case):
+      return [harness.xla_impl(case), harness.jaxfuse_impl(case)]
+
+    if __name__ == "__main__":
+      app.run(lambda argv: harness.main("gemm_chain", cases(), impls))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import dataclasses
+import datetime
+import functools
+import glob
+import gzip
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from absl import flags
+from absl import logging
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+FLAGS = flags.FLAGS
+
+DTYPES = ("float16", "bfloat16", "float32")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Normwise relative error allowed against the float32 reference. A result is
+# also accepted when it is within 2x of XLA's own error at the same dtype
+# (the reference check is about wrong answers, not about rounding).
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}
+
+
+# ---------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------
+
+def define_flags(default_cases: str = "all", default_baselines: str = "all",
+                 shapes_help: Optional[str] = None) -> None:
+  """Defines the flags every benchmark binary shares (idempotent)."""
+  if "reps" in FLAGS:
+    return
+  flags.DEFINE_string("cases", default_cases,
+                      "Comma-separated case names or groups ('all').")
+  flags.DEFINE_enum("dtype", "float16", list(DTYPES), "Input dtype.")
+  flags.DEFINE_string("baselines", default_baselines,
+                      "Comma-separated implementations to compare with jaxfuse "
+                      "('all', or 'none' for jaxfuse alone).")
+  flags.DEFINE_integer("reps", 10, "Timing repetitions (median is reported).")
+  flags.DEFINE_integer("calls", 0, "K, the unrolled calls per timed function "
+                       "(the slope uses K and 4K); 0 picks from the memory "
+                       "budget.")
+  flags.DEFINE_float("mem_budget_gb", 4.0,
+                     "Device memory for the 4K input sets of one implementation.")
+  flags.DEFINE_string("out", "", "Output path prefix for .json/.csv/.png "
+                      "(default benchmarks/results/<binary>-<device>-<dtype>).")
+  flags.DEFINE_bool("plot", False, "Write a roofline chart and a speedup chart.")
+  flags.DEFINE_enum("tune", "model", ["model", "measure"],
+                    "jaxfuse search: the analytical model alone, or measured "
+                    "refinement of the top candidates on the GPU.")
+  flags.DEFINE_enum("profile", "auto", ["auto", "on", "off"],
+                    "Profiler kernel times (auto: on a GPU).")
+  flags.DEFINE_integer("seed", 0, "Random seed for the inputs.")
+  flags.DEFINE_bool("fresh_cache", True, "Plan into an empty jaxfuse cache dir "
+                    "so planning/tuning time is measured, not read from disk.")
+  flags.DEFINE_bool("fail_on_mismatch", True, "Exit 1 when jaxfuse's output "
+                    "fails the reference check.")
+  flags.DEFINE_float("tol", 0.0, "Override the relative-error tolerance.")
+  if shapes_help is not None:
+    flags.DEFINE_string("shapes", "", shapes_help)
+
+
+# ---------------------------------------------------------------------------
+# Platform, device roofline
+# ---------------------------------------------------------------------------
+
+def on_gpu() -> bool:
+  try:
+    return jax.default_backend() in ("gpu", "cuda", "rocm")
+  except Exception:  # pragma: no cover - no backend at all
+    return False
+
+
+# Peaks: dense fp16/bf16 matmul and copy bandwidth measured on the team's
+# machines (../shared/DESIGN.md); other entries from vendor sheets scaled by
+# the same ~80% achievable fraction. float32 assumes TF32 tensor cores (XLA's
+# default matmul precision on Ampere and later).
+_DEVICE_TABLE = {
+    "h100": dict(peak={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12},
+                 bw=3.0e12, sms=132),
+    "h200": dict(peak={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12},
+                 bw=4.3e12, sms=132),
+    "a100": dict(peak={"float16": 250e12, "bfloat16": 250e12, "float32": 125e12},
+                 bw=1.4e12, sms=108),
+    "rtx3080": dict(peak={"float16": 48e12, "bfloat16": 48e12, "float32": 24e12},
+                    bw=0.65e12, sms=68),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Roof:
+  """The roofline the floor is computed against."""
+  name: str
+  peak_flops: float
+  bandwidth: float
+  source: str
+  timed_on: str
+
+  @property
+  def ridge(self) -> float:
+    return self.peak_flops / self.bandwidth
+
+  def floor_s(self, flops: float, nbytes: float) -> float:
+    return max(flops / self.peak_flops, nbytes / self.bandwidth)
+
+
+def _device_kind() -> str:
+  try:
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+  except Exception:
+    return "unknown"
+
+
+def _table_name(kind: str) -> str:
+  k = kind.lower()
+  for name in ("h200", "h100", "a100"):
+    if name in k:
+      return name
+  if "3080" in k:
+    return "rtx3080"
+  return "h100"
+
+
+def get_roof(dtype: str) -> Roof:
+  """Peak FLOP/s and bandwidth of the device: jaxfuse.devices, else a table."""
+  kind = _device_kind()
+  gpu = on_gpu()
+  timed_on = kind
+  try:
+    from jaxfuse import devices as jf_devices  # pylint: disable=g-import-not-at-top
+    spec = jf_devices.get_device(None)
+    peaks = dict(spec.peak_flops)
+    peak = None
+    for key in (dtype, np.dtype(jnp.dtype(dtype)), jnp.dtype(dtype)):
+      if key in peaks:
+        peak = float(peaks[key])
+        break
+    if peak is None:
+      peak = float(max(peaks.values()))
+    note = "jaxfuse.devices" + ("" if gpu else " (model of a GPU; timings are CPU)")
+    return Roof(str(spec.name), peak, float(spec.mem_bandwidth_Bps), note, timed_on)
+  except Exception as e:  # planner part not there yet, or a device it lacks
+    logging.info("jaxfuse.devices unavailable (%s); using the harness table", e)
+  name = _table_name(kind) if gpu else "h100"
+  t = _DEVICE_TABLE[name]
+  note = "harness table" + ("" if gpu else " (h100 model; timings are CPU)")
+  return Roof(name, t["peak"][dtype], t["bw"], note, timed_on)
+
+
+def versions() -> dict[str, str]:
+  """Versions of everything that affects the numbers."""
+  out = {"python": platform.python_version(), "jax": jax.__version__}
+  for mod in ("jaxlib", "triton", "jax_triton", "torch", "jaxfuse", "numpy"):
+    if mod == "jax_triton" and not on_gpu():
+      out[mod] = "not imported (CPU jaxlib)"
+      continue
+    try:
+      m = __import__(mod)
+      out[mod] = str(getattr(m, "__version__", "?"))
+    except Exception as e:  # pragma: no cover - optional deps
+      out[mod] = f"unavailable ({type(e).__name__})"
+  try:
+    out["jaxfuse_commit"] = subprocess.run(
+        ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
+        capture_output=True, text=True, timeout=10).stdout.strip()
+  except Exception:
+    out["jaxfuse_commit"] = "?"
+  return out
+
+
+# ---------------------------------------------------------------------------
+# jaxfuse, imported defensively (parts are written concurrently)
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class JaxfuseAPI:
+  jit: Optional[Callable] = None
+  inspect: Optional[Callable] = None
+  fused_jaxpr: Optional[Callable] = None
+  plan_region: Optional[Callable] = None
+  find_regions: Optional[Callable] = None
+  config: Any = None
+  errors: dict = dataclasses.field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=1)
+def jaxfuse_api() -> JaxfuseAPI:
+  """Whatever of jaxfuse's public API imports, each part on its own."""
+  api = JaxfuseAPI()
+  try:
+    import jaxfuse  # pylint: disable=g-import-not-at-top
+  except Exception as e:
+    api.errors["jaxfuse"] = repr(e)
+    return api
+  api.config = getattr(jaxfuse, "config", None)
+
+  def pick(names: Sequence[tuple[str, str]], key: str):
+    for mod, attr in names:
+      try:
+        m = __import__(mod, fromlist=[attr])
+        f = getattr(m, attr, None)
+        if f is not None:
+          return f
+      except Exception as e:
+        api.errors[f"{key}:{mod}"] = repr(e)
+    return None
+
+  api.jit = pick([("jaxfuse", "jit"), ("jaxfuse.api", "jit")], "jit")
+  api.fused_jaxpr = pick([("jaxfuse", "fused_jaxpr"), ("jaxfuse.api", "fused_jaxpr")],
+                         "fused_jaxpr")
+  api.inspect = pick([("jaxfuse", "inspect"), ("jaxfuse.inspection", "inspect")],
+                     "inspect")
+  if api.inspect is not None and not callable(api.inspect):
+    api.inspect = getattr(api.inspect, "inspect", None)
+  api.plan_region = pick([("jaxfuse.planner", "plan_region")], "plan_region")
+  api.find_regions = pick([("jaxfuse.capture", "find_regions")], "find_regions")
+  return api
+
+
+def jaxfuse_path_note() -> str:
+  """One line saying which path jaxfuse's regions take on this machine."""
+  api = jaxfuse_api()
+  if api.jit is None:
+    return ("jaxfuse unavailable: jaxfuse.jit does not import "
+            f"({api.errors}); the jaxfuse column is skipped")
+  cfg = api.config
+  if cfg is not None and getattr(cfg, "disable", False):
+    return "jaxfuse disabled (JAXFUSE_DISABLE=1): jaxfuse.jit is exactly jax.jit"
+  backend = getattr(cfg, "backend", "auto") if cfg is not None else "auto"
+  if not on_gpu():
+    if backend == "interpret":
+      return ("jaxfuse on CPU: regions run the generated Triton kernels in "
+              "Triton's interpreter (backend=interpret); times are meaningless")
+    return ("jaxfuse on CPU: no GPU, so jaxfuse runs its fallback path "
+            "(each captured region lowers to its original ops through XLA; "
+            "no Triton kernels); times are not GPU numbers")
+  if backend == "xla":
+    return "jaxfuse on GPU with backend=xla: regions run their original ops"
+  return (f"jaxfuse on GPU: regions lower to generated Triton kernels via "
+          f"jax-triton (backend={backend}, tune={getattr(cfg, 'tune', '?')})")
+
+
+def count_regions(fn: Callable, args: tuple) -> Optional[int]:
+  """Number of ``jaxfuse_region`` equations in jaxfuse's rewritten jaxpr."""
+  api = jaxfuse_api()
+  if api.fused_jaxpr is None:
+    return None
+  try:
+    jaxpr = api.fused_jaxpr(fn)(*args)
+    return str(jaxpr).count("jaxfuse_region")
+  except Exception as e:
+    logging.warning("fused_jaxpr failed: %s", e)
+    return None
+
+
+@contextlib.contextmanager
+def jaxfuse_settings(tune: str, fresh_cache: bool):
+  """jaxfuse's config for a run: the search mode and (optionally) a new cache."""
+  api = jaxfuse_api()
+  cfg = api.config
+  if cfg is None:
+    yield
+    return
+  kwargs = {}
+  tmp = None
+  if hasattr(cfg, "tune"):
+    kwargs["tune"] = tune
+  if fresh_cache and hasattr(cfg, "cache_dir"):
+    tmp = tempfile.mkdtemp(prefix="jaxfuse-bench-cache-")
+    kwargs["cache_dir"] = tmp
+  try:
+    with cfg.override(**kwargs):
+      yield
+  finally:
+    if tmp:
+      import shutil  # pylint: disable=g-import-not-at-top
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# Cases and implementations
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+  """One workload.
+
+  fn: the plain JAX function (what jax.jit and jaxfuse.jit compile); takes
+    the arrays (pytrees allowed) that ``make_inputs`` returns.
+  make_inputs(key, dtype) -> tuple of args; random, never zeros.
+  flops / nbytes: useful FLOPs and the fewest bytes a call must move (inputs
+    and outputs once), for the roofline.
+  ref_fn: the reference (defaults to fn), evaluated on upcast inputs.
+  """
+  name: str
+  fn: Callable[..., Any]
+  make_inputs: Callable[[jax.Array, str], tuple]
+  flops: float
+  nbytes: float
+  params: dict = dataclasses.field(default_factory=dict)
+  ref_fn: Optional[Callable[..., Any]] = None
+  group: str = ""
+
+  @property
+  def intensity(self) -> float:
+    return self.flops / max(self.nbytes, 1.0)
+
+
+class Impl:
+  """A competitor. Subclasses say how to compile/run K calls and profile them."""
+  name: str = "impl"
+  needs_gpu: bool = False
+  note: str = ""
+
+  def unavailable(self) -> Optional[str]:
+    """A reason the implementation cannot run here, or None."""
+    if self.needs_gpu and not on_gpu():
+      return "needs a GPU"
+    return None
+
+  def prepare(self, args: tuple) -> Any:
+    return args
+
+  def build(self) -> Callable[[list], Any]:
+    raise NotImplementedError
+
+  def block(self, out: Any) -> None:
+    raise NotImplementedError
+
+  def per_call_numpy(self, out: Any) -> list[list[np.ndarray]]:
+    """Output of the K-call function -> per call, its leaves in case layout."""
+    raise NotImplementedError
+
+  def profile(self, runner: Callable, sets: list, iters: int) -> Optional["KernelStats"]:
+    raise NotImplementedError
+
+
+class JaxImpl(Impl):
+  """A JAX function compiled by jax.jit or jaxfuse.jit.
+
+  ``prepare`` maps the case's args to this implementation's (e.g. another
+  layout; done once, outside timing); ``restore`` maps one call's output back
+  to the case's layout for the reference check.
+  """
+
+  def __init__(self, name: str, fn: Callable, *, compiler: str = "jax",
+               prepare: Optional[Callable] = None,
+               restore: Optional[Callable] = None, needs_gpu: bool = False,
+               note: str = "", check: Optional[Callable[[], Optional[str]]] = None):
+    self.name = name
+    self.fn = fn
+    self.compiler = compiler
+    self._prepare = prepare
+    self._restore = restore
+    self.needs_gpu = needs_gpu
+    self.note = note
+    self._check = check
+
+  def unavailable(self) -> Optional[str]:
+    r = super().unavailable()
+    if r:
+      return r
+    if self.compiler == "jaxfuse" and jaxfuse_api().jit is None:
+      return f"jaxfuse.jit does not import: {jaxfuse_api().errors}"
+    if self._check is not None:
+      return self._check()
+    return None
+
+  def prepare(self, args: tuple) -> Any:
+    return tuple(self._prepare(*args)) if self._prepare else tuple(args)
+
+  def build(self) -> Callable[[list], Any]:
+    fn = self.fn
+
+    def many(*sets):
+      # Independent calls, unrolled: XLA sees K separate computations.
+      return [fn(*s) for s in sets]
+
+    if self.compiler == "jaxfuse":
+      compiled = jaxfuse_api().jit(many)
+    else:
+      compiled = jax.jit(many)
+    return lambda sets: compiled(*sets)
+
+  def block(self, out: Any) -> None:
+    jax.block_until_ready(out)
+
+  def per_call_numpy(self, out: Any) -> list[list[np.ndarray]]:
+    res = []
+    for o in out:
+      if self._restore is not None:
+        o = self._restore(o)
+      res.append([np.asarray(jnp.asarray(l, jnp.float32), np.float64)
+                  for l in jax.tree_util.tree_leaves(o)])
+    return res
+
+  def profile(self, runner, sets, iters):
+    return jax_kernel_profile(lambda: self.block(runner(sets)), iters)
+
+
+class TorchImpl(Impl):
+  """A PyTorch CUDA function timed by a Python loop (eager dispatch included)."""
+  needs_gpu = True
+
+  def __init__(self, name: str, fn: Callable, *, prepare: Callable,
+               restore: Optional[Callable] = None, note: str = "",
+               check: Optional[Callable[[], Optional[str]]] = None,
+               context: Optional[Callable[[], Any]] = None):
+    self.name = name
+    self.fn = fn
+    self._prepare = prepare
+    self._restore = restore
+    self.note = note
+    self._check = check
+    self._context = context   # e.g. a torch SDPA backend selector, entered per batch
+
+  def unavailable(self) -> Optional[str]:
+    r = torch_cuda_unavailable()
+    if r:
+      return r
+    return self._check() if self._check else None
+
+  def prepare(self, args: tuple) -> Any:
+    return tuple(self._prepare(*args))
+
+  def build(self):
+    fn, context = self.fn, self._context
+
+    def run(sets):
+      with (context() if context else contextlib.nullcontext()):
+        return [fn(*s) for s in sets]
+    return run
+
+  def block(self, out):
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.cuda.synchronize()
+
+  def per_call_numpy(self, out):
+    res = []
+    for o in out:
+      if self._restore is not None:
+        o = self._restore(o)
+      outs = o if isinstance(o, (tuple, list)) else [o]
+      res.append([x.detach().float().cpu().numpy().astype(np.float64) for x in outs])
+    return res
+
+  def profile(self, runner, sets, iters):
+    return torch_kernel_profile(lambda: self.block(runner(sets)), iters)
+
+
+def torch_cuda_unavailable() -> Optional[str]:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except Exception as e:
+    return f"torch does not import ({type(e).__name__})"
+  if not torch.cuda.is_available():
+    return "torch has no CUDA here"
+  return None
+
+
+def jax_to_torch(x):
+  """Same values, zero-copy where possible (DLPack)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  try:
+    return torch.from_dlpack(x)
+  except Exception:
+    return torch.from_dlpack(jax.dlpack.to_dlpack(x))  # older jax
+
+
+def xla_impl(fn: Callable, **kw) -> JaxImpl:
+  """``jax.jit`` of the case's plain JAX function."""
+  return JaxImpl("xla", fn, compiler="jax", note="jax.jit", **kw)
+
+
+def jaxfuse_impl(fn: Callable, **kw) -> JaxImpl:
+  """``jaxfuse.jit`` of the case's plain JAX function."""
+  return JaxImpl("jaxfuse", fn, compiler="jaxfuse", note="jaxfuse.jit", **kw)
+
+
+# ---------------------------------------------------------------------------
+# Kernel profiles
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class KernelStats:
+  total_us: float
+  count: int
+  memcpy_us: float = 0.0
+  names: dict = dataclasses.field(default_factory=dict)   # name -> (count, us)
+
+
+_NON_KERNEL_THREADS = ("xla modules", "xla ops", "tensorflow ops", "steps",
+                       "source", "framework", "launch stats", "tf ops")
+
+
+def parse_perfetto(path: str, device: str = "/device:GPU:0") -> Optional[KernelStats]:
+  """Kernel time and count on ``device`` from a jax.profiler perfetto trace.
+
+  Kernel events are ``"ph": "X"`` events (``dur`` in µs) on the process named
+  ``device``. Annotation tracks on that process (XLA Ops/Modules, Steps) would
+  double count, so when stream threads exist only they are read. Memcpy and
+  memset events are reported apart from kernels. None when the device has no
+  process in the trace (e.g. on a CPU).
+  """
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  pids, threads = set(), {}
+  for e in events:
+    if e.get("ph") != "M":
+      continue
+    if e.get("name") == "process_name" and device in str(e.get("args", {}).get("name", "")):
+      pids.add(e.get("pid"))
+  if not pids:
+    return None
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in pids:
+      threads[(e.get("pid"), e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+  streams = {k for k, v in threads.items() if "stream" in v.lower()}
+
+  def keep(e) -> bool:
+    key = (e.get("pid"), e.get("tid"))
+    if streams:
+      return key in streams
+    tname = threads.get(key, "").lower()
+    return not any(t in tname for t in _NON_KERNEL_THREADS)
+
+  stats = KernelStats(0.0, 0)
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in pids or not keep(e):
+      continue
+    name = str(e.get("name", ""))
+    dur = float(e.get("dur", 0.0))
+    if name.lower().startswith(("memcpy", "memset")):
+      stats.memcpy_us += dur
+      continue
+    stats.total_us += dur
+    stats.count += 1
+    c, u = stats.names.get(name, (0, 0.0))
+    stats.names[name] = (c + 1, u + dur)
+  return stats
+
+
+def jax_kernel_profile(run_once: Callable[[], None], iters: int) -> Optional[KernelStats]:
+  """Runs ``run_once`` ``iters`` times under jax.profiler; GPU kernel totals."""
+  with tempfile.TemporaryDirectory(prefix="jaxfuse-trace-") as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(iters):
+        run_once()
+    paths = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+      return None
+    return parse_perfetto(sorted(paths)[-1])
+
+
+def parse_torch_trace(path: str) -> KernelStats:
+  """Kernel totals from a torch.profiler chrome trace (``cat == "kernel"``)."""
+  with open(path) as f:
+    data = json.load(f)
+  stats = KernelStats(0.0, 0)
+  for e in data.get("traceEvents", []):
+    cat = str(e.get("cat", "")).lower()
+    if e.get("ph") != "X":
+      continue
+    if cat in ("gpu_memcpy", "gpu_memset"):
+      stats.memcpy_us += float(e.get("dur", 0.0))
+    elif cat == "kernel":
+      stats.total_us += float(e.get("dur", 0.0))
+      stats.count += 1
+      name = str(e.get("name", ""))
+      c, u = stats.names.get(name, (0, 0.0))
+      stats.names[name] = (c + 1, u + float(e.get("dur", 0.0)))
+  return stats
+
+
+def torch_kernel_profile(run_once: Callable[[], None], iters: int) -> Optional[KernelStats]:
+  import torch  # pylint: disable=g-import-not-at-top
+  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(iters):
+      run_once()
+    torch.cuda.synchronize()
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "trace.json")
+    prof.export_chrome_trace(path)
+    return parse_torch_trace(path)
+
+
+# ---------------------------------------------------------------------------
+# Inputs, reference, errors
+# ---------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _x64():
+  """float64 in JAX for the CPU reference (jax.enable_x64 moved over time)."""
+  cm = None
+  try:
+    cm = jax.enable_x64(True)
+  except Exception:
+    try:
+      from jax.experimental import enable_x64  # pylint: disable=g-import-not-at-top
+      cm = enable_x64()
+    except Exception:
+      cm = None
+  if cm is None:
+    yield False
+    return
+  with cm:
+    yield True
+
+
+def _is_float(x) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def reference(case: Case, args: tuple) -> tuple[list[np.ndarray], str]:
+  """The case's function on upcast inputs: float32 on GPU, float64 on CPU."""
+  fn = case.ref_fn or case.fn
+  host = jax.tree_util.tree_map(lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+                                if _is_float(a) else np.asarray(a), args)
+  if not on_gpu():
+    with _x64() as ok:
+      if ok:
+        up = jax.tree_util.tree_map(
+            lambda a: jnp.asarray(a, jnp.float64) if a.dtype.kind == "f" else jnp.asarray(a),
+            host)
+        out = jax.jit(fn)(*up)
+        return ([np.asarray(l, np.float64) for l in jax.tree_util.tree_leaves(out)],
+                "float64")
+  up = jax.tree_util.tree_map(jnp.asarray, host)
+  with jax.default_matmul_precision("highest"):
+    out = jax.jit(fn)(*up)
+  return ([np.asarray(l, np.float64) for l in jax.tree_util.tree_leaves(out)],
+          "float32 (highest matmul precision)")
+
+
+def rel_error(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> tuple[float, float]:
+  """(normwise relative error, max abs error / max |ref|) over all leaves."""
+  if len(outs) != len(refs):
+    return math.inf, math.inf
+  num = den = 0.0
+  mx = mref = 0.0
+  for o, r in zip(outs, refs):
+    o = np.asarray(o, np.float64)
+    r = np.asarray(r, np.float64)
+    if o.shape != r.shape:
+      return math.inf, math.inf
+    if not np.all(np.isfinite(o)) and np.all(np.isfinite(r)):
+      return math.inf, math.inf
+    fin = np.isfinite(r)
+    d = np.where(fin, o - r, 0.0)
+    num += float(np.sum(d * d))
+    den += float(np.sum(np.where(fin, r, 0.0) ** 2))
+    mx = max(mx, float(np.max(np.abs(d))) if d.size else 0.0)
+    mref = max(mref, float(np.max(np.abs(np.where(fin, r, 0.0)))) if r.size else 0.0)
+  return math.sqrt(num / max(den, 1e-300)), mx / max(mref, 1e-300)
+
+
+def normal(key, shape, dtype: str, scale: float = 1.0) -> jax.Array:
+  """Random normal input in ``dtype`` (never zeros)."""
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def tree_nbytes(tree) -> int:
+  return int(sum(getattr(l, "nbytes", 0) for l in jax.tree_util.tree_leaves(tree)))
+
+
+# ---------------------------------------------------------------------------
+# Running one case
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Settings:
+  dtype: str = "float16"
+  reps: int = 10
+  calls: int = 0
+  mem_budget_gb: float = 4.0
+  profile: str = "auto"
+  tune: str = "model"
+  seed: int = 0
+  fresh_cache: bool = True
+  tol: float = 0.0
+  profile_iters: int = 3
+
+  @classmethod
+  def from_flags(cls) -> "Settings":
+    return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), calls=FLAGS.calls,
+               mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
+               tune=FLAGS.tune, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
+               tol=FLAGS.tol)
+
+  @property
+  def do_profile(self) -> bool:
+    return self.profile == "on" or (self.profile == "auto" and on_gpu())
+
+
+def choose_calls(bytes_per_set: int, settings: Settings) -> int:
+  """K for the slope method: as many calls as fit 4K input sets in the budget."""
+  if settings.calls > 0:
+    return settings.calls
+  if not on_gpu():
+    return 2   # CPU runs are smoke tests
+  budget = settings.mem_budget_gb * 2**30
+  k = int(budget // max(4 * bytes_per_set, 1))
+  return int(min(16, max(1, k)))
+
+
+def slope_time(runner: Callable[[list], Any], block: Callable[[Any], None],
+               sets: list, k: int, reps: int) -> dict:
+  """Per-call seconds: slope between K and 4K calls, median over reps."""
+  def timed(n: int) -> float:
+    t0 = time.perf_counter()
+    block(runner(sets[:n]))
+    return time.perf_counter() - t0
+
+  slopes, tks = [], []
+  for _ in range(reps):
+    tk = timed(k)
+    t4k = timed(4 * k)
+    slopes.append((t4k - tk) / (3 * k))
+    tks.append(tk / k)
+  med = statistics.median(slopes)
+  spread = (max(slopes) - min(slopes)) / abs(med) if med and len(slopes) > 1 else 0.0
+  return {"per_call_s": med, "per_call_min_s": min(slopes),
+          "per_call_spread": spread, "naive_per_call_s": statistics.median(tks)}
+
+
+def _derived(res: dict, case: Case, roof: Roof) -> None:
+  floor = roof.floor_s(case.flops, case.nbytes)
+  for key, t in (("per_call", res.get("per_call_s")), ("kernel", res.get("kernel_s"))):
+    if t and t > 0:
+      res[f"{key}_tflops"] = case.flops / t / 1e12
+      res[f"{key}_gbs"] = case.nbytes / t / 1e9
+      res[f"{key}_floor_frac"] = floor / t
+
+
+def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
+  """Regions, plans, predictions, planning and tuning time for one call."""
+  api = jaxfuse_api()
+  info: dict[str, Any] = {"path": jaxfuse_path_note()}
+  n = count_regions(case.fn, args)
+  if n is not None:
+    info["regions"] = n
+  if api.inspect is not None:
+    try:
+      rep = api.inspect(case.fn, *args)
+      regs = []
+      for r in getattr(rep, "regions", []) or []:
+        g = lambda a, r=r: getattr(r, a, None)
+        plan = g("plan")
+        regs.append({
+            "einsum": str(g("einsum")), "source": str(g("source")),
+            "loops": dict(g("loops") or {}), "flops": g("flops"),
+            "min_bytes": g("min_bytes"), "intensity": g("intensity"),
+            "ridge": g("ridge"), "mbci": g("mbci"), "device": str(g("device")),
+            "plan": None if plan is None else str(plan),
+            "predicted_time_s": g("predicted_time_s"),
+            "floor_time_s": g("floor_time_s"), "why_not": g("why_not"),
+            "plan_time_s": g("plan_time_s"), "tune_time_s": g("tune_time_s"),
+        })
+      info["inspect"] = regs
+      preds = [r["predicted_time_s"] for r in regs if r["predicted_time_s"]]
+      if preds:
+        info["predicted_s"] = float(sum(preds))
+      info["plans"] = "; ".join(r["plan"] for r in regs if r["plan"]) or None
+      info["why_not"] = "; ".join(str(r["why_not"]) for r in regs if r["why_not"]) or None
+    except Exception as e:
+      info["inspect_error"] = f"{type(e).__name__}: {e}"
+  # Planning time measured here, on a cold cache, per region.
+  if api.plan_region is not None and api.find_regions is not None:
+    try:
+      caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+      plan_s, tune_s = 0.0, 0.0
+      for cap in caps:
+        t0 = time.perf_counter()
+        res = api.plan_region(cap.region, use_cache=False)
+        plan_s += float(getattr(res, "plan_time_s", None) or time.perf_counter() - t0)
+        if settings.tune == "measure" and on_gpu():
+          measure = make_plan_measure(cap.region)
+          t0 = time.perf_counter()
+          api.plan_region(cap.region, measure=measure, use_cache=False)
+          tune_s += time.perf_counter() - t0
+      info["plan_s"] = plan_s
+      if settings.tune == "measure" and on_gpu():
+        info["tune_s"] = tune_s
+    except Exception as e:
+      info["plan_error"] = f"{type(e).__name__}: {e}"
+  return info
+
+
+def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) -> dict:
+  """Measures every implementation on one case; returns the row."""
+  row: dict[str, Any] = {
+      "case": case.name, "group": case.group, "params": case.params,
+      "dtype": settings.dtype, "flops": case.flops, "bytes": case.nbytes,
+      "intensity": case.intensity,
+      "floor_s": roof.floor_s(case.flops, case.nbytes), "impls": {},
+  }
+  key = jax.random.PRNGKey(settings.seed)
+  key = jax.random.fold_in(key, abs(hash(case.name)) % (2**31))
+  first = case.make_inputs(jax.random.fold_in(key, 0), settings.dtype)
+  k = choose_calls(tree_nbytes(first), settings)
+  row["calls"] = k
+  sets = [first] + [case.make_inputs(jax.random.fold_in(key, i), settings.dtype)
+                    for i in range(1, 4 * k)]
+  jax.block_until_ready(sets)
+  check_idx = sorted({0, k - 1})
+  refs = {i: reference(case, sets[i]) for i in check_idx}
+  row["reference"] = refs[0][1]
+  tol = settings.tol or TOLERANCE[settings.dtype]
+  if not on_gpu() and settings.dtype == "float32":
+    tol = settings.tol or 1e-4
+
+  for impl in impls:
+    res: dict[str, Any] = {"note": impl.note}
+    row["impls"][impl.name] = res
+    why = impl.unavailable()
+    if why:
+      res["status"] = f"skipped: {why}"
+      continue
+    try:
+      prepared = [impl.prepare(s) for s in sets]
+      runner = impl.build()
+      # jaxfuse plans at compile time: both the K and the 4K function (and
+      # the inspection) must see the same settings.
+      ctx = (jaxfuse_settings(settings.tune, settings.fresh_cache)
+             if isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse"
+             else contextlib.nullcontext())
+      with ctx:
+        t0 = time.perf_counter()
+        out = runner(prepared[:k])
+        impl.block(out)
+        res["compile_s"] = time.perf_counter() - t0
+        # The reference check reads the outputs of the very function we time.
+        per_call = impl.per_call_numpy(out)
+        errs = [rel_error(per_call[i], refs[i][0]) for i in check_idx]
+        res["rel_err"] = max(e[0] for e in errs)
+        res["max_err"] = max(e[1] for e in errs)
+        impl.block(runner(prepared[:4 * k]))   # compile/warm 4K
+        res.update(slope_time(runner, impl.block, prepared, k, settings.reps))
+        if settings.do_profile:
+          ks = impl.profile(runner, prepared[:k], settings.profile_iters)
+          if ks is not None and ks.count > 0:
+            n = settings.profile_iters * k
+            res["kernel_s"] = ks.total_us / n * 1e-6
+            res["kernels"] = ks.count / n
+            res["memcpy_s"] = ks.memcpy_us / n * 1e-6
+            top = sorted(ks.names.items(), key=lambda kv: -kv[1][1])[:6]
+            res["kernel_names"] = {nm[:80]: round(u / n, 3) for nm, (c, u) in top}
+          else:
+            res["kernel_s"] = None
+        if isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse":
+          res["jaxfuse"] = jaxfuse_details(case, sets[0], settings)
+      _derived(res, case, roof)
+      res["status"] = "ok"
+      del prepared, out
+    except Exception as e:  # one broken baseline must not end the run
+      res["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+      logging.warning("%s/%s failed:\n%s", case.name, impl.name, traceback.format_exc())
+
+  # Accept an error within tolerance or within 2x of XLA's at the same dtype.
+  xla_err = row["impls"].get("xla", {}).get("rel_err")
+  for name, res in row["impls"].items():
+    if "rel_err" in res:
+      lim = max(tol, 2 * xla_err) if xla_err is not None and math.isfinite(xla_err) else tol
+      res["correct"] = bool(res["rel_err"] <= lim)
+  row["tolerance"] = tol
+  _speedups(row)
+  return row
+
+
+def _speedups(row: dict) -> None:
+  jf = row["impls"].get("jaxfuse", {})
+  sp = {}
+  for name, res in row["impls"].items():
+    if name == "jaxfuse":
+      continue
+    for key in ("per_call_s", "kernel_s"):
+      a, b = jf.get(key), res.get(key)
+      if a and b and a > 0 and b > 0:
+        sp.setdefault(name, {})[key.replace("_s", "")] = b / a
+  row["jaxfuse_speedup"] = sp
+
+
+# ---------------------------------------------------------------------------
+# Summary, output, plots
+# ---------------------------------------------------------------------------
+
+def geomean(xs: Iterable[float]) -> Optional[float]:
+  xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+  if not xs:
+    return None
+  return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def summarize(rows: list[dict]) -> dict:
+  """Geometric-mean speedups of jaxfuse over each baseline, and losses."""
+  names = sorted({n for r in rows for n in r["jaxfuse_speedup"]})
+  out: dict[str, Any] = {"geomean_speedup": {}, "slower_than": {}}
+  for n in names:
+    for key in ("per_call", "kernel"):
+      vals = [r["jaxfuse_speedup"].get(n, {}).get(key) for r in rows]
+      g = geomean(v for v in vals if v)
+      if g is not None:
+        out["geomean_speedup"].setdefault(n, {})[key] = g
+        out["geomean_speedup"][n][f"{key}_cases"] = sum(1 for v in vals if v)
+    out["slower_than"][n] = [r["case"] for r in rows
+                             if r["jaxfuse_speedup"].get(n, {}).get("per_call", 2) < 1.0]
+  out["mismatches"] = [f"{r['case']}/{n}" for r in rows for n, res in r["impls"].items()
+                       if res.get("correct") is False]
+  out["errors"] = [f"{r['case']}/{n}: {res['status']}" for r in rows
+                   for n, res in r["impls"].items() if res.get("status", "").startswith("error")]
+  return out
+
+
+def _us(x) -> str:
+  if x is None:
+    return "-"
+  us = x * 1e6
+  return f"{us:.1f}" if abs(us) >= 10 else f"{us:.2f}"
+
+
+def _f(x, fmt="{:.2f}") -> str:
+  return "-" if x is None else fmt.format(x)
+
+
+def markdown_table(rows: list[dict]) -> str:
+  hdr = ("| case | impl | per-call µs | kernel µs | kernels | TFLOP/s | GB/s | "
+         "floor µs | % of floor | rel err | jaxfuse speedup (call / kernel) | status |")
+  lines = [hdr, "|" + " --- |" * (hdr.count("|") - 1)]
+  for r in rows:
+    for name, res in r["impls"].items():
+      sp = r["jaxfuse_speedup"].get(name, {})
+      spd = (f"{_f(sp.get('per_call'))}x / {_f(sp.get('kernel'))}x" if sp else "")
+      frac = res.get("per_call_floor_frac")
+      status = res.get("status", "")
+      if res.get("correct") is False:
+        status = "WRONG ANSWER"
+      lines.append(
+          f"| {r['case']} | {name} | {_us(res.get('per_call_s'))} | "
+          f"{_us(res.get('kernel_s'))} | {_f(res.get('kernels'), '{:.1f}')} | "
+          f"{_f(res.get('per_call_tflops'))} | {_f(res.get('per_call_gbs'), '{:.0f}')} | "
+          f"{_us(r['floor_s'])} | {_f(None if frac is None else 100 * frac, '{:.1f}')} | "
+          f"{_f(res.get('rel_err'), '{:.1e}')} | {spd} | {status} |")
+  return "\n".join(lines)
+
+
+def default_out(binary: str, dtype: str) -> str:
+  dev = _table_name(_device_kind()) if on_gpu() else "cpu"
+  return os.path.join(REPO_ROOT, "benchmarks", "results", f"{binary}-{dev}-{dtype}")
+
+
+def _flat(prefix: str, d: dict, out: dict) -> None:
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, dict):
+      _flat(key + ".", v, out)
+    elif isinstance(v, (list, tuple)):
+      out[key] = json.dumps(v, default=str)
+    else:
+      out[key] = v
+
+
+def write_outputs(prefix: str, meta: dict, rows: list[dict], summary: dict) -> list[str]:
+  """Writes <prefix>.json (everything) and <prefix>.csv (one line per case x impl)."""
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
+  with open(prefix + ".json", "w") as f:
+    json.dump({"meta": meta, "rows": rows, "summary": summary}, f, indent=1,
+              default=str)
+  flat_rows = []
+  for r in rows:
+    for name, res in r["impls"].items():
+      d = {"case": r["case"], "group": r["group"], "impl": name, "dtype": r["dtype"],
+           "flops": r["flops"], "bytes": r["bytes"], "intensity": r["intensity"],
+           "floor_s": r["floor_s"], "calls": r.get("calls")}
+      _flat("param.", r["params"], d)
+      res2 = {k: v for k, v in res.items() if k not in ("kernel_names",)}
+      jf = res2.pop("jaxfuse", None)
+      _flat("", res2, d)
+      if jf:
+        d.update({f"jaxfuse.{k}": v for k, v in jf.items()
+                  if k in ("regions", "plans", "predicted_s", "plan_s", "tune_s", "why_not")})
+      for k, v in r["jaxfuse_speedup"].get(name, {}).items():
+        d[f"jaxfuse_speedup.{k}"] = v
+      flat_rows.append(d)
+  keys: list[str] = []
+  for d in flat_rows:
+    for k in d:
+      if k not in keys:
+        keys.append(k)
+  with open(prefix + ".csv", "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    for d in flat_rows:
+      w.writerow(d)
+  return [prefix + ".json", prefix + ".csv"]
+
+
+_MARKERS = "o^sDv<>pP*hX"
+
+
+def plot(prefix: str, rows: list[dict], roof: Roof, title: str) -> list[str]:
+  """Roofline chart of every case x impl, and a bar chart of jaxfuse speedups."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  names = []
+  for r in rows:
+    for n in r["impls"]:
+      if n not in names:
+        names.append(n)
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  paths = []
+
+  fig, ax = plt.subplots(figsize=(9, 6))
+  xs = [r["intensity"] for r in rows] or [1.0]
+  lo, hi = min(xs + [1.0]) / 2, max(xs + [roof.ridge * 4]) * 2
+  grid = np.geomspace(lo, hi, 200)
+  ax.plot(grid, np.minimum(roof.peak_flops, roof.bandwidth * grid) / 1e12, "k-",
+          lw=1.5, label=f"roof {roof.name}: {roof.peak_flops/1e12:.0f} TFLOP/s, "
+          f"{roof.bandwidth/1e12:.1f} TB/s")
+  for i, n in enumerate(names):
+    px, py, kx, ky = [], [], [], []
+    for r in rows:
+      res = r["impls"].get(n, {})
+      if res.get("per_call_tflops"):
+        px.append(r["intensity"]); py.append(res["per_call_tflops"])
+      if res.get("kernel_tflops"):
+        kx.append(r["intensity"]); ky.append(res["kernel_tflops"])
+    c, m = colors[i % len(colors)], _MARKERS[i % len(_MARKERS)]
+    if px:
+      ax.scatter(px, py, color=c, marker=m, label=f"{n} (per call)", alpha=0.85)
+    if kx:
+      ax.scatter(kx, ky, facecolors="none", edgecolors=c, marker=m,
+                 label=f"{n} (kernel time)", alpha=0.85)
+  for r in rows:
+    res = r["impls"].get("jaxfuse", {})
+    if res.get("per_call_tflops"):
+      ax.annotate(r["case"], (r["intensity"], res["per_call_tflops"]), fontsize=6,
+                  xytext=(3, 3), textcoords="offset points")
+  ax.set_xscale("log"); ax.set_yscale("log")
+  ax.set_xlabel("arithmetic intensity (FLOP / byte, minimum traffic)")
+  ax.set_ylabel("achieved TFLOP/s")
+  ax.set_title(f"{title}: roofline ({roof.timed_on})")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  p = prefix + "_roofline.png"
+  fig.savefig(p, dpi=120)
+  plt.close(fig)
+  paths.append(p)
+
+  base = [n for n in names if n != "jaxfuse"]
+  fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(rows) * max(1, len(base)) / 2), 8),
+                           sharex=True)
+  xi = np.arange(len(rows))
+  for ax, key, lab in ((axes[0], "per_call", "per-call time"),
+                       (axes[1], "kernel", "GPU kernel time")):
+    have = [n for n in base
+            if any(r["jaxfuse_speedup"].get(n, {}).get(key) for r in rows)]
+    width = 0.8 / max(1, len(have))
+    for j, n in enumerate(have):
+      vals = [r["jaxfuse_speedup"].get(n, {}).get(key, np.nan) for r in rows]
+      g = geomean(v for v in vals if not np.isnan(v))
+      ax.bar(xi + j * width - 0.4 + width / 2, vals, width,
+             color=colors[(names.index(n)) % len(colors)],
+             label=f"vs {n}" + (f" (geomean {g:.2f}x)" if g else ""))
+    ax.axhline(1.0, color="k", lw=1)
+    if not have:
+      ax.text(0.5, 0.5, f"no {lab} for jaxfuse and a baseline in this run",
+              transform=ax.transAxes, ha="center", va="center")
+      ax.set_ylabel(f"jaxfuse speedup\n({lab})")
+      continue
+    ax.set_yscale("log")
+    ax.set_ylabel(f"jaxfuse speedup\n({lab})")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[1].set_xticks(xi)
+  axes[1].set_xticklabels([r["case"] for r in rows], rotation=60, ha="right", fontsize=7)
+  axes[0].set_title(f"{title}: jaxfuse speedup over each baseline ({roof.timed_on})")
+  fig.tight_layout()
+  p = prefix + "_speedup.png"
+  fig.savefig(p, dpi=120)
+  plt.close(fig)
+  paths.append(p)
+  return paths
+
+
+# ---------------------------------------------------------------------------
+# Case selection and the main loop
+# ---------------------------------------------------------------------------
+
+def select(available: dict[str, Any], spec: str, groups: Optional[dict[str, list[str]]] = None
+           ) -> list[str]:
+  """Names from a comma-separated spec of names/groups ('all'), case-insensitive."""
+  groups = groups or {}
+  lower = {n.lower(): n for n in available}
+  glower = {g.lower(): v for g, v in groups.items()}
+  out: list[str] = []
+  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
+    t = tok.lower()
+    if t == "all":
+      names = list(available)
+    elif t in glower:
+      names = glower[t]
+    elif t in lower:
+      names = [lower[t]]
+    else:
+      raise ValueError(f"--cases: unknown case or group {tok!r}; known: "
+                       f"{', '.join(list(groups) + list(available))}")
+    for n in names:
+      if n not in out:
+        out.append(n)
+  return out
+
+
+def filter_impls(impls: list[Impl], spec: str) -> list[Impl]:
+  """jaxfuse plus the baselines named in --baselines ('all' / 'none')."""
+  if spec.strip().lower() == "all":
+    return impls
+  want = {s.strip().lower() for s in spec.split(",") if s.strip()}
+  known = {i.name.lower() for i in impls}
+  unknown = want - known - {"none"}
+  if unknown:
+    raise ValueError(f"--baselines: unknown {sorted(unknown)}; known: {sorted(known)}")
+  return [i for i in impls if i.name == "jaxfuse" or i.name.lower() in want]
+
+
+def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Impl]],
+         settings: Optional[Settings] = None, *, out: Optional[str] = None,
+         do_plot: Optional[bool] = None, baselines: Optional[str] = None,
+         title: Optional[str] = None) -> int:
+  """Runs every case, prints the table and summary, writes outputs. Exit code."""
+  settings = settings or Settings.from_flags()
+  out = out if out is not None else FLAGS.out
+  do_plot = FLAGS.plot if do_plot is None else do_plot
+  baselines = FLAGS.baselines if baselines is None else baselines
+  fail_on_mismatch = FLAGS.fail_on_mismatch if "fail_on_mismatch" in FLAGS else True
+  roof = get_roof(settings.dtype)
+  prefix = out or default_out(binary, settings.dtype)
+  note = jaxfuse_path_note()
+  meta = {
+      "binary": binary, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "device": _device_kind(), "backend": jax.default_backend(),
+      "host": platform.node(), "versions": versions(), "settings": dataclasses.asdict(settings),
+      "roof": dataclasses.asdict(roof), "jaxfuse_path": note, "argv": sys.argv,
+      "method": ("per-call = slope between K and 4K unrolled independent calls "
+                 "(median of reps); kernel = profiler GPU kernel time per call"),
+  }
+  print(f"[{binary}] device {meta['device']} (backend {meta['backend']}), dtype "
+        f"{settings.dtype}, floor vs {roof.name} ({roof.source})")
+  print(f"[{binary}] {note}")
+  rows = []
+  for case in cases:
+    impls = filter_impls(impls_for(case), baselines)
+    t0 = time.perf_counter()
+    row = run_case(case, impls, settings, roof)
+    jf = row["impls"].get("jaxfuse", {}).get("jaxfuse", {})
+    extra = ""
+    if jf:
+      extra = (f" regions={jf.get('regions')} plan_s={_f(jf.get('plan_s'), '{:.3f}')}"
+               f" predicted_us={_us(jf.get('predicted_s'))}")
+      if jf.get("why_not"):
+        extra += f" why_not={jf['why_not']}"
+    print(f"[{binary}] {case.name}: K={row['calls']} done in "
+          f"{time.perf_counter() - t0:.1f}s{extra}")
+    for name, res in row["impls"].items():
+      if not res.get("status", "").startswith("ok"):
+        print(f"[{binary}]   {name}: {res.get('status')}")
+    rows.append(row)
+  summary = summarize(rows)
+  print()
+  print(markdown_table(rows))
+  print()
+  for n, g in summary["geomean_speedup"].items():
+    print(f"[{binary}] jaxfuse geomean speedup vs {n}: per-call "
+          f"{_f(g.get('per_call'))}x over {g.get('per_call_cases', 0)} cases, kernel "
+          f"{_f(g.get('kernel'))}x over {g.get('kernel_cases', 0)} cases")
+  for n, lst in summary["slower_than"].items():
+    if lst:
+      print(f"[{binary}] jaxfuse slower than {n} (per call) on: {', '.join(lst)}")
+  files = write_outputs(prefix, meta, rows, summary)
+  if do_plot and rows:
+    try:
+      files += plot(prefix, rows, roof, title or binary)
+    except Exception as e:
+      print(f"[{binary}] plot failed: {type(e).__name__}: {e}")
+  print(f"[{binary}] wrote {', '.join(files)}")
+  print(f"[{binary}] {note}")
+  bad = [m for m in summary["mismatches"] if m.endswith("/jaxfuse")]
+  if summary["mismatches"]:
+    print(f"[{binary}] REFERENCE MISMATCH: {', '.join(summary['mismatches'])}")
+  jf_errors = [e for e in summary["errors"] if "/jaxfuse:" in e]
+  if jf_errors:
+    print(f"[{binary}] jaxfuse errors: {'; '.join(jf_errors)}")
+  return 1 if (bad or jf_errors) and fail_on_mismatch else 0
+
+
+# ---------------------------------------------------------------------------
+# Measuring planned candidates (tuning and model fidelity)
+# ---------------------------------------------------------------------------
+
+def region_inputs(region, key, dtype_override: Optional[str] = None) -> list[jax.Array]:
+  """Random arrays for a Chain IR region's input buffers, in order."""
+  vm = region.value_map
+  arrs = []
+  for i, buf in enumerate(region.inputs):
+    dt = vm[buf.value].dtype
+    kk = jax.random.fold_in(key, i)
+    if dt in ("float16", "bfloat16", "float32", "float64"):
+      arrs.append(normal(kk, buf.shape, dtype_override or dt,
+                         1.0 / math.sqrt(max(1, buf.shape[-1] if buf.shape else 1)) * 4))
+    elif dt == "bool":
+      arrs.append(jax.random.bernoulli(kk, 0.7, buf.shape))
+    else:
+      arrs.append(jax.random.randint(kk, buf.shape, 0, 16).astype(dt))
+  return arrs
+
+
+def find_codegen_measure() -> Optional[tuple[str, Callable]]:
+  """The code generator's own measuring-function factory, if it has one."""
+  for mod, attr in (("jaxfuse.runtime.launch", "make_measure"),
+                    ("jaxfuse.runtime.launch", "measure_fn"),
+                    ("jaxfuse.codegen", "make_measure"),
+                    ("jaxfuse.codegen.measure", "make_measure")):
+    try:
+      m = __import__(mod, fromlist=[attr])
+      f = getattr(m, attr, None)
+      if f is not None:
+        return f"{mod}.{attr}", f
+    except Exception:
+      continue
+  return None
+
+
+def fused_call_fn(region, plan, backend: str = "triton") -> Callable:
+  """A jitted function running the region through jaxfuse.runtime.launch.fused_call."""
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def f(*args):
+    return launch.fused_call(region, list(args), backend=backend, plan=plan)
+  return f
+
+
+def measure_plan(region, plan, args: list, refs: Optional[list[np.ndarray]] = None,
+                 backend: str = "triton", iters: int = 10) -> dict:
+  """Compiles one plan, checks it, times it (profiler kernel time, else wall)."""
+  res: dict[str, Any] = {"plan": str(plan)}
+  f = fused_call_fn(region, plan, backend)
+  t0 = time.perf_counter()
+  out = f(*args)
+  jax.block_until_ready(out)
+  res["compile_s"] = time.perf_counter() - t0
+  if refs is not None:
+    outs = [np.asarray(jnp.asarray(o, jnp.float32), np.float64)
+            for o in jax.tree_util.tree_leaves(out)]
+    res["rel_err"], res["max_err"] = rel_error(outs, refs)
+  if on_gpu():
+    ks = jax_kernel_profile(lambda: jax.block_until_ready(f(*args)), iters)
+    if ks is not None and ks.count:
+      res["kernel_s"] = ks.total_us / iters * 1e-6
+      res["kernels"] = ks.count / iters
+  walls = []
+  for _ in range(max(3, iters // 2)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    walls.append(time.perf_counter() - t0)
+  res["wall_s"] = statistics.median(walls)
+  res["time_s"] = res.get("kernel_s") or res["wall_s"]
+  return res
+
+
+def make_plan_measure(region, prefer: str = "auto") -> Callable[[Sequence], list[float]]:
+  """``measure(plans) -> seconds`` for plan_region: codegen's, else the harness's."""
+  if prefer in ("auto", "codegen"):
+    found = find_codegen_measure()
+    if found is not None:
+      name, factory = found
+      try:
+        return factory(region)
+      except Exception as e:
+        logging.warning("%s(region) failed (%s); using the harness's measure", name, e)
+  args = region_inputs(region, jax.random.PRNGKey(0))
+
+  def measure(plans):
+    times = []
+    for p in plans:
+      try:
+        times.append(float(measure_plan(region, p, args, iters=5)["time_s"]))
+      except Exception as e:
+        logging.info("plan failed to measure (%s); scored inf", e)
+        times.append(math.inf)
+    return times
+  return measure

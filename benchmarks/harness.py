@@ -631,16 +631,25 @@ def parse_torch_trace(path: str) -> KernelStats:
 
 
 def torch_kernel_profile(run_once: Callable[[], None], iters: int) -> Optional[KernelStats]:
+  """Device time of ``iters`` runs from CUDA events around the whole batch.
+
+  torch.profiler is not used: it subscribes CUPTI for the rest of the
+  process, after which jax.profiler fails (CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_
+  NOT_SUPPORTED, seen on the H200 on 2026-11-21) and every later case would
+  lose its kernel times. Back-to-back launches keep the GPU busy, so events
+  around them bound the kernel time from above; the kernel count is unknown
+  (reported as 0).
+  """
   import torch  # pylint: disable=g-import-not-at-top
-  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
-  with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(iters):
-      run_once()
-    torch.cuda.synchronize()
-  with tempfile.TemporaryDirectory() as d:
-    path = os.path.join(d, "trace.json")
-    prof.export_chrome_trace(path)
-    return parse_torch_trace(path)
+  run_once()
+  torch.cuda.synchronize()
+  start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  for _ in range(iters):
+    run_once()
+  end.record()
+  torch.cuda.synchronize()
+  return KernelStats(float(start.elapsed_time(end)) * 1e3, 0)
 
 
 # ---------------------------------------------------------------------------

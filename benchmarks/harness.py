@@ -111,6 +111,9 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
   flags.DEFINE_bool("fail_on_mismatch", True, "Exit 1 when jaxfuse's output "
                     "fails the reference check.")
   flags.DEFINE_float("tol", 0.0, "Override the relative-error tolerance.")
+  flags.DEFINE_bool("jaxfuse_details", True, "Record jaxfuse's regions, plans, "
+                    "predictions and planning/tuning time (jaxfuse.inspect, "
+                    "plan_region); off saves the planning it repeats.")
   if shapes_help is not None:
     flags.DEFINE_string("shapes", "", shapes_help)
 
@@ -747,13 +750,14 @@ class Settings:
   fresh_cache: bool = True
   tol: float = 0.0
   profile_iters: int = 3
+  details: bool = True
 
   @classmethod
   def from_flags(cls) -> "Settings":
     return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), calls=FLAGS.calls,
                mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
                tune=FLAGS.tune, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
-               tol=FLAGS.tol)
+               tol=FLAGS.tol, details=FLAGS.jaxfuse_details)
 
   @property
   def do_profile(self) -> bool:
@@ -823,6 +827,7 @@ def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
             "predicted_time_s": g("predicted_time_s"),
             "floor_time_s": g("floor_time_s"), "why_not": g("why_not"),
             "plan_time_s": g("plan_time_s"), "tune_time_s": g("tune_time_s"),
+            "notes": [str(x) for x in (g("notes") or [])],
         })
       info["inspect"] = regs
       preds = [r["predicted_time_s"] for r in regs if r["predicted_time_s"]]
@@ -832,22 +837,32 @@ def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
       info["why_not"] = "; ".join(str(r["why_not"]) for r in regs if r["why_not"]) or None
     except Exception as e:
       info["inspect_error"] = f"{type(e).__name__}: {e}"
-  # Planning time measured here, on a cold cache, per region.
-  if api.plan_region is not None and api.find_regions is not None:
+  # This runs before the first compile, on the run's fresh cache, so the
+  # inspector's planning is cold and its plan_time_s is the planning time.
+  regs = info.get("inspect") or []
+  if regs and all(r["plan_time_s"] is not None for r in regs):
+    info["plan_s"] = float(sum(r["plan_time_s"] for r in regs))
+  need_plan = "plan_s" not in info
+  need_tune = settings.tune == "measure" and on_gpu()
+  if (need_plan or need_tune) and api.plan_region is not None and api.find_regions is not None:
     try:
       caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
       plan_s, tune_s = 0.0, 0.0
       for cap in caps:
-        t0 = time.perf_counter()
-        res = api.plan_region(cap.region, use_cache=False)
-        plan_s += float(getattr(res, "plan_time_s", None) or time.perf_counter() - t0)
-        if settings.tune == "measure" and on_gpu():
+        if need_plan:
+          t0 = time.perf_counter()
+          res = api.plan_region(cap.region, use_cache=False)
+          plan_s += float(getattr(res, "plan_time_s", None) or time.perf_counter() - t0)
+        if need_tune:
+          # Measured refinement (MCFuser Alg. 1) with the code generator's
+          # measuring function, as jaxfuse.jit runs it under tune=measure.
           measure = make_plan_measure(cap.region)
           t0 = time.perf_counter()
           api.plan_region(cap.region, measure=measure, use_cache=False)
           tune_s += time.perf_counter() - t0
-      info["plan_s"] = plan_s
-      if settings.tune == "measure" and on_gpu():
+      if need_plan:
+        info["plan_s"] = plan_s
+      if need_tune:
         info["tune_s"] = tune_s
     except Exception as e:
       info["plan_error"] = f"{type(e).__name__}: {e}"
@@ -889,10 +904,14 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
       runner = impl.build()
       # jaxfuse plans at compile time: both the K and the 4K function (and
       # the inspection) must see the same settings.
+      is_jaxfuse = isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse"
       ctx = (jaxfuse_settings(settings.tune, settings.fresh_cache)
-             if isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse"
-             else contextlib.nullcontext())
+             if is_jaxfuse else contextlib.nullcontext())
       with ctx:
+        if is_jaxfuse:
+          res["jaxfuse"] = (jaxfuse_details(case, sets[0], settings) if settings.details
+                            else {"path": jaxfuse_path_note(),
+                                  "regions": count_regions(case.fn, sets[0])})
         t0 = time.perf_counter()
         out = runner(prepared[:k])
         impl.block(out)
@@ -906,17 +925,16 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         res.update(slope_time(runner, impl.block, prepared, k, settings.reps))
         if settings.do_profile:
           ks = impl.profile(runner, prepared[:k], settings.profile_iters)
-          if ks is not None and ks.count > 0:
+          if ks is not None and (ks.count > 0 or ks.total_us > 0):
             n = settings.profile_iters * k
             res["kernel_s"] = ks.total_us / n * 1e-6
-            res["kernels"] = ks.count / n
+            # CUDA-event timing (torch) knows the time but not the count.
+            res["kernels"] = ks.count / n if ks.count else None
             res["memcpy_s"] = ks.memcpy_us / n * 1e-6
             top = sorted(ks.names.items(), key=lambda kv: -kv[1][1])[:6]
             res["kernel_names"] = {nm[:80]: round(u / n, 3) for nm, (c, u) in top}
           else:
             res["kernel_s"] = None
-        if isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse":
-          res["jaxfuse"] = jaxfuse_details(case, sets[0], settings)
       _derived(res, case, roof)
       res["status"] = "ok"
       del prepared, out
@@ -1166,10 +1184,10 @@ def select(available: dict[str, Any], spec: str, groups: Optional[dict[str, list
   out: list[str] = []
   for tok in [t.strip() for t in spec.split(",") if t.strip()]:
     t = tok.lower()
-    if t == "all":
-      names = list(available)
-    elif t in glower:
+    if t in glower:        # a binary may define its own 'all'
       names = glower[t]
+    elif t == "all":
+      names = list(available)
     elif t in lower:
       names = [lower[t]]
     else:

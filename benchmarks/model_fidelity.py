@@ -1,0 +1,410 @@
+"""Model fidelity: the planner's predicted time against measured time.
+
+For MCFuser's Fig. 11 cases (GEMM chains G1-G4 of Table II) and attention
+S1-S3 (Table III), this captures the case's region, asks the planner for its
+ranked candidates (``jaxfuse.planner.plan_region(region, top=N)``, at least
+50 wanted), measures every candidate's kernel on the GPU, and reports:
+
+* Pearson and Spearman correlation between predicted and measured time
+  (MCFuser reports 0.80-0.92; the target is Spearman >= 0.85);
+* regret of the model-only choice: measured time of the model's first
+  candidate over the best measured, minus one (target < 15%), and the same
+  for the best of the model's top 8 (MCFuser Alg. 1's measured step).
+
+Measuring (``--measure``): ``codegen`` uses the code generator's
+``jaxfuse.runtime.launch.measure_plans`` (CUDA-event timing, kernels that
+fail their self-check score inf); ``profiler`` launches each plan through
+``jaxfuse.runtime.launch.fused_call`` in ``jax.jit``, checks it against the
+IR evaluator and takes the profiler's kernel time; ``auto`` picks codegen's
+when it imports. Candidates that fail are reported and left out of the
+statistics.
+
+Without a GPU there is nothing to measure: the binary says so, does a tiny
+dry run (plans a small chain and runs a few candidates through Triton's
+interpreter against the IR evaluator) and exits 0.
+
+Example::
+
+    python -m benchmarks.model_fidelity --plot
+    python benchmarks/model_fidelity.py --cases=G1,S1 --candidates=80
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from benchmarks import harness
+
+harness.define_flags(default_cases="G1,G2,G3,G4,S1,S2,S3")
+flags.DEFINE_integer("candidates", 64, "Ranked candidates to ask the planner for "
+                     "(top=...); at least 50 are wanted per case.")
+flags.DEFINE_enum("measure", "auto", ["auto", "codegen", "profiler"],
+                  "How candidates are timed (see the module docstring).")
+flags.DEFINE_float("budget_s", 900.0, "Measuring budget per case (seconds) for "
+                   "the code generator's measuring function.")
+
+FLAGS = flags.FLAGS
+
+MIN_CANDIDATES = 50
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+  """Average ranks (ties share their mean rank), as Spearman needs."""
+  order = np.argsort(x, kind="mergesort")
+  ranks = np.empty(len(x), dtype=np.float64)
+  xs = x[order]
+  i = 0
+  while i < len(x):
+    j = i
+    while j + 1 < len(x) and xs[j + 1] == xs[i]:
+      j += 1
+    ranks[order[i:j + 1]] = (i + j) / 2.0
+    i = j + 1
+  return ranks
+
+
+def pearson(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if len(a) < 3 or np.std(a) == 0 or np.std(b) == 0:
+    return None
+  return float(np.corrcoef(a, b)[0, 1])
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if len(a) < 3:
+    return None
+  return pearson(_ranks(a), _ranks(b))
+
+
+def fidelity_stats(predicted: Sequence[float], measured: Sequence[float]) -> dict:
+  """Correlations over the finite pairs; regret of the model's picks.
+
+  ``predicted``/``measured`` are in the planner's ranked order (best
+  predicted first). The model-only choice is the first candidate; when it
+  failed to run, jaxfuse would fall back to the next, so the regret is that
+  of the first candidate that ran (and ``top1_failed`` says so).
+  """
+  pairs = [(p, m) for p, m in zip(predicted, measured)
+           if p is not None and m is not None and math.isfinite(p) and math.isfinite(m)]
+  out: dict[str, Any] = {"candidates": len(predicted), "measured_ok": len(pairs)}
+  if not pairs:
+    return out
+  p, m = zip(*pairs)
+  out["pearson"] = pearson(p, m)
+  out["spearman"] = spearman(p, m)
+  out["pearson_log"] = pearson(np.log(p), np.log(m))
+  best = min(m)
+  out["best_measured_s"] = best
+  ok = [x for x in measured if x is not None and math.isfinite(x)]
+  first = next(x for x in measured if x is not None and math.isfinite(x))
+  out["top1_failed"] = not (measured[0] is not None and math.isfinite(measured[0]))
+  out["model_pick_s"] = first
+  out["regret_top1"] = first / best - 1.0
+  top8 = [x for x in measured[:8] if x is not None and math.isfinite(x)]
+  if top8:
+    out["regret_top8"] = min(top8) / best - 1.0
+  out["best_rank"] = int(np.argmin([x if x is not None and math.isfinite(x) else np.inf
+                                    for x in measured]))
+  del ok
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
+  from benchmarks import attention, gemm_chain  # pylint: disable=g-import-not-at-top
+  cases = {}
+  for g, (b, m, n, k, h) in gemm_chain.MCFUSER.items():
+    cases[g] = gemm_chain.make_case(g, b, m, n, k, h, dtype=dtype, group="MCFuser Table II")
+  for s, (h, m, n, dk, dv, _) in attention.MCFUSER.items():
+    cases[s] = attention.make_case(s, 1, h, m, n, dk, dv, causal=False, layout="bhtd",
+                                   group="MCFuser Table III", dtype=dtype)
+  return cases
+
+
+def capture_region(case: harness.Case, dtype: str):
+  """The case's (largest) captured region."""
+  api = harness.jaxfuse_api()
+  if api.find_regions is None:
+    raise RuntimeError(f"jaxfuse.capture.find_regions unavailable: {api.errors}")
+  args = case.make_inputs(jax.random.PRNGKey(0), dtype)
+  caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+  if not caps:
+    raise RuntimeError(f"no region captured in {case.name}")
+  return max(caps, key=lambda c: len(c.region.contractions)).region
+
+
+def region_numpy_inputs(region, seed: int = 7) -> list[np.ndarray]:
+  try:
+    from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+    return list(launch.random_inputs(region, seed=seed))
+  except Exception:
+    return [np.asarray(a) for a in harness.region_inputs(region, jax.random.PRNGKey(seed))]
+
+
+def reference_outputs(region, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+  from jaxfuse import ir  # pylint: disable=g-import-not-at-top
+  return [np.asarray(o, np.float64) for o in ir.evaluate(region, inputs, precision="float64")]
+
+
+def measure_candidates(region, plans: Sequence[Any], how: str, budget_s: float,
+                       backend: str = "triton") -> tuple[list[float], list[dict], str]:
+  """Seconds per candidate (inf on failure), per-candidate details, method used."""
+  if how in ("auto", "codegen") and backend == "triton":
+    try:
+      from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+      fn = getattr(launch, "measure_plans")
+      times = [float(t) for t in fn(region, list(plans), budget_s=budget_s)]
+      return times, [{} for _ in plans], "jaxfuse.runtime.launch.measure_plans"
+    except Exception as e:
+      if how == "codegen":
+        raise
+      print(f"[model_fidelity] codegen measure unavailable ({type(e).__name__}: {e}); "
+            "using the profiler")
+  inputs = region_numpy_inputs(region)
+  refs = reference_outputs(region, inputs)
+  dev_inputs = [jax.device_put(x) for x in inputs]
+  times, details = [], []
+  t_end = time.perf_counter() + budget_s
+  for p in plans:
+    if time.perf_counter() > t_end:
+      times.append(math.inf)
+      details.append({"status": "budget exhausted"})
+      continue
+    try:
+      d = harness.measure_plan(region, p, dev_inputs, refs, backend=backend, iters=10)
+      d["status"] = "ok"
+      tol = 2e-3 if backend == "triton" else 5e-3
+      try:
+        from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+        tol = launch.tolerance(region)
+      except Exception:
+        pass
+      if not d.get("max_err", math.inf) <= tol:
+        d["status"] = f"wrong answer (max err {d.get('max_err'):.2e} > {tol:.1e})"
+        times.append(math.inf)
+      else:
+        times.append(float(d["time_s"]))
+      details.append(d)
+    except Exception as e:
+      times.append(math.inf)
+      details.append({"status": f"error: {type(e).__name__}: {str(e)[:200]}"})
+  return times, details, f"harness profiler ({backend})"
+
+
+def run_case(name: str, case: harness.Case, dtype: str, top: int, how: str,
+             budget_s: float, backend: str = "triton") -> dict:
+  api = harness.jaxfuse_api()
+  row: dict[str, Any] = {"case": name, "params": case.params, "dtype": dtype}
+  region = capture_region(case, dtype)
+  row["region"] = region.einsum_summary()
+  row["loops"] = region.loop_extents
+  t0 = time.perf_counter()
+  res = api.plan_region(region, top=top, use_cache=False)
+  row["plan_time_s"] = float(getattr(res, "plan_time_s", time.perf_counter() - t0))
+  row["space"] = {str(k): (v if isinstance(v, (int, float, str)) else str(v))
+                  for k, v in dict(getattr(res, "space", {}) or {}).items()}
+  plans = list(res.ranked)
+  row["why_not"] = res.why_not
+  if len(plans) < MIN_CANDIDATES:
+    row["note"] = f"planner returned {len(plans)} < {MIN_CANDIDATES} candidates"
+  predicted = [float(p.predicted.time_s) if p.predicted is not None else None for p in plans]
+  t0 = time.perf_counter()
+  measured, details, method = measure_candidates(region, plans, how, budget_s, backend)
+  row["measure_s"] = time.perf_counter() - t0
+  row["method"] = method
+  row["candidates"] = [
+      {"rank": i, "plan": str(p), "predicted_s": predicted[i], "measured_s": measured[i],
+       **{k: v for k, v in details[i].items() if k != "plan"}}
+      for i, p in enumerate(plans)]
+  row["stats"] = fidelity_stats(predicted, measured)
+  return row
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+def _f(x, fmt="{:.3f}"):
+  return "-" if x is None else fmt.format(x)
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| case | region | candidates | measured ok | Pearson | Spearman | "
+           "regret top-1 | regret top-8 | best µs | model pick µs | plan s |",
+           "|" + " --- |" * 11]
+  for r in rows:
+    s = r.get("stats", {})
+    lines.append(
+        f"| {r['case']} | {r.get('region', '-')} | {s.get('candidates', 0)} | "
+        f"{s.get('measured_ok', 0)} | {_f(s.get('pearson'))} | {_f(s.get('spearman'))} | "
+        f"{_f(None if s.get('regret_top1') is None else 100 * s['regret_top1'], '{:.1f}%')} | "
+        f"{_f(None if s.get('regret_top8') is None else 100 * s['regret_top8'], '{:.1f}%')} | "
+        f"{_f(None if s.get('best_measured_s') is None else s['best_measured_s'] * 1e6, '{:.2f}')} | "
+        f"{_f(None if s.get('model_pick_s') is None else s['model_pick_s'] * 1e6, '{:.2f}')} | "
+        f"{_f(r.get('plan_time_s'), '{:.2f}')} |")
+  return "\n".join(lines)
+
+
+def write(prefix: str, meta: dict, rows: list[dict]) -> list[str]:
+  import csv  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)) or ".", exist_ok=True)
+  with open(prefix + ".json", "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+  with open(prefix + ".csv", "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["case", "rank", "predicted_s", "measured_s", "status", "plan"])
+    for r in rows:
+      for c in r.get("candidates", []):
+        w.writerow([r["case"], c["rank"], c["predicted_s"], c["measured_s"],
+                    c.get("status", ""), c["plan"]])
+  return [prefix + ".json", prefix + ".csv"]
+
+
+def plot(prefix: str, rows: list[dict]) -> str:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  rows = [r for r in rows if r.get("candidates")]
+  n = max(1, len(rows))
+  cols = min(4, n)
+  fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4 * cols, 3.6 * ((n + cols - 1) // cols)),
+                           squeeze=False)
+  for ax, r in zip(axes.flat, rows):
+    pts = [(c["predicted_s"], c["measured_s"]) for c in r["candidates"]
+           if c["predicted_s"] and c["measured_s"] and math.isfinite(c["measured_s"])]
+    if pts:
+      p, m = zip(*pts)
+      ax.scatter(np.array(p) * 1e6, np.array(m) * 1e6, s=12, alpha=0.7)
+      c0 = r["candidates"][0]
+      if c0["measured_s"] and math.isfinite(c0["measured_s"]):
+        ax.scatter([c0["predicted_s"] * 1e6], [c0["measured_s"] * 1e6], s=50,
+                   facecolors="none", edgecolors="r", label="model's pick")
+        ax.legend(fontsize=7)
+      ax.set_xscale("log"); ax.set_yscale("log")
+    s = r["stats"]
+    ax.set_title(f"{r['case']}: Spearman {_f(s.get('spearman'), '{:.2f}')}, "
+                 f"regret {_f(None if s.get('regret_top1') is None else 100 * s['regret_top1'], '{:.0f}%')}",
+                 fontsize=9)
+    ax.set_xlabel("predicted µs"); ax.set_ylabel("measured µs")
+    ax.grid(True, which="both", alpha=0.3)
+  for ax in list(axes.flat)[len(rows):]:
+    ax.axis("off")
+  fig.tight_layout()
+  path = prefix + "_fidelity.png"
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+def dry_run(prefix: str) -> int:
+  """No GPU: plan a tiny chain, run 3 candidates in Triton's interpreter."""
+  api = harness.jaxfuse_api()
+  print("[model_fidelity] model fidelity needs a GPU (jax backend is "
+        f"{jax.default_backend()}): measured times on this machine mean nothing. "
+        "Dry run only: a tiny GEMM chain, 3 planned candidates through Triton's "
+        "interpreter, checked against the IR evaluator.")
+  print(f"[model_fidelity] {harness.jaxfuse_path_note()}")
+  if api.plan_region is None or api.find_regions is None:
+    print(f"[model_fidelity] dry run skipped: planner/capture unavailable ({api.errors})")
+    return 0
+  from benchmarks import gemm_chain  # pylint: disable=g-import-not-at-top
+  case = gemm_chain.make_case("tiny", 1, 32, 32, 16, 16, dtype="float32")
+  try:
+    row = run_case("tiny", case, "float32", top=3, how="profiler", budget_s=120.0,
+                   backend="interpret")
+  except Exception as e:
+    print(f"[model_fidelity] dry run failed: {type(e).__name__}: {e}")
+    traceback.print_exc()
+    return 0
+  for c in row["candidates"]:
+    print(f"[model_fidelity]   candidate {c['rank']}: {c.get('status')} "
+          f"max err {_f(c.get('max_err'), '{:.1e}')}  predicted "
+          f"{_f(None if c['predicted_s'] is None else c['predicted_s'] * 1e6, '{:.2f}')} µs  {c['plan']}")
+  files = write(prefix, {"dry_run": True, "device": harness._device_kind()}, [row])  # pylint: disable=protected-access
+  print(f"[model_fidelity] dry run done ({row['stats'].get('measured_ok', 0)}/"
+        f"{row['stats'].get('candidates', 0)} candidates ran); wrote {', '.join(files)}")
+  return 0
+
+
+def main(argv) -> int:
+  del argv
+  prefix = FLAGS.out or harness.default_out("model_fidelity", FLAGS.dtype)
+  if not harness.on_gpu():
+    return dry_run(prefix)
+  api = harness.jaxfuse_api()
+  if api.plan_region is None:
+    print(f"[model_fidelity] jaxfuse.planner.plan_region unavailable: {api.errors}")
+    return 1
+  cases = fidelity_cases(FLAGS.dtype)
+  names = harness.select(cases, FLAGS.cases)
+  top = max(FLAGS.candidates, MIN_CANDIDATES)
+  print(f"[model_fidelity] device {harness._device_kind()}, dtype {FLAGS.dtype}, "  # pylint: disable=protected-access
+        f"top={top} candidates per case")
+  rows = []
+  for n in names:
+    t0 = time.perf_counter()
+    try:
+      row = run_case(n, cases[n], FLAGS.dtype, top, FLAGS.measure, FLAGS.budget_s)
+    except Exception as e:
+      row = {"case": n, "error": f"{type(e).__name__}: {e}", "stats": {}}
+      traceback.print_exc()
+    s = row.get("stats", {})
+    print(f"[model_fidelity] {n}: {s.get('measured_ok', 0)}/{s.get('candidates', 0)} "
+          f"measured, Spearman {_f(s.get('spearman'))}, regret "
+          f"{_f(None if s.get('regret_top1') is None else 100 * s['regret_top1'], '{:.1f}%')} "
+          f"({time.perf_counter() - t0:.0f}s){' ' + row['note'] if row.get('note') else ''}"
+          f"{' ERROR ' + row['error'] if row.get('error') else ''}")
+    rows.append(row)
+  print()
+  print(table(rows))
+  sp = [r["stats"]["spearman"] for r in rows if r.get("stats", {}).get("spearman") is not None]
+  rg = [r["stats"]["regret_top1"] for r in rows if r.get("stats", {}).get("regret_top1") is not None]
+  summary = {}
+  if sp:
+    summary["mean_spearman"] = float(np.mean(sp))
+    summary["min_spearman"] = float(np.min(sp))
+  if rg:
+    summary["mean_regret_top1"] = float(np.mean(rg))
+    summary["max_regret_top1"] = float(np.max(rg))
+  print(f"[model_fidelity] summary: {json.dumps(summary)} (targets: Spearman >= 0.85, "
+        "regret < 15%)")
+  meta = {"binary": "model_fidelity", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "device": harness._device_kind(), "versions": harness.versions(),  # pylint: disable=protected-access
+          "flags": {"dtype": FLAGS.dtype, "candidates": top, "measure": FLAGS.measure,
+                    "budget_s": FLAGS.budget_s}, "summary": summary}
+  files = write(prefix, meta, rows)
+  if FLAGS.plot and rows:
+    files.append(plot(prefix, rows))
+  print(f"[model_fidelity] wrote {', '.join(files)}")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -287,8 +287,8 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
 _xla_decisions: dict[str, tuple[float, float]] = {}
 
 
-def _per_call_time(fn: Callable, region: ir.Region, lo: int = 2, hi: int = 8,
-                   reps: int = 5) -> float:
+def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
+                   reps: int = 7) -> float:
   """Seconds per call of ``fn`` on the device: the slope between ``lo`` and
   ``hi`` unrolled calls on distinct random inputs in one jit (DESIGN's
   method), which takes Python dispatch out of the number."""
@@ -303,7 +303,9 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 2, hi: int = 8,
       t0 = time.perf_counter()
       jax.block_until_ready(g(sets))
       ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    # The minimum: host and GPU interference only ever add time (per-call
+    # medians of identical XLA programs varied by 30% on an H200).
+    return float(np.min(ts))
 
   with jax.ensure_compile_time_eval():
     return max((timed(hi) - timed(lo)) / (hi - lo), 0.0)
@@ -319,7 +321,9 @@ def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
   t_fused, t_xla = _xla_decisions[sig]
   logging.info("jaxfuse: region %s measured fused %.1f us, XLA %.1f us",
                k.region.einsum_summary(), t_fused * 1e6, t_xla * 1e6)
-  if t_fused > t_xla:
+  # Dropped only when clearly slower: within 5% the two are a tie that the
+  # fused kernel wins on memory traffic left for the rest of the program.
+  if t_fused > 1.05 * t_xla:
     raise CodegenError(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
                        f"XLA {t_xla * 1e6:.1f} us")
 

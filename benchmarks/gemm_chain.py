@@ -119,21 +119,21 @@ def all_cases(epilogue: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
   for g, (b, m, n, k, h) in MCFUSER.items():
     c = make_case(f"MC-{g}", b, m, n, k, h, epilogue=epilogue, group="MCFuser Table II",
                   dtype=dtype)
-    cases[c.name] = c
-    groups["mcfuser"].append(c.name)
+    cases[f"MC-{g}"] = c   # selected by table name; c.name carries the epilogue
+    groups["mcfuser"].append(f"MC-{g}")
   for g, (b, m, n_ch, k, l, net) in CHIMERA.items():
     c = make_case(f"CH-{g}", b, m, l, k, n_ch, epilogue=epilogue, dtype=dtype,
                   group="Chimera Table IV",
                   extra={"chimera": {"batch": b, "M": m, "N": n_ch, "K": k, "L": l},
                          "network": net})
-    cases[c.name] = c
-    groups["chimera"].append(c.name)
+    cases[f"CH-{g}"] = c
+    groups["chimera"].append(f"CH-{g}")
   groups["tables"] = groups["mcfuser"] + groups["chimera"]
   for (b, m, n, k, h) in parse_shapes(shapes):
-    c = make_case(f"B{b}-M{m}-N{n}-K{k}-H{h}", b, m, n, k, h, epilogue=epilogue,
-                  group="custom", dtype=dtype)
-    cases[c.name] = c
-    groups["shapes"].append(c.name)
+    key = f"B{b}-M{m}-N{n}-K{k}-H{h}"
+    c = make_case(key, b, m, n, k, h, epilogue=epilogue, group="custom", dtype=dtype)
+    cases[key] = c
+    groups["shapes"].append(key)
   return cases, groups
 
 

@@ -386,8 +386,8 @@ class Impl:
   def block(self, out: Any) -> None:
     raise NotImplementedError
 
-  def per_call_numpy(self, out: Any) -> list[list[np.ndarray]]:
-    """Output of the K-call function -> per call, its leaves in case layout."""
+  def per_call_numpy(self, out: Any, idx: Sequence[int]) -> dict[int, list[np.ndarray]]:
+    """Output of the K-call function -> for calls ``idx``, leaves in case layout."""
     raise NotImplementedError
 
   def profile(self, runner: Callable, sets: list, iters: int) -> Optional["KernelStats"]:
@@ -444,13 +444,14 @@ class JaxImpl(Impl):
   def block(self, out: Any) -> None:
     jax.block_until_ready(out)
 
-  def per_call_numpy(self, out: Any) -> list[list[np.ndarray]]:
-    res = []
-    for o in out:
+  def per_call_numpy(self, out: Any, idx: Sequence[int]) -> dict[int, list[np.ndarray]]:
+    res = {}
+    for i in idx:
+      o = out[i]
       if self._restore is not None:
         o = self._restore(o)
-      res.append([np.asarray(jnp.asarray(l, jnp.float32), np.float64)
-                  for l in jax.tree_util.tree_leaves(o)])
+      res[i] = [np.asarray(jnp.asarray(l, jnp.float32), np.float64)
+                for l in jax.tree_util.tree_leaves(o)]
     return res
 
   def profile(self, runner, sets, iters):
@@ -494,13 +495,14 @@ class TorchImpl(Impl):
     import torch  # pylint: disable=g-import-not-at-top
     torch.cuda.synchronize()
 
-  def per_call_numpy(self, out):
-    res = []
-    for o in out:
+  def per_call_numpy(self, out, idx):
+    res = {}
+    for i in idx:
+      o = out[i]
       if self._restore is not None:
         o = self._restore(o)
       outs = o if isinstance(o, (tuple, list)) else [o]
-      res.append([x.detach().float().cpu().numpy().astype(np.float64) for x in outs])
+      res[i] = [x.detach().float().cpu().numpy().astype(np.float64) for x in outs]
     return res
 
   def profile(self, runner, sets, iters):
@@ -917,7 +919,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         impl.block(out)
         res["compile_s"] = time.perf_counter() - t0
         # The reference check reads the outputs of the very function we time.
-        per_call = impl.per_call_numpy(out)
+        per_call = impl.per_call_numpy(out, check_idx)
         errs = [rel_error(per_call[i], refs[i][0]) for i in check_idx]
         res["rel_err"] = max(e[0] for e in errs)
         res["max_err"] = max(e[1] for e in errs)

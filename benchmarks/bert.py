@@ -14,7 +14,8 @@ BERT-Base   12     768    12    3072
 BERT-Large  24     1024   16    4096
 =========== ====== ====== ===== =====
 
-Cases ``small-b1``, ``small-b8``, ``base-b1``, ... (batch 1 and 8). Every call
+Cases ``small-b1``, ``small-b8``, ``base-b1``, ... (batch 1 and 8), or
+``--models=base --batch=1,2`` for any batch. Every call
 of the timed function gets its own random input *and* its own weights, so
 weights cannot stay in L2 between calls. ``tiny`` (2 layers, hidden 64,
 sequence 32) is a smoke test for CI and not part of ``all``.
@@ -22,6 +23,7 @@ sequence 32) is a smoke test for CI and not part of ``all``.
 Example::
 
     python -m benchmarks.bert --cases=base-b1 --dtype=float16 --plot
+    python -m benchmarks.bert --models=base --batch=1
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from benchmarks import harness
 
 harness.define_flags(default_cases="all")
 flags.DEFINE_integer("seq", 512, "Sequence length of the built-in models.")
+flags.DEFINE_list("models", [], "Shorthand with --batch for --cases: models "
+                  "(small, base, large, tiny), e.g. --models=base --batch=1.")
+flags.DEFINE_list("batch", [], "Batch sizes for --models (default 1,8).")
 
 FLAGS = flags.FLAGS
 
@@ -150,7 +155,24 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 def main(argv) -> int:
   del argv
   cases, groups = all_cases(FLAGS.dtype, FLAGS.seq)
-  names = harness.select(cases, FLAGS.cases, groups)
+  spec = FLAGS.cases
+  if FLAGS.models or FLAGS.batch:
+    models = FLAGS.models or list(MODELS)
+    batches = [int(b) for b in FLAGS.batch] or list(BATCHES)
+    names = []
+    for m in models:
+      if m != "tiny" and m not in MODELS:
+        raise ValueError(f"--models: unknown {m!r}; known: {', '.join(MODELS)}, tiny")
+      for b in batches:
+        if b < 1:
+          raise ValueError(f"--batch: {b} must be >= 1")
+        name = "tiny" if m == "tiny" else f"{m}-b{b}"
+        if name not in cases:
+          cases[name] = make_case(name, MODELS[m], b, FLAGS.seq, FLAGS.dtype, f"BERT-{m}")
+        if name not in names:
+          names.append(name)
+    spec = ",".join(names)
+  names = harness.select(cases, spec, groups)
   return harness.main("bert", [cases[n] for n in names], impls_for,
                       title=f"BERT encoder forward ({FLAGS.dtype})")
 

@@ -281,10 +281,19 @@ def batch_loops(region) -> tuple[str, ...]:
   return tuple(out)
 
 
+# A loop this short is always one tile (tl.dot tiles are >= 16), so where
+# it would sit in an expression never matters: leaving it out of the
+# enumeration keeps a region with many short loops (heads of size 1, a
+# split of 2) from multiplying the space by their factorial.
+_ALWAYS_ONE_TILE = 16
+
+
 def tiled_loops(region) -> tuple[str, ...]:
-  """The loops that tiling expressions order (all but the batch loops)."""
+  """The loops that tiling expressions order (all but the batch loops and
+  loops short enough to be one tile at every candidate size)."""
   b = set(batch_loops(region))
-  return tuple(l.name for l in region.loops if l.name not in b)
+  return tuple(l.name for l in region.loops
+               if l.name not in b and l.extent > _ALWAYS_ONE_TILE)
 
 
 def dot_loops(region) -> tuple[str, ...]:
@@ -356,7 +365,7 @@ def _streamable_from(res) -> frozenset[str]:
 # --------------------------------------------------------------------------
 
 def enumerate_skeletons(region, loops: Optional[Sequence[str]] = None, *,
-                        flat: bool = True, limit: int = 50000) -> list[TilingExpr]:
+                        flat: bool = True, limit: int = 5040) -> list[TilingExpr]:
   """All deep and flat tiling expressions over ``loops`` (default: the
   region's tiled loops), deep ones first, in a deterministic order.
 

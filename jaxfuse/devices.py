@@ -206,13 +206,18 @@ def is_mbci(region, device: DeviceSpec | str | None = None) -> tuple[bool, float
   """Is ``region`` a memory-bound compute-intensive chain on ``device``?
 
   Returns ``(intensity < ridge, intensity, ridge)`` where intensity is the
-  region's FLOPs over the bytes a fused kernel must move at least.
+  chain's FLOPs over the bytes its ops move when run one by one (each
+  contraction's result through memory): MCFuser's criterion, compute-
+  intensive ops that are memory-bound at the shapes in use. (The fused
+  kernel's own intensity, over the fewest bytes, is
+  ``region.arithmetic_intensity()``; attention at 2048 tokens is far above
+  the ridge there, which is the point of fusing it.)
 
   Example::
 
       ok, phi, ridge = is_mbci(region, "h100")
   """
   dev = get_device(device)
-  phi = region.arithmetic_intensity()
+  phi = region.unfused_intensity()
   ridge = ridge_point(dev, region_dtype(region))
   return phi < ridge, phi, ridge

@@ -54,6 +54,7 @@ class RegionReport:
   min_bytes: int
   intensity: float
   device: Optional[str] = None
+  unfused_intensity: Optional[float] = None
   ridge: Optional[float] = None
   mbci: Optional[bool] = None
   plan: Any = None
@@ -93,6 +94,9 @@ class RegionReport:
                    f"{self.ridge:.2f} FLOP/B on {self.device}")
     else:
       lines.append(f"intensity:     {self.intensity:.2f} FLOP/B (ridge unknown)")
+    if self.unfused_intensity is not None:
+      lines.append(f"unfused:       {self.unfused_intensity:.2f} FLOP/B with each "
+                   "contraction's result through memory (MBCI when below the ridge)")
     lines.append("MBCI:          " + ("unknown" if self.mbci is None
                                       else "yes" if self.mbci else "no"))
     lines.append(f"plan:          {self.plan if self.plan is not None else '-'}")
@@ -285,7 +289,8 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
       path=getattr(captured, "path", "") or "", ir_text=region.to_text(),
       einsum=region.einsum_summary(), loops=region.loop_extents, dtype=dtype,
       flops=flops, min_bytes=min_bytes,
-      intensity=flops / max(min_bytes, 1), device=dev_name)
+      intensity=flops / max(min_bytes, 1), device=dev_name,
+      unfused_intensity=region.unfused_intensity())
 
   bandwidth = None
   if spec is not None and devices is not None:

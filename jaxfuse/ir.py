@@ -456,7 +456,27 @@ class Region:
     return total
 
   def arithmetic_intensity(self) -> float:
+    """FLOPs over the fewest bytes a fused kernel moves."""
     return self.flops() / max(self.min_bytes(), 1)
+
+  def unfused_bytes(self) -> int:
+    """Bytes the chain moves run op by op: its inputs and outputs, plus each
+    contraction's result written once and read once (cheap ops between are
+    assumed fused into their neighbours, as XLA does)."""
+    vm, ext = self.value_map, self.loop_extents
+    inter = 0
+    outs = set(self.output_names)
+    for op in self.contractions:
+      if op.out in outs:
+        continue
+      v = vm[op.out]
+      inter += 2 * math.prod(ext[l] for l in v.loops) * dtype_itemsize(v.dtype)
+    return self.min_bytes() + inter
+
+  def unfused_intensity(self) -> float:
+    """FLOPs over ``unfused_bytes``: below the ridge point, the chain's ops
+    are memory-bound on their own (MCFuser's MBCI chains)."""
+    return self.flops() / max(self.unfused_bytes(), 1)
 
   # -- canonical form -----------------------------------------------------
   def canonical(self) -> "Region":

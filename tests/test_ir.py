@@ -177,3 +177,11 @@ def test_jax_reference_matches_numpy_evaluator():
     got = reference.evaluate(region, [jnp.asarray(x) for x in xs])
     for g, w in zip(got, want):
       np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=2e-5)
+
+
+def test_unfused_intensity_counts_intermediates():
+  r = _chain(B=2, M=5, N=7, K=3, H=4)
+  c_bytes = 2 * 5 * 7 * 4  # C[b,m,n] float32, written and read once
+  assert r.unfused_bytes() == r.min_bytes() + 2 * c_bytes
+  assert r.unfused_intensity() == r.flops() / r.unfused_bytes()
+  assert r.unfused_intensity() < r.arithmetic_intensity()

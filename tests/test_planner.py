@@ -182,8 +182,13 @@ def test_g10_parallelism():
   _check_executable(g10, res.best)
   if res.best.predicted.programs < H100.sm_count:
     assert "SMs" in res.space["parallelism"]
-  # the low-parallelism options are in the space and ranked
+  # the low-parallelism options are in the space and ranked (split
+  # reductions only when allowed: opt-in since measured slower on an H200)
   ranked = search.search(g10, H100, seed=0).ranked
+  assert not any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
+  from jaxfuse.config import config
+  with config.override(allow_split=True):
+    ranked = search.search(g10, H100, seed=0).ranked
   assert any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
 
 

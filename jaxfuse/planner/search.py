@@ -133,7 +133,11 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
     counts[f"grid({','.join(g)})"] = {"rule1": len(classes), "rule2": len(keep)}
   tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
   splits: list[Optional[tuple[str, int]]] = [None]
-  for l in splittable_loops(region):
+  from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
+  # Split reductions are opt-in: on an H200 (2026-11-21) every split plan
+  # the model chose for MCFuser G4-G12 ran about 2x slower than XLA (two
+  # launches and the fp32 partials cost more than alpha credits them).
+  for l in (splittable_loops(region) if config.allow_split else ()):
     for p in (2, 4, 8, 16):
       if math.ceil(region.extent(l) / 16) >= p:
         splits.append((l, p))

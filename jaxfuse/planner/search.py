@@ -135,8 +135,9 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   splits: list[Optional[tuple[str, int]]] = [None]
   from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
   # Split reductions are opt-in: on an H200 (2026-11-21) every split plan
-  # the model chose for MCFuser G4-G12 ran about 2x slower than XLA (two
-  # launches and the fp32 partials cost more than alpha credits them).
+  # the model chose for MCFuser G4-G12 lost to XLA, up to 2x (two launches
+  # and the fp32 partials cost more than alpha credits them); without them
+  # 6 of those 9 cases got faster (benchmarks/RESULTS.md).
   for l in (splittable_loops(region) if config.allow_split else ()):
     for p in (2, 4, 8, 16):
       if math.ceil(region.extent(l) / 16) >= p:

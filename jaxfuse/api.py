@@ -76,6 +76,25 @@ def _is_dynamic(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def split_arguments(fun: Callable, args: tuple, kwargs: dict, *,
+                    dynamic: Callable[[Any], bool] = _is_dynamic
+                    ) -> tuple[Callable, list]:
+  """``(flat_fun, leaves)``: ``fun`` as a function of the array leaves of
+  ``(args, kwargs)`` only; other leaves (static arguments, ``self``) are
+  closed over. Shared by ``fuse`` and ``jaxfuse.inspect``."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dyn_idx = [i for i, x in enumerate(leaves) if dynamic(x)]
+
+  def flat_fun(*dyn_vals):
+    full = list(leaves)
+    for i, v in zip(dyn_idx, dyn_vals):
+      full[i] = v
+    a, kw = jax.tree.unflatten(treedef, full)
+    return fun(*a, **kw)
+
+  return flat_fun, [leaves[i] for i in dyn_idx]
+
+
 def fuse(fun: Callable) -> Callable:
   """Wraps ``fun`` so that, when called, its captured regions run fused.
 
@@ -93,16 +112,7 @@ def fuse(fun: Callable) -> Callable:
 
   @functools.wraps(fun)
   def fused(*args: Any, **kwargs: Any) -> Any:
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    dyn_idx = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-    dyn = [leaves[i] for i in dyn_idx]
-
-    def flat_fun(*dyn_vals):
-      full = list(leaves)
-      for i, v in zip(dyn_idx, dyn_vals):
-        full[i] = v
-      a, kw = jax.tree.unflatten(treedef, full)
-      return fun(*a, **kw)
+    flat_fun, dyn = split_arguments(fun, args, kwargs)
 
     # make_jaxpr raises jax's own errors for bad inputs (shape mismatch,
     # non-array arguments used as arrays...): they reach the user unchanged.

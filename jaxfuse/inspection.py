@@ -198,21 +198,13 @@ def _unwrap(fun: Callable) -> Callable:
 
 
 def _trace(fun: Callable, args: tuple, kwargs: dict):
-  # The same split as jaxfuse.api.fuse: arrays are traced, the rest is static.
-  from jaxfuse.api import _is_dynamic  # pylint: disable=g-import-not-at-top
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  # ShapeDtypeStructs are fine here: nothing runs.
-  dyn_idx = [i for i, x in enumerate(leaves)
-             if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)]
-
-  def flat_fun(*dyn_vals):
-    full = list(leaves)
-    for i, v in zip(dyn_idx, dyn_vals):
-      full[i] = v
-    a, kw = jax.tree.unflatten(treedef, full)
-    return fun(*a, **kw)
-
-  return jax.make_jaxpr(flat_fun)(*[leaves[i] for i in dyn_idx])
+  # The same split as jaxfuse.api.fuse: arrays are traced, the rest is
+  # static; ShapeDtypeStructs are fine here too since nothing runs.
+  from jaxfuse.api import _is_dynamic, split_arguments  # pylint: disable=g-import-not-at-top
+  flat_fun, dyn = split_arguments(
+      fun, args, kwargs,
+      dynamic=lambda x: _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct))
+  return jax.make_jaxpr(flat_fun)(*dyn)
 
 
 def _device(device: Any, notes: list[str]):

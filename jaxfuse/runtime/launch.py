@@ -440,8 +440,24 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
 
 
 def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callable[[Sequence[Any]], list[float]]:
-  """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``."""
-  return lambda plans: measure_plans(region, plans, budget_s=budget_s)
+  """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``.
+
+  The budget (default ``config.tune_budget_s``) is for the whole search of
+  this region, not per call: the search calls ``measure`` once per
+  iteration, and once the budget is spent every later plan reads ``inf``
+  (the model alone ranks what is left).
+  """
+  if budget_s is None:
+    from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+    budget_s = config.tune_budget_s
+  t_end = time.perf_counter() + budget_s
+
+  def measure(plans):
+    left = t_end - time.perf_counter()
+    if left <= 0:
+      return [float("inf")] * len(plans)
+    return measure_plans(region, plans, budget_s=left)
+  return measure
 
 
 def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:

@@ -380,6 +380,13 @@ class _LevelAnalysis:
           for epi, split, pro in _VARIANTS:
             try:
               f = self.candidate(sub, epi, split, pro)
+              if f.removed & taken:
+                # Its epilogue/prologue overlaps a region already formed (the
+                # layout ops between attention and an output projection): a
+                # less inclusive variant may not.
+                why = "overlaps a neighbouring region"
+                f = None
+                continue
               break
             except Reject as e:
               why = str(e)

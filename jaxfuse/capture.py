@@ -188,14 +188,21 @@ class _LevelAnalysis:
         mids = seen & self.bwd(self.items[x].invars[p])
         trivial = all(self.items[i].prim in LAYOUT_PRIMS
                       or self.items[i].prim == "convert_element_type" for i in mids)
-        incoming.setdefault(x, []).append((d.idx, trivial))
+        reduces = any(self.items[i].prim in ("reduce_max", "reduce_sum") for i in mids)
+        incoming.setdefault(x, []).append((d.idx, trivial, reduces))
     pred: dict[int, int] = {}
     for x, cands in incoming.items():
       if len(cands) == 1:
         pred[x] = cands[0][0]
       else:
-        nontrivial = [c for c, t in cands if not t]
-        if len(nontrivial) == 1:
+        # The chain's intermediate is the operand that went through a row
+        # reduction (softmax, normalisation); projections feeding the other
+        # operands (x @ wv + bv, reshaped to heads) are plain inputs.
+        reducing = [c for c, _, r in cands if r]
+        nontrivial = [c for c, t, _ in cands if not t]
+        if len(reducing) == 1:
+          pred[x] = reducing[0]
+        elif len(nontrivial) == 1:
           pred[x] = nontrivial[0]
     succ: dict[int, int] = {}
     for x in sorted(pred):

@@ -521,3 +521,34 @@ def test_rewrite_bodies_with_constants_from_bind_region():
     return a + b + c + d
   np.testing.assert_allclose(np.asarray(jaxpr_as_fun(new)(x, w)[0]), np.asarray(g(x, w)),
                              rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_layer_captures_attention_between_projections():
+  """In a full layer (biased Q/K/V projections split into heads, attention,
+  merge, output projection), the chain runs through the softmax: the V
+  projection is an input of the second contraction, not its predecessor."""
+  heads, T, D = 2, 8, 16
+  dh = D // heads
+
+  def layer(x, wq, bq, wk, bk, wv, bv, wo):
+    def split(t):
+      return t.reshape(T, heads, dh).transpose(1, 0, 2)
+    q, k, v = split(x @ wq + bq), split(x @ wk + bk), split(x @ wv + bv)
+    p = jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q, k) / np.sqrt(dh), axis=-1)
+    o = jnp.einsum("hqk,hkd->hqd", p, v).transpose(1, 0, 2).reshape(T, D)
+    return o @ wo
+
+  rng = np.random.default_rng(0)
+  args = [rng.normal(size=s).astype(np.float32)
+          for s in [(T, D), (D, D), (D,), (D, D), (D,), (D, D), (D,), (D, D)]]
+  regions = capture.find_regions(jax.make_jaxpr(layer)(*args))
+  summaries = [r.region.einsum_summary() for r in regions]
+  assert any(len(r.region.contractions) == 2 and
+             any(isinstance(op, ir.Reduction) for op in r.region.ops)
+             for r in regions), summaries
+  for r in regions:  # every region still computes what its ops compute
+    xs = [rng.normal(size=b.shape).astype(np.float32) for b in r.region.inputs]
+    want = jaxpr_as_fun(r.jaxpr)(*xs)
+    got = ir.evaluate(r.region, xs)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, np.asarray(w), rtol=1e-4, atol=1e-4)

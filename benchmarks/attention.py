@@ -247,10 +247,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 def main(argv) -> int:
   del argv
   cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes)
-  spec = FLAGS.cases
-  if FLAGS.shapes and not flags.FLAGS["cases"].present:
-    spec = "shapes"
-  names = harness.select(cases, spec, groups)
+  names = harness.select_from_flags(cases, groups)
   return harness.main("attention", [cases[n] for n in names], impls_for,
                       title=f"attention ({FLAGS.dtype}, {FLAGS.layout})")
 

@@ -160,10 +160,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 def main(argv) -> int:
   del argv
   cases, groups = all_cases(FLAGS.epilogue, FLAGS.dtype, FLAGS.shapes)
-  spec = FLAGS.cases
-  if FLAGS.shapes and not flags.FLAGS["cases"].present:
-    spec = "shapes"
-  names = harness.select(cases, spec, groups)
+  names = harness.select_from_flags(cases, groups)
   return harness.main("gemm_chain", [cases[n] for n in names], impls_for,
                       title=f"GEMM chains ({FLAGS.dtype})")
 

@@ -1177,6 +1177,15 @@ def plot(prefix: str, rows: list[dict], roof: Roof, title: str) -> list[str]:
 # Case selection and the main loop
 # ---------------------------------------------------------------------------
 
+def select_from_flags(cases: dict[str, Any], groups: dict[str, list[str]]) -> list[str]:
+  """Case names from ``--cases``; with only ``--shapes`` given, just those
+  shapes (the binaries' shared convention)."""
+  spec = FLAGS.cases
+  if getattr(FLAGS, "shapes", "") and not FLAGS["cases"].present:
+    spec = "shapes"
+  return select(cases, spec, groups)
+
+
 def select(available: dict[str, Any], spec: str, groups: Optional[dict[str, list[str]]] = None
            ) -> list[str]:
   """Names from a comma-separated spec of names/groups ('all'), case-insensitive."""

@@ -162,10 +162,7 @@ def main(argv) -> int:
   del argv
   acts = parse_acts(FLAGS.acts)
   cases, groups = all_cases(acts, FLAGS.bias, FLAGS.dtype, FLAGS.shapes)
-  spec = FLAGS.cases
-  if FLAGS.shapes and not flags.FLAGS["cases"].present:
-    spec = "shapes"
-  names = harness.select(cases, spec, groups)
+  names = harness.select_from_flags(cases, groups)
   return harness.main("mlp_chain", [cases[n] for n in names], impls_for,
                       title=f"MLP chains ({FLAGS.dtype}, {','.join(acts)})")
 

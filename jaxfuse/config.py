@@ -49,8 +49,6 @@ class Config:
   tune: ``model`` (analytical model alone) or ``measure`` (time the top
     candidates on the GPU, MCFuser Alg. 1).
   tune_budget_s: seconds of measured tuning allowed per region.
-  min_speedup: a region is fused only when the model predicts at least this
-    speedup over the unfused ops.
   allow_split: let the planner split a reduction loop across programs (a
     second pass combines the partials) for grids too small for the GPU.
   """
@@ -60,7 +58,6 @@ class Config:
   device: str = "auto"
   tune: str = "model"
   tune_budget_s: float = 4.0
-  min_speedup: float = 1.0
   allow_split: bool = False
 
   @classmethod
@@ -72,7 +69,6 @@ class Config:
     c.device = os.environ.get("JAXFUSE_DEVICE", c.device) or c.device
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
     c.tune_budget_s = _env_float("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
-    c.min_speedup = _env_float("JAXFUSE_MIN_SPEEDUP", c.min_speedup)
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c._check()
     return c

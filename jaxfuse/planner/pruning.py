@@ -2,14 +2,15 @@
 
 Rule 1 (deduplication). MCFuser: "bind spatial loops with blockIdx ... remove
 the loops bound to blockIdx to derive the sub-tiling expression; candidates
-sharing a sub-tiling expression per thread block are equivalent". We take
-that literally: the sub-expression is what one thread block executes, i.e.
-the full expression with every Load/Compute/Store at its rightmost related
-loop (MCFuser III-B, Fig. 4(a)), then the loops bound to program ids
-removed. Two expressions are one candidate when those per-block programs
-print the same. Relocation of memory statements (hoisting) happens later,
-per tile size, in ``tiling.place``; it is an optimisation of a candidate,
-not part of its identity.
+sharing a sub-tiling expression per thread block are equivalent". The
+sub-expression is what one thread block executes: the full expression with
+Loads and Computes at their rightmost related loop (MCFuser III-B, Fig.
+4(a)) and each Store just after the scope in which its value is complete
+(the rule ``tiling.place`` uses: a store never sits inside a loop that
+accumulates into it), then the loops bound to program ids removed. Two
+expressions are one candidate when those per-block programs print the same.
+Hoisting by tile size happens later, in ``tiling.place``; it is an
+optimisation of a candidate, not part of its identity.
 
 Rule 2. "When the reduced loop is positioned outside the spatial loops,
 multiple tiles of partial results are cached": in the per-block
@@ -17,16 +18,22 @@ sub-expression, an op's reduced loop encloses a loop that indexes the
 op's result (``kn`` for ``C = A·B``: every n-tile of C accumulates across
 the k loop).
 
-What this gives for MCFuser's GEMM chain (M=N=1024, K=H=512, m and h bound):
-26 expressions -> 8 per-block programs (Rule 1) -> 4 (Rule 2). The paper
-reports 5 and 3. No definition we found reproduces both the paper's counts
-and its own example (``mhnk`` and ``mnkh`` both give ``nk``): with loop
-structure alone (which the example implies) the deep tilings give only
-``nk`` and ``kn`` and the two flat tilings at most two more, so 4 is the
-maximum, and Rule 2 leaves 2. Counting compute placement only gives 3 -> 2;
-ours is the literal per-block program and is asserted in the tests.
-The search itself does not depend on this choice: ``tiling.place`` rejects
-and hoists per tile size, and equal placed programs are evaluated once.
+For MCFuser's GEMM chain (M=N=1024, K=H=512; b, m, h bound) this gives the
+paper's counts, 26 expressions -> 5 per-block programs -> 3::
+
+    (n(k(La,Lbb,Cc),Ld,Ce),Se)  mhnk mnhk ... mn(k,h) nm(k,h)   kept
+    (nk(La,Lbb,Cc,Ld,Ce),Se)    mnkh nmkh nkmh nkhm              kept
+    (n(Ld,k(La,Lbb,Cc,Ce)),Se)  nhkm hnkm                        kept
+    (k(La,n(Lbb,Cc,Ld,Ce)),Se)  mknh mkhn ...                    Rule 2
+    (kn(La,Lbb,Cc,Ld,Ce),Se)    knmh knhm khnm hknm              Rule 2
+
+The paper's example says ``mhnk`` and ``mnkh`` both give ``nk``: that is
+their loop structure. As per-block programs they differ (``mnkh`` loads D
+and updates E inside the k loop, ``mhnk`` after it), and only counting
+programs gives 5 and 3.
+The search itself does not depend on the class representatives:
+``tiling.place`` strips the grid loops before placing, rejects and hoists per
+tile size, and equal placed programs are evaluated once.
 
 Rule 3. Tiles are powers of two from 16 (``tl.dot``) to the next power of
 two above the extent. Power-of-two extents take no padding (tile <= extent);
@@ -161,7 +168,14 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
         stmts.setdefault(la, []).append(((i, 0), tiling.Stmt("L", x)))
     stmts.setdefault(a, []).append(((i, 1), tiling.Stmt("C", op.out)))
     if op.out in region.output_names:
-      sa, _ = anchor(region.value(op.out).loops)
+      # As in tiling.place: the store follows the scope in which the output
+      # is complete, i.e. it leaves every enclosing loop that does not index
+      # the output (those accumulate into it).
+      out_loops = set(region.value(op.out).loops)
+      sa = a
+      for l in anc(a):
+        if l not in out_loops:
+          sa = parent[l]
       stmts.setdefault(sa, []).append(((i, 2), tiling.Stmt("S", op.out)))
 
   def sub_min(l):
@@ -209,10 +223,22 @@ def _normalize(region: ir.Region, expr: tiling.TilingExpr) -> tiling.TilingExpr:
     ks = [key(c) for c in n.body]
     return (min(ks)[0] if ks else math.inf, 1, "")
 
+  def uses(n, value) -> bool:
+    if isinstance(n, tiling.Stmt):
+      return n.kind == "C" and value in region.producer(n.value).inputs
+    return any(uses(c, value) for c in n.body)
+
   def rec(body):
-    out = [tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
-           for n in body]
-    return tuple(sorted(out, key=key))
+    out = sorted((tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
+                  for n in body), key=key)
+    # A load goes before the first sibling that consumes it (a loop holding
+    # a later op's compute can sort ahead of that op's load).
+    for ld in [n for n in out if isinstance(n, tiling.Stmt) and n.kind == "L"]:
+      first = next(i for i, n in enumerate(out) if n is ld or uses(n, ld.value))
+      if out[first] is not ld:
+        out.remove(ld)
+        out.insert(first, ld)
+    return tuple(out)
   return tiling.TilingExpr(rec(expr.body))
 
 

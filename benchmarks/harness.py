@@ -779,22 +779,11 @@ def choose_calls(bytes_per_set: int, settings: Settings) -> int:
 
 def slope_time(runner: Callable[[list], Any], block: Callable[[Any], None],
                sets: list, k: int, reps: int) -> dict:
-  """Per-call seconds: slope between K and 4K calls, median over reps."""
-  def timed(n: int) -> float:
-    t0 = time.perf_counter()
-    block(runner(sets[:n]))
-    return time.perf_counter() - t0
-
-  slopes, tks = [], []
-  for _ in range(reps):
-    tk = timed(k)
-    t4k = timed(4 * k)
-    slopes.append((t4k - tk) / (3 * k))
-    tks.append(tk / k)
-  med = statistics.median(slopes)
-  spread = (max(slopes) - min(slopes)) / abs(med) if med and len(slopes) > 1 else 0.0
-  return {"per_call_s": med, "per_call_min_s": min(slopes),
-          "per_call_spread": spread, "naive_per_call_s": statistics.median(tks)}
+  """Per-call seconds: slope between K and 4K calls, median over reps
+  (``jaxfuse.runtime.timing.slope``: each window repeats the program until
+  it lasts 2 ms)."""
+  from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
+  return timing.slope(lambda n: runner(sets[:n]), block, lo=k, hi=4 * k, reps=reps)
 
 
 def _derived(res: dict, case: Case, roof: Roof) -> None:

@@ -175,9 +175,15 @@ def measure_candidates(region, plans: Sequence[Any], how: str, budget_s: float,
   if how in ("auto", "codegen") and backend == "triton":
     try:
       from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
-      fn = getattr(launch, "measure_plans")
-      times = [float(t) for t in fn(region, list(plans), budget_s=budget_s)]
-      return times, [{} for _ in plans], "jaxfuse.runtime.launch.measure_plans"
+      errors: list = []
+      times = [float(t) for t in launch.measure_plans(region, list(plans), budget_s=budget_s,
+                                                      errors=errors)]
+      details = [{"status": "ok" if e is None else e} for e in errors]
+      failed = [e for e in errors if e is not None]
+      if failed:
+        print(f"[model_fidelity] {len(failed)}/{len(plans)} candidates not measured; "
+              f"first reason: {failed[0]}")
+      return times, details, "jaxfuse.runtime.launch.measure_plans"
     except Exception as e:
       if how == "codegen":
         raise

@@ -51,6 +51,10 @@ class Config:
   tune_budget_s: seconds of measured tuning allowed per region.
   allow_split: let the planner split a reduction loop across programs (a
     second pass combines the partials) for grids too small for the GPU.
+  launch: how a Triton kernel is called on the GPU. ``ffi``: jaxlib's typed
+    FFI target ``triton_kernel_call_ffi``; ``legacy``: jax-triton's own
+    ``triton_kernel_call`` custom call. ``ffi`` falls back to ``legacy``
+    when the installed jaxlib lacks the target.
   """
   disable: bool = False
   backend: str = "auto"
@@ -59,6 +63,7 @@ class Config:
   tune: str = "model"
   tune_budget_s: float = 4.0
   allow_split: bool = False
+  launch: str = "ffi"
 
   @classmethod
   def from_env(cls) -> "Config":
@@ -70,6 +75,7 @@ class Config:
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
     c.tune_budget_s = _env_float("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
+    c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch
     c._check()
     return c
 
@@ -80,6 +86,9 @@ class Config:
     if self.tune not in ("model", "measure"):
       raise ValueError(f"jaxfuse config 'tune' must be 'model' or 'measure', "
                        f"got {self.tune!r}")
+    if self.launch not in ("ffi", "legacy"):
+      raise ValueError(f"jaxfuse config 'launch' must be 'ffi' or 'legacy', "
+                       f"got {self.launch!r}")
     if self.tune_budget_s < 0:
       raise ValueError("jaxfuse config 'tune_budget_s' must be >= 0")
 

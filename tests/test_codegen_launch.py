@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxfuse import ir
@@ -95,3 +96,50 @@ def test_planner_ranked_plans_generate_correct_kernels():
   xs = launch.random_inputs(r, seed=4)
   (out,) = jax.jit(lambda *a: launch.fused_call(r, list(a), backend="interpret"))(*xs)
   assert launch.compare(r, [np.asarray(out)], ir.evaluate(r, xs)) <= 1e-5
+
+
+# -- launch form and timing ---------------------------------------------------
+
+def test_as_typed_ffi_rewrites_a_legacy_custom_call():
+  import jax
+  import jax.numpy as jnp
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+  prim = Primitive("jaxfuse_test_legacy_call")
+  prim.multiple_results = True
+  prim.def_abstract_eval(lambda x: [jax.core.ShapedArray(x.shape, x.dtype)])
+
+  def lowering(ctx, x):
+    res = jax.ffi.ffi_lowering("legacy_target", api_version=2,
+                               backend_config=b"\x78opaque\xff")(ctx, x)
+    launch.as_typed_ffi(res, "typed_target", "kern")
+    return res
+  mlir.register_lowering(prim, lowering)
+  text = jax.jit(lambda x: prim.bind(x)).lower(jnp.ones(4)).as_text()
+  call = [l for l in text.splitlines() if "custom_call" in l]
+  assert len(call) == 1
+  assert "@typed_target" in call[0] and "api_version = 4" in call[0]
+  assert 'backend_config = {name = "kern", opaque = "x' in call[0].replace("\\78", "x")
+
+
+def test_config_launch_is_checked():
+  from jaxfuse.config import config
+  with pytest.raises(ValueError, match="launch"):
+    config.update("launch", "cuda")
+  assert config.launch in ("ffi", "legacy")
+
+
+def test_slope_takes_fixed_costs_out(monkeypatch):
+  from jaxfuse.runtime import timing
+  clock = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+  def run(n):                       # 30 us per program + 5 us per call
+    clock[0] += 30e-6 + n * 5e-6
+    return n
+  res = timing.slope(run, lambda out: None, lo=4, hi=16, reps=3)
+  assert res["per_call_s"] == pytest.approx(5e-6)
+  assert res["naive_per_call_s"] == pytest.approx((30e-6 + 20e-6) / 4)
+  assert res["executions"] == 19    # ceil(2 ms / 110 us)
+  with pytest.raises(ValueError, match="lo, hi"):
+    timing.slope(run, lambda out: None, lo=4, hi=4)

@@ -4,7 +4,8 @@
 given), generates the kernel and runs it:
 
 * ``backend='triton'``: ``jax_triton.triton_call`` (imported lazily) with the
-  plan's grid, ``num_warps`` and ``num_stages``; usable inside a lowering
+  plan's grid, ``num_warps`` and ``num_stages``, lowered to jaxlib's typed
+  FFI Triton target (``config.launch``); usable inside a lowering
   (``mlir.lower_fun``) and inside ``jax.jit``.
 * ``backend='interpret'``: ``jax.pure_callback`` that runs the same kernel in
   Triton's interpreter on torch CPU tensors.
@@ -208,6 +209,75 @@ def _jt():
   return jax_triton
 
 
+FFI_TARGET = "triton_kernel_call_ffi"
+# The target name jax-triton is handed when the FFI form is wanted; only the
+# lowering below understands it.
+_FFI_SENTINEL = "jaxfuse." + FFI_TARGET
+_ffi_lowering_registered = False
+
+
+def ffi_available() -> bool:
+  """jaxlib registers the typed-FFI Triton target after 0.10.2 (Pallas
+  switched to it then)."""
+  from jax._src.lib import version  # pylint: disable=g-import-not-at-top
+  return tuple(version) > (0, 10, 2)
+
+
+def as_typed_ffi(results, target: str, name: str) -> None:
+  """Turns the legacy custom call producing ``results`` (its opaque string
+  in ``backend_config``) into a typed-FFI call of ``target`` whose backend
+  config is ``{name, opaque}``, in place."""
+  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+  op = results[0].owner
+  op = getattr(op, "operation", op)
+  opaque = op.attributes["backend_config"]
+  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(target)
+  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(
+      mlir_ir.IntegerType.get_signless(32), 4)
+  op.attributes["backend_config"] = mlir_ir.DictAttr.get({
+      "name": mlir_ir.StringAttr.get(name), "opaque": opaque})
+
+
+def _register_ffi_lowering(jt) -> None:
+  """Lowers jax-triton calls that name ``_FFI_SENTINEL`` to jaxlib's typed
+  FFI target instead of jax-triton's legacy custom call.
+
+  Why: the legacy handler finds its kernel by hashing the whole serialized
+  call (PTX and Triton IR included) on every launch, and a legacy custom
+  call cannot be captured into XLA's command buffers; on an H200 that cost
+  4-9 us per call over the kernel time (benchmarks/RESULTS.md). The kernel,
+  its compilation and the serialized call are jax-triton's; only the
+  custom call's form changes. Other jax-triton users are unaffected.
+  """
+  global _ffi_lowering_registered
+  with _lock:
+    if _ffi_lowering_registered:
+      return
+    from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+    tl = jt.triton_lib
+    legacy = tl.triton_kernel_call_lowering
+
+    def lowering(ctx, *args, custom_call_target_name, **params):
+      if custom_call_target_name != _FFI_SENTINEL:
+        return legacy(tl.get_cuda_backend, ctx, *args,
+                      custom_call_target_name=custom_call_target_name, **params)
+      results = legacy(tl.get_cuda_backend, ctx, *args,
+                       custom_call_target_name=FFI_TARGET, **params)
+      as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
+      return results
+
+    mlir.register_lowering(tl.triton_kernel_call_p, lowering, platform="cuda")
+    _ffi_lowering_registered = True
+
+
+def _call_target(jt) -> str:
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  if config.launch == "ffi" and ffi_available():
+    _register_ffi_lowering(jt)
+    return _FFI_SENTINEL
+  return "triton_kernel_call"
+
+
 def _out_shapes(region: ir.Region):
   import jax  # pylint: disable=g-import-not-at-top
   vm = region.value_map
@@ -219,7 +289,8 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   jt = _jt()
-  kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages, **kernel.constexprs)
+  kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages,
+            custom_call_target_name=_call_target(jt), **kernel.constexprs)
   outs = _out_shapes(kernel.region)
   if kernel.combine_fn is None:
     res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw)
@@ -289,26 +360,17 @@ _xla_decisions: dict[str, tuple[float, float]] = {}
 
 def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
                    reps: int = 7) -> float:
-  """Seconds per call of ``fn`` on the device: the slope between ``lo`` and
-  ``hi`` unrolled calls on distinct random inputs in one jit (DESIGN's
-  method), which takes Python dispatch out of the number."""
+  """Seconds per call of ``fn`` on the device by the slope method
+  (``jaxfuse.runtime.timing``) on distinct random inputs."""
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
   sets = [[jax.device_put(x) for x in random_inputs(region, seed=7 + i)] for i in range(hi)]
-
-  def timed(n):
-    g = jax.jit(lambda s: [fn(*a) for a in s[:n]])
-    jax.block_until_ready(g(sets))
-    ts = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(g(sets))
-      ts.append(time.perf_counter() - t0)
-    # The minimum: host and GPU interference only ever add time (per-call
-    # medians of identical XLA programs varied by 30% on an H200).
-    return float(np.min(ts))
-
+  progs = {n: jax.jit(lambda s, n=n: [fn(*a) for a in s[:n]]) for n in (lo, hi)}
   with jax.ensure_compile_time_eval():
-    return max((timed(hi) - timed(lo)) / (hi - lo), 0.0)
+    res = timing.slope(lambda n: progs[n](sets), jax.block_until_ready, lo=lo, hi=hi,
+                       reps=reps)
+  # The minimum: host and GPU interference only ever add time.
+  return max(res["per_call_min_s"], 0.0)
 
 
 def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
@@ -412,10 +474,11 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
 
 # ------------------------------------------------------------ measurement
 def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
-                  reps: int = 20) -> list[float]:
+                  reps: int = 20, errors: Optional[list] = None) -> list[float]:
   """Seconds per launch of each plan's kernel on the GPU (MCFuser Alg. 1's
   measured top-n step). Plans that fail to compile, launch or pass the
-  self-check, and plans left when the budget runs out, get ``inf``.
+  self-check, and plans left when the budget runs out, get ``inf``; when
+  ``errors`` is a list, the reason (or None) is appended to it per plan.
 
   Uses ``triton.testing.do_bench`` (CUDA events) on torch CUDA tensors when
   torch has CUDA, else wall time of the jitted jax-triton call.
@@ -427,15 +490,20 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
   xs = random_inputs(region, seed=7)
   out = []
   for p in plans:
+    why = None
     if time.perf_counter() > t_end:
       out.append(float("inf"))
-      continue
-    try:
-      k = select_kernel(region, [p], backend="triton", check=True)
-      out.append(_time_kernel(k, xs, reps))
-    except Exception as e:  # pylint: disable=broad-except
-      logging.info("jaxfuse: measuring %s failed: %s", p, e)
-      out.append(float("inf"))
+      why = "measuring budget spent"
+    else:
+      try:
+        k = select_kernel(region, [p], backend="triton", check=True)
+        out.append(_time_kernel(k, xs, reps))
+      except Exception as e:  # pylint: disable=broad-except
+        logging.info("jaxfuse: measuring %s failed: %s", p, e)
+        out.append(float("inf"))
+        why = f"{type(e).__name__}: {e}"[:500]
+    if errors is not None:
+      errors.append(why)
   return out
 
 

@@ -31,7 +31,10 @@ class DeviceSpec:
 
   ``peak_flops`` maps an input dtype to the dense tensor-core FLOP/s of
   ``tl.dot`` on it (float32 means TF32, Triton's default); ``vector_flops``
-  is the non-tensor fp32 rate used for elementwise ops and reductions.
+  is the non-tensor fp32 rate used for elementwise ops and reductions;
+  ``sfu_ops`` the rate of transcendental results (``exp``: 16 per clock per
+  SM); ``mma_rows`` the row count below which ``tl.dot`` cannot use the
+  widest tensor-core instruction (64 for Hopper's wgmma, 16 before).
   Bandwidths and peaks are what was measured on such a GPU where known
   (see DESIGN.md), otherwise about 80% of the data sheet.
   """
@@ -42,6 +45,8 @@ class DeviceSpec:
   mem_bandwidth_Bps: float
   peak_flops: Mapping[str, float]
   vector_flops: float = 50e12
+  sfu_ops: float = 3.9e12
+  mma_rows: int = 16
   kernel_launch_s: float = 2e-6
   regs_per_sm: int = 65536
   live: bool = False
@@ -68,21 +73,21 @@ _TABLE: dict[str, DeviceSpec] = {
         l2_bytes=50 * _MB, mem_bandwidth_Bps=3.0e12,
         peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
                     "float64": 54e12},
-        vector_flops=60e12),
+        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64),
     # H200: the H100 die with HBM3e; ~4.3 TB/s measured.
     "h200": DeviceSpec(
         name="h200", sm_count=132, smem_per_block_bytes=227 * _KB,
         l2_bytes=60 * _MB, mem_bandwidth_Bps=4.3e12,
         peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
                     "float64": 54e12},
-        vector_flops=60e12),
+        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64),
     # A100 PCIe 40 GB (MCFuser's and Chimera's GPU): 108 SMs, 163 KB per block.
     "a100": DeviceSpec(
         name="a100", sm_count=108, smem_per_block_bytes=163 * _KB,
         l2_bytes=40 * _MB, mem_bandwidth_Bps=1.3e12,
         peak_flops={"float16": 250e12, "bfloat16": 250e12, "float32": 125e12,
                     "float64": 15.6e12},
-        vector_flops=15.6e12),
+        vector_flops=15.6e12, sfu_ops=2.4e12),
     # RTX 3080 (GA102): 68 SMs, 99 KB per block, 5 MB L2; fp16 with fp32
     # accumulation runs at half the fp16-accumulate rate on GeForce parts.
     "rtx3080": DeviceSpec(
@@ -90,7 +95,7 @@ _TABLE: dict[str, DeviceSpec] = {
         l2_bytes=5 * _MB, mem_bandwidth_Bps=0.65e12,
         peak_flops={"float16": 48e12, "bfloat16": 48e12, "float32": 24e12,
                     "float64": 0.47e12},
-        vector_flops=24e12),
+        vector_flops=24e12, sfu_ops=1.9e12),
 }
 _ALIASES = {"h100": "h100", "h200": "h200", "a100": "a100", "rtx3080": "rtx3080",
             "3080": "rtx3080", "rtx_3080": "rtx3080", "gh200": "h200"}

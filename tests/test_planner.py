@@ -281,3 +281,37 @@ def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
   data["version"] = "0.0.stale"
   path.write_text(json.dumps(data))
   assert not plan_region(r, "h100").from_cache
+
+
+# -- compute-term refinements (tile efficiency, SFU, streamed rescale) ----------
+
+def test_dot_efficiency_rewards_wide_tiles_and_wgmma_rows():
+  r = chain4(1024, 1024, 512, 512)
+  c = r.contractions[0]                       # c[m,n] = a[m,k] bb[k,n]
+  eff = lambda **t: cost_model.dot_efficiency(r, c, dict(dict(b=1, m=64, n=64, k=64, h=64), **t), H100)
+  assert eff(n=16) < eff(n=64) < eff(n=128)
+  assert eff(k=16) < eff(k=64)
+  assert eff(m=32) == pytest.approx(cost_model.NARROW_ROWS_EFFICIENCY * eff(m=64))
+  a100 = get_device("a100")                   # no wgmma: 16 rows are full rate
+  t = dict(b=1, m=16, n=64, k=64, h=64)
+  assert cost_model.dot_efficiency(r, c, t, a100) == pytest.approx(
+      cost_model.dot_efficiency(r, c, dict(t, m=64), a100))
+
+
+def test_attention_model_charges_narrow_key_tiles():
+  att = examples.attention(8, 16, 2048, 2048, 64)
+  grid = ("b", "g", "m")
+  def pred(n):
+    t = dict(b=1, g=1, m=128, n=n, d=64, e=64)
+    plan = search.make_plan(att, H100, search.Candidate(grid, "mnde", tuple(sorted(t.items()))),
+                            tiling.streamable_loops(att))
+    return plan.predicted
+  p16, p64 = pred(16), pred(64)
+  assert p16.bytes_moved == p64.bytes_moved and p16.flops == p64.flops
+  # Same traffic and FLOPs: the 16-wide key tile loses on tensor-core
+  # efficiency and on 4x the accumulator rescales.
+  assert p16.t_comp_s > 1.3 * p64.t_comp_s
+  # exp runs at the SFU rate: 8*16*2048*2048 exps alone take this long.
+  assert p64.t_comp_s > 8 * 16 * 2048 * 2048 / H100.sfu_ops
+  chosen = plan_region(att, H100, use_cache=False).plan
+  assert chosen.tile_map["n"] >= 64

@@ -11,6 +11,20 @@
   consumer-private loop such as ``h`` to program ids cost something),
 * ``alpha = (N_block + N_SM) / N_block``.
 
+Three refinements of ``t_comp`` that MCFuser's model lacks and that decided
+plans on Hopper (benchmarks/RESULTS.md, 2026-11-21: the plain model tied
+16-wide and 64-wide key tiles in attention and picked the 16-wide one, 2x
+slower than cuDNN):
+
+* a contraction runs at ``P x dot_efficiency``: below ``device.mma_rows``
+  rows ``tl.dot`` cannot use wgmma, and narrow column and reduction tiles
+  pay per-instruction operand traffic and per-step loop overhead
+  (``x / (x + 16)`` each);
+* transcendental ops (``exp``...) run at the SFU rate, not the FMA rate;
+* an accumulator fed through a streamed (online) softmax is rescaled once
+  per step of the streamed loop (the code generator's
+  ``acc *= exp(m_old - m_new)``), which narrow key tiles multiply.
+
 A split reduction (``Plan.split``) adds the second pass: partial results
 in fp32 written by the first kernel, read and reduced by the second, plus
 one kernel launch.
@@ -32,7 +46,53 @@ from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
 __all__ = ["predict", "num_programs", "choose_warps_stages", "accumulator_bytes",
-           "floor_time", "unfused_time"]
+           "floor_time", "unfused_time", "dot_efficiency"]
+
+# Elementwise functions that run on the special-function units.
+TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+                            "erf", "sin", "cos", "rsqrt", "sqrt", "pow"})
+# Tile width at which operand traffic / loop overhead halves tensor-core
+# throughput (see dot_efficiency).
+HALF_EFFICIENCY_TILE = 16
+# Throughput of tl.dot without wgmma (mma.sync) relative to wgmma on Hopper.
+NARROW_ROWS_EFFICIENCY = 0.6
+
+
+def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int],
+                   device: DeviceSpec) -> float:
+  """Fraction of the tensor-core peak one ``tl.dot`` reaches at these tiles.
+
+  rows: the lhs-only output loops; cols: the rhs-only output loops; red:
+  the contracted loops (batch loops, tile 1, drop out).
+  """
+  vm = region.value_map
+  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+  out = vm[op.out].loops
+  rows = math.prod(tiles[l] for l in out if l in lhs and l not in rhs)
+  cols = math.prod(tiles[l] for l in out if l in rhs and l not in lhs)
+  red = math.prod(tiles[l] for l in op.reduce)
+  eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY
+  h = HALF_EFFICIENCY_TILE
+  return eta * cols / (cols + h) * red / (red + h)
+
+
+def _rescaled_by_stream(region: ir.Region, op, streamable: frozenset) -> tuple[str, ...]:
+  """The streamed loops along which ``op``'s accumulator is rescaled: those
+  it reduces over and along which a max it depends on is taken."""
+  loops = [l for l in getattr(op, "reduce", ()) if l in streamable]
+  if not loops:
+    return ()
+  seen, stack, maxed = set(), list(op.inputs), set()
+  while stack:
+    v = stack.pop()
+    if v in seen or v in region.input_names:
+      continue
+    seen.add(v)
+    p = region.producer(v)
+    if isinstance(p, ir.Reduction) and p.kind == "max":
+      maxed.add(p.loop)
+    stack.extend(p.inputs)
+  return tuple(l for l in loops if l in maxed)
 
 
 def num_programs(region: ir.Region, tiles: Mapping[str, int], grid: Sequence[str],
@@ -68,8 +128,13 @@ def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
 
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
             grid: Sequence[str], device: DeviceSpec,
-            split: Optional[tuple[str, int]] = None) -> Prediction:
-  """The model's time for a placed plan (see the module docstring)."""
+            split: Optional[tuple[str, int]] = None,
+            streamable: Optional[frozenset] = None) -> Prediction:
+  """The model's time for a placed plan (see the module docstring).
+  ``streamable``: loops the code generator streams (default
+  ``tiling.streamable_loops(region)``)."""
+  if streamable is None:
+    streamable = tiling.streamable_loops(region)
   ext = region.loop_extents
   vm = region.value_map
 
@@ -84,6 +149,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   bytes_moved = sum(per_tensor.values())
   flops = 0
   vec = 0
+  sfu = 0
+  t_dot = 0.0
   peak = device.peak(region_dtype(region))
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind != "C":
@@ -102,10 +169,16 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
       work *= split[1]
     if isinstance(op, ir.Contraction):
       flops += 2 * work
+      t_dot += 2 * work / (peak * dot_efficiency(region, op, tiles, device))
+      for l in _rescaled_by_stream(region, op, streamable):
+        if l in around and trips(l) > 1:
+          vec += work // tiles[l]
+    elif isinstance(op, ir.Elementwise) and op.fn in TRANSCENDENTAL:
+      sfu += work
     else:
       vec += work
   t_mem = bytes_moved / device.mem_bandwidth_Bps
-  t_comp = flops / peak + vec / device.vector_flops
+  t_comp = t_dot + vec / device.vector_flops + sfu / device.sfu_ops
   extra = 0.0
   if split:
     out_elems = sum(math.prod(ext[l] for l in vm[b.value].loops) for b in region.outputs)

@@ -174,7 +174,8 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
                if isinstance(n, tiling.LoopNode) and n.loop == cand.split[0])
     if any(s.kind == "S" for s in tiling.TilingExpr(expr.body[:idx + 1]).statements()):
       raise tiling.PlacementError("split plans store outputs only after the split loop")
-  pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split)
+  pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split,
+                            streamable=streamable)
   warps, stages = cost_model.choose_warps_stages(region, tiles, device)
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)

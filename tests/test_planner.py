@@ -313,5 +313,5 @@ def test_attention_model_charges_narrow_key_tiles():
   assert p16.t_comp_s > 1.3 * p64.t_comp_s
   # exp runs at the SFU rate: 8*16*2048*2048 exps alone take this long.
   assert p64.t_comp_s > 8 * 16 * 2048 * 2048 / H100.sfu_ops
-  chosen = plan_region(att, H100, use_cache=False).plan
+  chosen = plan_region(att, H100, use_cache=False).best
   assert chosen.tile_map["n"] >= 64

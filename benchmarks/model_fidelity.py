@@ -241,9 +241,17 @@ def run_case(name: str, case: harness.Case, dtype: str, top: int, how: str,
   measured, details, method = measure_candidates(region, plans, how, budget_s, backend)
   row["measure_s"] = time.perf_counter() - t0
   row["method"] = method
+  def model_terms(p) -> dict:
+    pr = p.predicted
+    if pr is None:
+      return {}
+    # The model's terms and the plan's knobs, for calibrating the model offline.
+    return {"t_mem_s": pr.t_mem_s, "t_comp_s": pr.t_comp_s, "alpha": pr.alpha,
+            "programs": pr.programs, "tiles": dict(p.tiles), "grid": list(p.grid),
+            "num_warps": p.num_warps, "num_stages": p.num_stages}
   row["candidates"] = [
       {"rank": i, "plan": str(p), "predicted_s": predicted[i], "measured_s": measured[i],
-       **{k: v for k, v in details[i].items() if k != "plan"}}
+       **model_terms(p), **{k: v for k, v in details[i].items() if k != "plan"}}
       for i, p in enumerate(plans)]
   row["stats"] = fidelity_stats(predicted, measured)
   return row

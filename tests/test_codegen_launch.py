@@ -143,3 +143,16 @@ def test_slope_takes_fixed_costs_out(monkeypatch):
   assert res["executions"] == 19    # ceil(2 ms / 110 us)
   with pytest.raises(ValueError, match="lo, hi"):
     timing.slope(run, lambda out: None, lo=4, hi=4)
+
+
+def test_triton_cache_dir_is_made_writable(monkeypatch, tmp_path):
+  import os
+  from jaxfuse.config import config
+  monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+  with config.override(cache_dir=str(tmp_path / "jf")):
+    launch._ensure_triton_cache_dir()
+  assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "jf" / "triton")
+  assert os.path.isdir(os.environ["TRITON_CACHE_DIR"])
+  monkeypatch.setenv("TRITON_CACHE_DIR", "/user/choice")
+  launch._ensure_triton_cache_dir()
+  assert os.environ["TRITON_CACHE_DIR"] == "/user/choice"

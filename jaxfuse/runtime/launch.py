@@ -528,6 +528,26 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
   return measure
 
 
+def _ensure_triton_cache_dir() -> None:
+  """Launching through Triton's own runtime (unlike jax-triton) needs its
+  cache dir, which it failed to locate on the benchmark machines ("Could
+  not create or locate cache dir"): unless the user set one, use one under
+  jaxfuse's cache dir, else a temp dir."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  if os.environ.get("TRITON_CACHE_DIR"):
+    return
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  d = os.path.join(os.path.abspath(os.path.expanduser(config.cache_dir)), "triton")
+  try:
+    os.makedirs(d, exist_ok=True)
+    if not os.access(d, os.W_OK):
+      raise OSError(f"{d} is not writable")
+  except OSError:
+    d = tempfile.mkdtemp(prefix="jaxfuse-triton-")
+  os.environ["TRITON_CACHE_DIR"] = d
+
+
 def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:
   try:
     import torch  # pylint: disable=g-import-not-at-top
@@ -536,6 +556,7 @@ def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:
     cuda = False
   if cuda and k.combine_fn is None:
     import triton  # pylint: disable=g-import-not-at-top
+    _ensure_triton_cache_dir()
     ins = [_to_torch(x).cuda() for x in xs]
     vm = k.region.value_map
     outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device="cuda")

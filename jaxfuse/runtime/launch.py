@@ -568,8 +568,12 @@ def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:
     # compiled program (XLA command buffers) the per-launch host cost of
     # Triton's Python launcher (~5 us, measured 2026-11-21 on an H200,
     # which flattened every small plan to the same time) is not paid.
+    # A plan that cannot launch must fail here, outside graph capture: a
+    # failure under capture left the CUDA context unusable for every later
+    # plan (model_fidelity, 2026-11-21).
+    fn()
+    torch.cuda.synchronize()
     try:
-      fn()
       return float(triton.testing.do_bench_cudagraph(fn, rep=max(reps, 5))) * 1e-3
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: CUDA-graph timing failed (%s); timing launches", e)

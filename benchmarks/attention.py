@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
+from jaxfuse.planner import examples
 
 harness.define_flags(default_cases="all",
                      shapes_help="Extra cases 'BxHxMxNxD' (batch, heads, "
@@ -51,14 +52,12 @@ flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd"],
 
 FLAGS = flags.FLAGS
 
-# (heads, M, N, K, H, network), MCFuser Table III; batch 1.
-MCFUSER = {
-    "S1": (8, 512, 512, 64, 64, "Bert-Small"), "S2": (12, 512, 512, 64, 64, "Bert-Base"),
-    "S3": (16, 512, 512, 64, 64, "Bert-Large"), "S4": (12, 256, 256, 64, 64, "ViT-Base"),
-    "S5": (16, 256, 256, 64, 64, "ViT-Large"), "S6": (16, 256, 256, 80, 80, "ViT-Huge"),
-    "S7": (1, 512, 256, 64, 64, "MLP-Mixer"), "S8": (1, 768, 384, 64, 64, "MLP-Mixer"),
-    "S9": (1, 1024, 512, 64, 64, "MLP-Mixer"),
-}
+_MCFUSER_NETWORKS = {
+    "S1": "Bert-Small", "S2": "Bert-Base", "S3": "Bert-Large", "S4": "ViT-Base",
+    "S5": "ViT-Large", "S6": "ViT-Huge", "S7": "MLP-Mixer", "S8": "MLP-Mixer",
+    "S9": "MLP-Mixer"}
+# (heads, M, N, K, H, network), MCFuser Table III (from jaxfuse.planner.examples); batch 1.
+MCFUSER = {name: (*dims, _MCFUSER_NETWORKS[name]) for name, *dims in examples.MCFUSER_TABLE_III}
 
 # (batch, heads, T, d): the large cases.
 LARGE = {f"L-T{t}-d{d}": (8, 16, t, d) for t in (2048, 4096) for d in (64, 128)}

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
+from jaxfuse.planner import examples
 
 harness.define_flags(default_cases="tables",
                      shapes_help="Extra chains 'BxMxNxKxH' (MCFuser naming), "
@@ -41,25 +42,16 @@ flags.DEFINE_enum("epilogue", "none", ["none", "softmax", "relu", "gelu"],
 
 FLAGS = flags.FLAGS
 
+# The paper tables live once, in jaxfuse.planner.examples.
 # (batch, M, N, K, H), MCFuser Table II.
-MCFUSER = {
-    "G1": (1, 512, 256, 64, 64), "G2": (1, 512, 256, 64, 128),
-    "G3": (1, 512, 256, 64, 256), "G4": (1, 512, 512, 256, 256),
-    "G5": (1, 512, 512, 512, 256), "G6": (1, 512, 512, 1024, 256),
-    "G7": (1, 512, 512, 128, 128), "G8": (1, 1024, 512, 128, 128),
-    "G9": (1, 2048, 512, 128, 128), "G10": (1, 1024, 1024, 128, 128),
-    "G11": (4, 1024, 1024, 128, 128), "G12": (8, 1024, 1024, 128, 128),
-}
+MCFUSER = {name: tuple(dims) for name, *dims in examples.MCFUSER_TABLE_II}
 
+_CHIMERA_NETWORKS = {
+    "G1": "Bert-Small", "G2": "Bert-Base", "G3": "Bert-Large", "G4": "ViT-Base/14",
+    "G5": "ViT-Large/14", "G6": "ViT-Huge/14", "G7": "ViT-Base/16", "G8": "ViT-Large/16",
+    "G9": "ViT-Huge/16", "G10": "MLP-Mixer", "G11": "MLP-Mixer", "G12": "MLP-Mixer"}
 # (batch, M, N, K, L, network), Chimera Table IV in Chimera's naming.
-CHIMERA = {
-    "G1": (8, 512, 64, 64, 512, "Bert-Small"), "G2": (12, 512, 64, 64, 512, "Bert-Base"),
-    "G3": (16, 512, 64, 64, 512, "Bert-Large"), "G4": (12, 256, 64, 64, 256, "ViT-Base/14"),
-    "G5": (16, 256, 64, 64, 256, "ViT-Large/14"), "G6": (16, 256, 80, 80, 256, "ViT-Huge/14"),
-    "G7": (12, 208, 64, 64, 208, "ViT-Base/16"), "G8": (16, 208, 64, 64, 208, "ViT-Large/16"),
-    "G9": (16, 208, 80, 80, 208, "ViT-Huge/16"), "G10": (1, 512, 64, 64, 256, "MLP-Mixer"),
-    "G11": (1, 768, 64, 64, 384, "MLP-Mixer"), "G12": (1, 1024, 64, 64, 512, "MLP-Mixer"),
-}
+CHIMERA = {name: (*dims, _CHIMERA_NETWORKS[name]) for name, *dims in examples.CHIMERA_TABLE_IV}
 
 
 def _epilogue(name: str) -> Callable[[jax.Array], jax.Array]:

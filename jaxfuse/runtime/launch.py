@@ -242,12 +242,14 @@ def _register_ffi_lowering(jt) -> None:
   """Lowers jax-triton calls that name ``_FFI_SENTINEL`` to jaxlib's typed
   FFI target instead of jax-triton's legacy custom call.
 
-  Why: the legacy handler finds its kernel by hashing the whole serialized
-  call (PTX and Triton IR included) on every launch, and a legacy custom
-  call cannot be captured into XLA's command buffers; on an H200 that cost
-  4-9 us per call over the kernel time (benchmarks/RESULTS.md). The kernel,
-  its compilation and the serialized call are jax-triton's; only the
-  custom call's form changes. Other jax-triton users are unaffected.
+  Why: with the legacy call, per-call time exceeded kernel time by 4-9 us
+  on an H200 (benchmarks/RESULTS.md, first session) while XLA's own
+  kernels showed ~3 us; a legacy custom call cannot join XLA's command
+  buffers, a typed-FFI call can (independent fused calls then overlapped,
+  second session). An A/B of the two forms was inconclusive on per-call
+  time. The kernel, its compilation and the serialized call are
+  jax-triton's; only the custom call's form changes. Other jax-triton
+  users are unaffected.
   """
   global _ffi_lowering_registered
   with _lock:

@@ -2,8 +2,11 @@
 
 For MCFuser's Fig. 11 cases (GEMM chains G1-G4 of Table II) and attention
 S1-S3 (Table III), this captures the case's region, asks the planner for its
-ranked candidates (``jaxfuse.planner.plan_region(region, top=N)``, at least
-50 wanted), measures every candidate's kernel on the GPU, and reports:
+ranked candidates (``jaxfuse.planner.plan_region``), measures at least 50 of
+them on the GPU (``--sample``: by default the model's top 8 plus the rest
+spread evenly along the predicted ranking of every legal plan the search
+evaluated, as MCFuser's Fig. 11 does; ``--sample=top`` measures only the
+best N, which tests discrimination among near-ties), and reports:
 
 * Pearson and Spearman correlation between predicted and measured time
   (MCFuser reports 0.80-0.92; the target is Spearman >= 0.85);
@@ -17,7 +20,8 @@ fail their self-check score inf); ``profiler`` launches each plan through
 ``jaxfuse.runtime.launch.fused_call`` in ``jax.jit``, checks it against the
 IR evaluator and takes the profiler's kernel time; ``auto`` picks codegen's
 when it imports. Candidates that fail are reported and left out of the
-statistics.
+statistics. With several cases each runs in its own process (``--isolate``):
+a kernel fault poisons the CUDA context for the rest of a process.
 
 Without a GPU there is nothing to measure: the binary says so, does a tiny
 dry run (plans a small chain and runs a few candidates through Triton's
@@ -57,10 +61,20 @@ flags.DEFINE_enum("measure", "auto", ["auto", "codegen", "profiler"],
                   "How candidates are timed (see the module docstring).")
 flags.DEFINE_float("budget_s", 900.0, "Measuring budget per case (seconds) for "
                    "the code generator's measuring function.")
+flags.DEFINE_enum("sample", "spread", ["spread", "top"],
+                  "Which planned candidates are measured: 'top' = the model's best "
+                  "--candidates; 'spread' = the model's best 8 plus the rest taken "
+                  "evenly along the predicted ranking of every legal plan the search "
+                  "evaluated (MCFuser Fig. 11 plots scheduled candidates across the "
+                  "space, not only the best).")
+flags.DEFINE_bool("isolate", True, "On a GPU with several cases, measure each case in "
+                  "a fresh process (a kernel that faults leaves the CUDA context "
+                  "unusable for every later case in the same process).")
 
 FLAGS = flags.FLAGS
 
 MIN_CANDIDATES = 50
+HEAD = 8   # the model's top-n that MCFuser Alg. 1 measures; always in the sample
 
 
 # ---------------------------------------------------------------------------
@@ -127,6 +141,32 @@ def fidelity_stats(predicted: Sequence[float], measured: Sequence[float]) -> dic
                                     for x in measured]))
   del ok
   return out
+
+
+def sample_indices(n_ranked: int, n: int, how: str, head: int = HEAD) -> list[int]:
+  """Indices into a ranked list (best predicted first) of the candidates to
+  measure, ascending. ``top``: the first ``n``. ``spread``: the first
+  ``head`` and the rest evenly spaced over the remaining ranks, last included,
+  so the sample covers the model's whole range, not only its near-ties."""
+  if how not in ("top", "spread"):
+    raise ValueError(f"sample must be 'top' or 'spread', got {how!r}")
+  if n < 1:
+    raise ValueError(f"n must be >= 1, got {n}")
+  if n >= n_ranked or how == "top":
+    return list(range(min(n, n_ranked)))
+  head = min(head, n)
+  rest = n - head
+  if rest == 0:
+    return list(range(head))
+  picks = np.linspace(head, n_ranked - 1, rest)
+  out = list(range(head))
+  for x in picks:
+    i = int(round(x))
+    while i in out and i < n_ranked - 1:   # rounding collisions: next free rank
+      i += 1
+    if i not in out:
+      out.append(i)
+  return sorted(out)
 
 
 # ---------------------------------------------------------------------------
@@ -221,18 +261,22 @@ def measure_candidates(region, plans: Sequence[Any], how: str, budget_s: float,
 
 
 def run_case(name: str, case: harness.Case, dtype: str, top: int, how: str,
-             budget_s: float, backend: str = "triton") -> dict:
+             budget_s: float, backend: str = "triton", sample: str = "top") -> dict:
   api = harness.jaxfuse_api()
   row: dict[str, Any] = {"case": name, "params": case.params, "dtype": dtype}
   region = capture_region(case, dtype)
   row["region"] = region.einsum_summary()
   row["loops"] = region.loop_extents
   t0 = time.perf_counter()
-  res = api.plan_region(region, top=top, use_cache=False)
+  res = api.plan_region(region, top=top if sample == "top" else 10**9, use_cache=False)
   row["plan_time_s"] = float(getattr(res, "plan_time_s", time.perf_counter() - t0))
   row["space"] = {str(k): (v if isinstance(v, (int, float, str)) else str(v))
                   for k, v in dict(getattr(res, "space", {}) or {}).items()}
-  plans = list(res.ranked)
+  ranked = list(res.ranked)
+  idx = sample_indices(len(ranked), top, sample) if ranked else []
+  plans = [ranked[i] for i in idx]
+  row["sample"] = sample
+  row["ranked_total"] = len(ranked)
   row["why_not"] = res.why_not
   if len(plans) < MIN_CANDIDATES:
     row["note"] = f"planner returned {len(plans)} < {MIN_CANDIDATES} candidates"
@@ -250,7 +294,7 @@ def run_case(name: str, case: harness.Case, dtype: str, top: int, how: str,
             "programs": pr.programs, "tiles": dict(p.tiles), "grid": list(p.grid),
             "num_warps": p.num_warps, "num_stages": p.num_stages}
   row["candidates"] = [
-      {"rank": i, "plan": str(p), "predicted_s": predicted[i], "measured_s": measured[i],
+      {"rank": idx[i], "plan": str(p), "predicted_s": predicted[i], "measured_s": measured[i],
        **model_terms(p), **{k: v for k, v in details[i].items() if k != "plan"}}
       for i, p in enumerate(plans)]
   row["stats"] = fidelity_stats(predicted, measured)
@@ -367,6 +411,35 @@ def dry_run(prefix: str) -> int:
   return 0
 
 
+def _child_argv(case: str, prefix: str) -> list[str]:
+  """This binary's own flags for one case, writing under ``prefix``."""
+  drop = ("--cases", "--out", "--plot", "--noplot", "--isolate", "--noisolate")
+  keep = [a for a in sys.argv[1:] if not a.split("=")[0] in drop]
+  return [sys.executable, os.path.abspath(__file__), *keep, f"--cases={case}",
+          f"--out={prefix}", "--noisolate"]
+
+
+def run_case_in_child(case: str, prefix: str) -> dict:
+  """``run_case`` in a fresh process; its row, or an error row."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  child = f"{prefix}.{case}"
+  try:
+    p = subprocess.run(_child_argv(case, child), capture_output=True, text=True,
+                       timeout=FLAGS.budget_s + 900)
+  except subprocess.TimeoutExpired:
+    return {"case": case, "error": "child process timed out", "stats": {}}
+  for line in p.stdout.splitlines():
+    if line.startswith("[model_fidelity]") and "summary" not in line and "wrote" not in line:
+      print("  " + line)
+  try:
+    with open(child + ".json") as f:
+      rows = json.load(f)["rows"]
+    return rows[0]
+  except (OSError, ValueError, KeyError, IndexError):
+    tail = (p.stderr or p.stdout or "")[-800:]
+    return {"case": case, "error": f"child exited {p.returncode}: {tail}", "stats": {}}
+
+
 def main(argv) -> int:
   del argv
   prefix = FLAGS.out or harness.default_out("model_fidelity", FLAGS.dtype)
@@ -380,15 +453,19 @@ def main(argv) -> int:
   names = harness.select(cases, FLAGS.cases)
   top = max(FLAGS.candidates, MIN_CANDIDATES)
   print(f"[model_fidelity] device {harness._device_kind()}, dtype {FLAGS.dtype}, "  # pylint: disable=protected-access
-        f"top={top} candidates per case")
+        f"{top} candidates per case, sample={FLAGS.sample}")
   rows = []
   for n in names:
     t0 = time.perf_counter()
-    try:
-      row = run_case(n, cases[n], FLAGS.dtype, top, FLAGS.measure, FLAGS.budget_s)
-    except Exception as e:
-      row = {"case": n, "error": f"{type(e).__name__}: {e}", "stats": {}}
-      traceback.print_exc()
+    if FLAGS.isolate and len(names) > 1:
+      row = run_case_in_child(n, prefix)
+    else:
+      try:
+        row = run_case(n, cases[n], FLAGS.dtype, top, FLAGS.measure, FLAGS.budget_s,
+                       sample=FLAGS.sample)
+      except Exception as e:
+        row = {"case": n, "error": f"{type(e).__name__}: {e}", "stats": {}}
+        traceback.print_exc()
     s = row.get("stats", {})
     print(f"[model_fidelity] {n}: {s.get('measured_ok', 0)}/{s.get('candidates', 0)} "
           f"measured, Spearman {_f(s.get('spearman'))}, regret "
@@ -412,7 +489,8 @@ def main(argv) -> int:
   meta = {"binary": "model_fidelity", "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "device": harness._device_kind(), "versions": harness.versions(),  # pylint: disable=protected-access
           "flags": {"dtype": FLAGS.dtype, "candidates": top, "measure": FLAGS.measure,
-                    "budget_s": FLAGS.budget_s}, "summary": summary}
+                    "budget_s": FLAGS.budget_s, "sample": FLAGS.sample,
+                    "isolate": FLAGS.isolate}, "summary": summary}
   files = write(prefix, meta, rows)
   if FLAGS.plot and rows:
     files.append(plot(prefix, rows))

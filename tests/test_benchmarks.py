@@ -171,3 +171,18 @@ def test_fidelity_stats():
   assert s["regret_top1"] == pytest.approx(2.0) and s["best_rank"] == 2
   s = mf.fidelity_stats([1.0, 2.0, 3.0], [math.inf, 2.0, 4.0])
   assert s["top1_failed"] and s["regret_top1"] == pytest.approx(0.0)
+
+
+def test_fidelity_sample_indices():
+  from benchmarks import model_fidelity as mf
+  assert mf.sample_indices(100, 10, "top") == list(range(10))
+  s = mf.sample_indices(1000, 64, "spread")
+  assert len(s) == 64 and s == sorted(set(s))
+  assert s[:8] == list(range(8)) and s[-1] == 999      # model's top-n and the worst
+  gaps = np.diff(s[8:])
+  assert gaps.min() >= 17 and gaps.max() <= 19           # 991 ranks / 55 picks
+  assert mf.sample_indices(30, 64, "spread") == list(range(30))
+  s = mf.sample_indices(12, 11, "spread")                # rounding collisions resolved
+  assert len(s) == 11 and len(set(s)) == 11 and max(s) < 12
+  with pytest.raises(ValueError, match="sample"):
+    mf.sample_indices(10, 5, "best")

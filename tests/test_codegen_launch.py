@@ -140,7 +140,7 @@ def test_slope_takes_fixed_costs_out(monkeypatch):
   res = timing.slope(run, lambda out: None, lo=4, hi=16, reps=3)
   assert res["per_call_s"] == pytest.approx(5e-6)
   assert res["naive_per_call_s"] == pytest.approx((30e-6 + 20e-6) / 4)
-  assert res["executions"] == 19    # ceil(2 ms / 110 us)
+  assert res["executions"] == 91    # ceil(10 ms / 110 us)
   with pytest.raises(ValueError, match="lo, hi"):
     timing.slope(run, lambda out: None, lo=4, hi=4)
 

@@ -257,6 +257,29 @@ def test_measure_callback_reorders():
   assert all(seen >= p.predicted.programs for p in res.ranked[:2])
 
 
+def test_measured_search_tries_launch_knobs_on_the_best_plan():
+  r = examples.gemm_chain(1, 512, 256, 64, 128)
+  batches = []
+
+  def measure(plans):
+    batches.append(list(plans))
+    # launch knobs matter: (4 warps, 4 stages) is not among the model's
+    # defaults and is made the fastest; otherwise more programs is faster
+    return [(0.5 if (p.num_warps, p.num_stages) == (8, 4) else 1.0) / p.predicted.programs
+            for p in plans]
+  res = plan_region(r, "h100", measure=measure, use_cache=False)
+  knobs = batches[-1]
+  assert {(p.num_warps, p.num_stages) for p in knobs} <= set(search.LAUNCH_KNOBS)
+  assert len({(str(p.expr), p.tiles, p.grid) for p in knobs}) == 1   # one plan, other knobs
+  assert (res.best.num_warps, res.best.num_stages) == (8, 4)
+  assert (str(res.best.expr), res.best.tiles) == (str(knobs[0].expr), knobs[0].tiles)
+  # the model-only search never sees the knob variants
+  model = plan_region(r, "h100", use_cache=False)
+  assert all((p.num_warps, p.num_stages) ==
+             cost_model.choose_warps_stages(r, p.tile_map, get_device("h100"), p.expr)
+             for p in model.ranked)
+
+
 # -- cache ----------------------------------------------------------------------
 
 def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
@@ -315,3 +338,39 @@ def test_attention_model_charges_narrow_key_tiles():
   assert p64.t_comp_s > 8 * 16 * 2048 * 2048 / H100.sfu_ops
   chosen = plan_region(att, H100, use_cache=False).best
   assert chosen.tile_map["n"] >= 64
+
+
+# -- launch resources --------------------------------------------------------------
+
+def test_pipelined_smem_matches_triton_on_mcfuser_g5():
+  # Triton 3.6 asked for 360,448 B for this plan at 2 stages on an H200:
+  # a (outside the loop) once, b and d (inside n) twice.
+  r = examples.gemm_chain(1, 512, 512, 512, 256)
+  tiles = {"b": 1, "m": 64, "n": 128, "k": 512, "h": 64}
+  expr = tiling.place(r, "mhnk", tiles, ("b", "m", "h"))
+  assert [s.value for s, enc in tiling.statement_contexts(expr) if s.kind == "L" and not enc] == ["a"]
+  assert pruning.pipelined_smem_bytes(r, expr, tiles, 2) == 360448
+  assert pruning.pipelined_smem_bytes(r, expr, tiles, 1) == 360448 - (128 * 512 + 128 * 64) * 2
+  dev = get_device("h200")
+  # 2 stages do not fit: the planner picks 1 (and says why it cannot do more)
+  assert cost_model.choose_warps_stages(r, tiles, dev, expr)[1] == 1
+
+
+def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
+  dev = get_device("h200")
+  r = examples.attention(1, 8, 512, 512, 64)
+  narrow = {"b": 1, "g": 1, "m": 64, "n": 256, "d": 64, "e": 64}
+  wide = dict(narrow, m=128, n=128)
+  assert cost_model.choose_warps_stages(r, narrow, dev)[0] == 4     # 64 rows: one warpgroup
+  assert cost_model.choose_warps_stages(r, wide, dev)[0] == 8
+  # 64x256 scores + 64x64 output in fp32 = 80 KB > 4 warps x 128 regs x 128 threads
+  assert cost_model.accumulator_bytes(r, narrow) == 80 * 1024
+  assert cost_model.register_budget_bytes(4) == 64 * 1024
+  sp = search.build_space(r, dev)
+  sk = next(s for g in sp.grids for s in sp.skeletons[g] if "n(" in str(
+      tiling.place(r, s, narrow, g, streamable=sp.streamable)))
+  g = next(g for g in sp.grids if sk in sp.skeletons[g])
+  with pytest.raises(tiling.PlacementError, match="register budget of 4 warps"):
+    search.make_plan(r, dev, search.Candidate(g, str(sk), tuple(narrow.items())), sp.streamable)
+  best = plan_region(r, dev, use_cache=False).best
+  assert best.num_warps == 4 or best.tile("m") >= 128

@@ -46,6 +46,7 @@ from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
 __all__ = ["predict", "num_programs", "choose_warps_stages", "accumulator_bytes",
+           "register_budget_bytes",
            "floor_time", "unfused_time", "dot_efficiency"]
 
 # Elementwise functions that run on the special-function units.
@@ -113,17 +114,52 @@ def accumulator_bytes(region: ir.Region, tiles: Mapping[str, int]) -> int:
              for op in region.contractions)
 
 
-def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
-                        device: DeviceSpec) -> tuple[int, int]:
-  """num_warps 8 for dot tiles of 128x128 or more, else 4; num_stages 3
-  when the shared-memory estimate leaves room for a third buffer, else 2."""
+# fp32 accumulator registers one thread may hold (of 255) before the
+# kernel spills; the rest hold operands, the softmax tile and addresses.
+ACC_REGS_PER_THREAD = 128
+
+
+def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
+  """Rows of ``op``'s output tile: its lhs-only output loops."""
   vm = region.value_map
-  area = max([math.prod(tiles[l] for l in vm[op.out].loops) for op in region.contractions]
-             or [0])
-  warps = 8 if area >= 128 * 128 else 4
-  smem = pruning.smem_estimate(region, tiles)
-  stages = 3 if 1.5 * smem <= device.smem_per_block_bytes else 2
-  return warps, stages
+  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+  return math.prod(tiles[l] for l in vm[op.out].loops if l in lhs and l not in rhs)
+
+
+def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
+                        device: DeviceSpec,
+                        expr: Optional[tiling.TilingExpr] = None) -> tuple[int, int]:
+  """num_warps 8 for dot tiles of 128x128 or more with at least 128 rows,
+  else 4; num_stages the largest of 3, 2, 1 whose pipelined buffers
+  (``pruning.pipelined_smem_bytes`` of the placed ``expr``) fit in shared
+  memory (without ``expr``: 3 when eq. (1)'s estimate leaves room for a
+  third buffer, else 2).
+
+  Why 128 rows: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so
+  8 warps on a 64-row tile split the columns instead and exchange row
+  maxima and sums through shared memory. On an H200 (2026-11-21,
+  benchmarks.model_fidelity) every 64-row plan with 8 warps measured
+  slower than the same rows with 4 warps: 8.3 vs 6.2 us on attention S1,
+  3.1 vs 2.8 us on GEMM chain G3.
+  """
+  vm = region.value_map
+  ops = region.contractions
+  area = max([math.prod(tiles[l] for l in vm[op.out].loops) for op in ops] or [0])
+  rows = min([_rows(region, op, tiles) for op in ops] or [0])
+  warps = 8 if area >= 128 * 128 and rows >= 128 else 4
+  if expr is None:
+    smem = pruning.smem_estimate(region, tiles)
+    return warps, (3 if 1.5 * smem <= device.smem_per_block_bytes else 2)
+  for stages in (3, 2, 1):
+    if pruning.pipelined_smem_bytes(region, expr, tiles, stages) <= device.smem_per_block_bytes:
+      return warps, stages
+  return warps, 1
+
+
+def register_budget_bytes(num_warps: int) -> int:
+  """Bytes of fp32 accumulators a program of ``num_warps`` warps holds in
+  registers without spilling."""
+  return num_warps * 32 * ACC_REGS_PER_THREAD * 4
 
 
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],

@@ -291,6 +291,24 @@ def smem_estimate(region: ir.Region, tiles: Mapping[str, int]) -> int:
   return total
 
 
+def pipelined_smem_bytes(region: ir.Region, expr: "tiling.TilingExpr",
+                         tiles: Mapping[str, int], num_stages: int) -> int:
+  """Shared memory Triton's software pipeliner allocates for a placed plan:
+  each load inside a loop gets ``num_stages`` buffers of its tile, a load
+  outside every loop one. Matched Triton 3.6's request exactly on an H200
+  (MCFuser G5 with tiles m=64, n=128, k=512: 360,448 B at 2 stages), where
+  eq. (1) said 208 KB. Used to choose ``num_stages``, not for Rule 4."""
+  vm = region.value_map
+  total = 0
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind != "L":
+      continue
+    val = vm[st.value]
+    size = math.prod(tiles[l] for l in val.loops) * ir.dtype_itemsize(val.dtype)
+    total += size * (num_stages if enclosing else 1)
+  return total
+
+
 def rule4_ok(region: ir.Region, tiles: Mapping[str, int], smem_per_block: int) -> bool:
   return smem_estimate(region, tiles) <= SMEM_SLACK * smem_per_block
 

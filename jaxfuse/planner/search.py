@@ -20,7 +20,8 @@ seed per skeleton), ranked by the model; the top n measured when a
 ``measure`` callback is given; stop when the best improves by less than
 ``eps`` (relative); the next population by sampling weighted by 1/estimate
 and mutating one loop's tile (or the grid/split/skeleton). Deterministic
-for a given seed.
+for a given seed. With measurement, the best measured plan is finally
+measured with other ``num_warps``/``num_stages`` (``LAUNCH_KNOBS``).
 
 Example::
 
@@ -45,11 +46,6 @@ from jaxfuse.planner.plan import Plan
 
 __all__ = ["Candidate", "Space", "SearchResult", "build_space", "search",
            "splittable_loops", "make_plan"]
-
-# Accumulators above this many bytes of fp32 registers per program spill
-# (half of an SM's 64K-register file).
-MAX_ACC_BYTES = 128 * 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -156,10 +152,12 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
     raise tiling.PlacementError(
         f"shared memory estimate {pruning.smem_estimate(region, tiles)} B exceeds "
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
-  if cost_model.accumulator_bytes(region, tiles) > MAX_ACC_BYTES:
+  warps, _ = cost_model.choose_warps_stages(region, tiles, device)
+  acc = cost_model.accumulator_bytes(region, tiles)
+  if acc > cost_model.register_budget_bytes(warps):
     raise tiling.PlacementError(
-        f"fp32 accumulators of {cost_model.accumulator_bytes(region, tiles)} B "
-        "exceed the register budget")
+        f"fp32 accumulators of {acc} B exceed the register budget of {warps} warps "
+        f"({cost_model.register_budget_bytes(warps)} B)")
   if cand.split:
     l, parts = cand.split
     if math.ceil(region.extent(l) / tiles[l]) < parts:
@@ -176,7 +174,11 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
       raise tiling.PlacementError("split plans store outputs only after the split loop")
   pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split,
                             streamable=streamable)
-  warps, stages = cost_model.choose_warps_stages(region, tiles, device)
+  warps, stages = cost_model.choose_warps_stages(region, tiles, device, expr)
+  if pruning.pipelined_smem_bytes(region, expr, tiles, stages) > device.smem_per_block_bytes:
+    raise tiling.PlacementError(
+        f"shared memory of {pruning.pipelined_smem_bytes(region, expr, tiles, 1)} B with "
+        f"one pipeline stage exceeds {device.smem_per_block_bytes} B (Rule 4)")
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
 
@@ -324,18 +326,42 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     pop = [_mutate(space, c, rng) for c in parents] + [c for c, _ in uniq[:top_n]]
 
   # Rank every valid plan seen: measured ones first by measurement.
-  allv = [(c, p) for c, p in memo.items() if p is not None]
+  entries = [(measured.get(c), p) for c, p in memo.items() if p is not None]
+  if measure is not None:
+    entries += _measure_launch_knobs(entries, measure)
 
-  def key(cp):
-    c, p = cp
-    m = measured.get(c)
-    return (0 if m is not None and math.isfinite(m) else 1,
-            m if m is not None and math.isfinite(m) else p.predicted.time_s, str(p))
-  allv.sort(key=key)
+  def key(e):
+    m, p = e
+    fin = m is not None and math.isfinite(m)
+    return (0 if fin else 1, m if fin else p.predicted.time_s, str(p))
+  entries.sort(key=key)
   ranked, seen = [], set()
-  for c, p in allv:
-    k = (str(p.expr), p.grid, p.tiles, p.split)
+  for _, p in entries:
+    k = (str(p.expr), p.grid, p.tiles, p.split, p.num_warps, p.num_stages)
     if k not in seen:
       seen.add(k)
       ranked.append(p)
   return SearchResult(ranked, len(memo), it, rejected, space.counts)
+
+
+# (num_warps, num_stages) tried on the best measured plan. The model does
+# not price them (MCFuser's does not either); cost_model.choose_warps_stages
+# picks the model-only default.
+LAUNCH_KNOBS = ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4))
+
+
+def _measure_launch_knobs(entries, measure) -> list[tuple[float, Plan]]:
+  """The best measured plan again with the other ``LAUNCH_KNOBS``."""
+  done = [(m, p) for m, p in entries if m is not None and math.isfinite(m)]
+  if not done:
+    return []
+  _, best = min(done, key=lambda e: (e[0], str(e[1])))
+  variants = [dataclasses.replace(best, num_warps=w, num_stages=st) for w, st in LAUNCH_KNOBS
+              if (w, st) != (best.num_warps, best.num_stages)]
+  try:
+    times = list(measure(variants))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse planner: measuring launch knobs failed (%s)", e)
+    return []
+  return [(float(t), v) for v, t in zip(variants, times)
+          if t is not None and math.isfinite(t)]

@@ -11,6 +11,9 @@ times that varied by 2x between identical runs on an H200.
 Used by the measured keep-or-drop decision in ``jaxfuse.runtime.launch``
 and by every benchmark binary (``benchmarks.harness``).
 
+``graph_time`` times one kernel launch replayed from a CUDA graph (torch):
+the measured step of the planner's search (``launch.measure_plans``).
+
 Example::
 
     f = {n: jax.jit(lambda s, n=n: [g(*a) for a in s[:n]]) for n in (4, 16)}
@@ -25,11 +28,11 @@ import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["slope"]
+__all__ = ["slope", "graph_time"]
 
 
 def slope(run: Callable[[int], Any], block: Callable[[Any], None], *, lo: int, hi: int,
-          reps: int = 7, min_window_s: float = 2e-3, max_executions: int = 64) -> dict:
+          reps: int = 7, min_window_s: float = 10e-3, max_executions: int = 256) -> dict:
   """Per-call seconds of ``run(n)``, a program making ``n`` calls.
 
   ``run(n)`` dispatches the program and returns its outputs without
@@ -67,3 +70,51 @@ def slope(run: Callable[[int], Any], block: Callable[[Any], None], *, lo: int, h
   spread = (max(slopes) - min(slopes)) / abs(med) if med and len(slopes) > 1 else 0.0
   return {"per_call_s": med, "per_call_min_s": min(slopes), "per_call_spread": spread,
           "naive_per_call_s": statistics.median(naive), "executions": executions}
+
+
+def graph_time(fn: Callable[[], None], *, window_s: float = 1e-3, reps: int = 5,
+               max_launches: int = 1000) -> float:
+  """Seconds per call of ``fn`` (a launch on torch's current CUDA stream),
+  replayed from a CUDA graph of ``n`` back-to-back launches so that host
+  launch cost is not in the time; ``n`` makes one replay last about
+  ``window_s``; the median of ``reps`` replays timed by CUDA events.
+
+  Why not ``triton.testing.do_bench_cudagraph``: it captures ~20 ms of
+  launches (6,600 for a 3 us kernel), ~0.3 s per candidate, which alone
+  overran the 4 s tuning budget with 8 candidates (H200, 2026-11-21).
+  Call ``fn`` once and synchronize before: a launch that fails under
+  capture leaves the CUDA context unusable.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  if reps < 1:
+    raise ValueError(f"reps must be >= 1, got {reps}")
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  start = torch.cuda.Event(enable_timing=True)
+  end = torch.cuda.Event(enable_timing=True)
+
+  def timed(graph: "torch.cuda.CUDAGraph") -> float:
+    start.record(stream)
+    graph.replay()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+  def capture(n: int) -> "torch.cuda.CUDAGraph":
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+      for _ in range(n):
+        fn()
+    g.replay()
+    stream.synchronize()
+    return g
+
+  with torch.cuda.stream(stream):
+    fn()
+    stream.synchronize()
+    probe = 4
+    est = timed(capture(probe)) / probe
+    n = int(min(max_launches, max(probe, math.ceil(window_s / max(est, 1e-8)))))
+    g = capture(n)
+    times = [timed(g) for _ in range(reps)]
+  return statistics.median(times) / n

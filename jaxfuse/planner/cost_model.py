@@ -114,6 +114,10 @@ def accumulator_bytes(region: ir.Region, tiles: Mapping[str, int]) -> int:
              for op in region.contractions)
 
 
+# Plans whose pipelined buffers do not fit at 2 stages are rejected: the
+# one 1-stage plan measured (MCFuser G5, tiles m=64 n=128 k=512, Triton
+# 3.6, H200, 2026-11-21) compiled but failed the self-check (error 0.98).
+MIN_STAGES = 2
 # fp32 accumulator registers one thread may hold (of 255) before the
 # kernel spills; the rest hold operands, the softmax tile and addresses.
 ACC_REGS_PER_THREAD = 128
@@ -130,7 +134,7 @@ def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
                         device: DeviceSpec,
                         expr: Optional[tiling.TilingExpr] = None) -> tuple[int, int]:
   """num_warps 8 for dot tiles of 128x128 or more with at least 128 rows,
-  else 4; num_stages the largest of 3, 2, 1 whose pipelined buffers
+  else 4; num_stages the larger of 3 and 2 whose pipelined buffers
   (``pruning.pipelined_smem_bytes`` of the placed ``expr``) fit in shared
   memory (without ``expr``: 3 when eq. (1)'s estimate leaves room for a
   third buffer, else 2).
@@ -150,10 +154,10 @@ def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
   if expr is None:
     smem = pruning.smem_estimate(region, tiles)
     return warps, (3 if 1.5 * smem <= device.smem_per_block_bytes else 2)
-  for stages in (3, 2, 1):
+  for stages in (3, 2):
     if pruning.pipelined_smem_bytes(region, expr, tiles, stages) <= device.smem_per_block_bytes:
       return warps, stages
-  return warps, 1
+  return warps, MIN_STAGES
 
 
 def register_budget_bytes(num_warps: int) -> int:

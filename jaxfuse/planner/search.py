@@ -177,8 +177,8 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   warps, stages = cost_model.choose_warps_stages(region, tiles, device, expr)
   if pruning.pipelined_smem_bytes(region, expr, tiles, stages) > device.smem_per_block_bytes:
     raise tiling.PlacementError(
-        f"shared memory of {pruning.pipelined_smem_bytes(region, expr, tiles, 1)} B with "
-        f"one pipeline stage exceeds {device.smem_per_block_bytes} B (Rule 4)")
+        f"shared memory of {pruning.pipelined_smem_bytes(region, expr, tiles, stages)} B at "
+        f"{stages} pipeline stages exceeds {device.smem_per_block_bytes} B (Rule 4)")
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
 

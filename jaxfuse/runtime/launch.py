@@ -322,9 +322,16 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[np.ndarray]:
   size, NumPy's float64 evaluator would take seconds per candidate."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import reference  # pylint: disable=g-import-not-at-top
-  fn = jax.jit(lambda *a: reference.evaluate(region, a))
+  args = [jax.device_put(x) for x in xs]
   with jax.ensure_compile_time_eval():
-    outs = jax.block_until_ready(fn(*[jax.device_put(x) for x in xs]))
+    lowered = jax.jit(lambda *a: reference.evaluate(region, a)).lower(*args)
+    try:
+      # GEMM autotuning took most of the 2-8 s this compile cost per region
+      # on an H200 (2026-11-21); the reference needs no fast GEMMs.
+      compiled = lowered.compile(compiler_options={"xla_gpu_autotune_level": 0})
+    except Exception:  # pylint: disable=broad-except  (option unknown to this XLA)
+      compiled = lowered.compile()
+    outs = jax.block_until_ready(compiled(*args))
   return [np.asarray(o) for o in outs]
 
 

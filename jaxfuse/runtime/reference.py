@@ -57,13 +57,16 @@ def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
     present = [l for l in v.loops if l in buf.loops]
     # offset = sum(stride * index): a gather over the flat array, so any
     # stride map (transposes, split or merged dims) reads the right elements.
-    off = np.full([ext[l] for l in present], buf.offset, dtype=np.int64)
+    # Built from iotas inside the program: a NumPy index array would be
+    # embedded as a constant as large as the input (64 MB for attention at
+    # 8x16x2048x64), which made the compile take seconds.
+    off = jnp.full([ext[l] for l in present], buf.offset, dtype=jnp.int32)
     for i, l in enumerate(present):
       shape = [1] * len(present)
       shape[i] = ext[l]
-      off = off + buf.stride(l) * np.arange(ext[l]).reshape(shape)
+      off = off + buf.stride(l) * jnp.arange(ext[l], dtype=jnp.int32).reshape(shape)
     flat = jnp.ravel(arr)
-    view = jnp.take(flat, jnp.asarray(off.astype(np.int32)))
+    view = jnp.take(flat, off)
     full = jnp.broadcast_to(_align(view, present, v.loops), [ext[l] for l in v.loops])
     env[v.name] = full.astype(_work_dtype(v.dtype))
   for op in region.ops:

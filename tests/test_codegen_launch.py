@@ -156,3 +156,19 @@ def test_triton_cache_dir_is_made_writable(monkeypatch, tmp_path):
   monkeypatch.setenv("TRITON_CACHE_DIR", "/user/choice")
   launch._ensure_triton_cache_dir()
   assert os.environ["TRITON_CACHE_DIR"] == "/user/choice"
+
+
+def test_device_reference_runs_eagerly_inside_a_trace():
+  # The self-check computes the reference while jaxfuse.jit traces the
+  # user's function: it must not be staged into that trace.
+  import jax
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  xs = launch.random_inputs(r, 7)
+  seen = []
+
+  def f(x):
+    seen.append(launch._reference_on_gpu(r, xs))
+    return x * 2
+  assert float(jax.jit(f)(1.0)) == 2.0
+  assert launch.compare(r, seen[0], ir.evaluate(r, xs)) <= launch.tolerance(r)

@@ -322,8 +322,10 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[np.ndarray]:
   size, NumPy's float64 evaluator would take seconds per candidate."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import reference  # pylint: disable=g-import-not-at-top
-  args = [jax.device_put(x) for x in xs]
+  # Called while a region is being traced or lowered: make the inputs and
+  # run eagerly on concrete arrays, not staged into the caller's trace.
   with jax.ensure_compile_time_eval():
+    args = [jax.device_put(x) for x in xs]
     lowered = jax.jit(lambda *a: reference.evaluate(region, a)).lower(*args)
     try:
       # GEMM autotuning took most of the 2-8 s this compile cost per region

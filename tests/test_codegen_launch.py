@@ -172,3 +172,23 @@ def test_device_reference_runs_eagerly_inside_a_trace():
     return x * 2
   assert float(jax.jit(f)(1.0)) == 2.0
   assert launch.compare(r, seen[0], ir.evaluate(r, xs)) <= launch.tolerance(r)
+
+
+def test_keep_or_drop_against_xla(monkeypatch):
+  from jaxfuse.codegen import CodegenError
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    region = r
+  for fused, xla, kept in ((2e-6, 5e-6, True), (5.1e-6, 5e-6, True), (6e-6, 5e-6, False),
+                           (2e-6, 0.0, True), (-1e-6, 5e-6, True)):
+    launch._xla_decisions.clear()
+    times = iter((fused, xla))
+    monkeypatch.setattr(launch, "_per_call_time", lambda fn, region: next(times))
+    if kept:
+      launch._keep_fused(K(), lambda *a: a)
+    else:
+      with pytest.raises(CodegenError, match="measured slower than XLA"):
+        launch._keep_fused(K(), lambda *a: a)
+  launch._xla_decisions.clear()

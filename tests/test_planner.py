@@ -276,7 +276,7 @@ def test_measured_search_tries_launch_knobs_on_the_best_plan():
   # the model-only search never sees the knob variants
   model = plan_region(r, "h100", use_cache=False)
   assert all((p.num_warps, p.num_stages) ==
-             cost_model.choose_warps_stages(r, p.tile_map, get_device("h100"), p.expr)
+             cost_model.choose_warps_stages(r, p.expr, p.tile_map, get_device("h100"))
              for p in model.ranked)
 
 
@@ -367,8 +367,8 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
   r = examples.attention(1, 8, 512, 512, 64)
   narrow = {"b": 1, "g": 1, "m": 64, "n": 256, "d": 64, "e": 64}
   wide = dict(narrow, m=128, n=128)
-  assert cost_model.choose_warps_stages(r, narrow, dev)[0] == 4     # 64 rows: one warpgroup
-  assert cost_model.choose_warps_stages(r, wide, dev)[0] == 8
+  assert cost_model.choose_warps(r, narrow) == 4     # 64 rows: one warpgroup
+  assert cost_model.choose_warps(r, wide) == 8
   # 64x256 scores + 64x64 output in fp32 = 80 KB > 4 warps x 128 regs x 128 threads
   assert cost_model.accumulator_bytes(r, narrow) == 80 * 1024
   assert cost_model.register_budget_bytes(4) == 64 * 1024

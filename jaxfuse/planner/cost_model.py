@@ -45,8 +45,8 @@ from jaxfuse.devices import DeviceSpec, region_dtype
 from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
-__all__ = ["predict", "num_programs", "choose_warps_stages", "accumulator_bytes",
-           "register_budget_bytes",
+__all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages",
+           "accumulator_bytes", "register_budget_bytes",
            "floor_time", "unfused_time", "dot_efficiency"]
 
 # Elementwise functions that run on the special-function units.
@@ -59,6 +59,13 @@ HALF_EFFICIENCY_TILE = 16
 NARROW_ROWS_EFFICIENCY = 0.6
 
 
+def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
+  """Rows of ``op``'s output tile: its lhs-only output loops."""
+  vm = region.value_map
+  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+  return math.prod(tiles[l] for l in vm[op.out].loops if l in lhs and l not in rhs)
+
+
 def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int],
                    device: DeviceSpec) -> float:
   """Fraction of the tensor-core peak one ``tl.dot`` reaches at these tiles.
@@ -69,7 +76,7 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   vm = region.value_map
   lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
   out = vm[op.out].loops
-  rows = math.prod(tiles[l] for l in out if l in lhs and l not in rhs)
+  rows = _rows(region, op, tiles)
   cols = math.prod(tiles[l] for l in out if l in rhs and l not in lhs)
   red = math.prod(tiles[l] for l in op.reduce)
   eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY
@@ -123,21 +130,9 @@ MIN_STAGES = 2
 ACC_REGS_PER_THREAD = 128
 
 
-def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
-  """Rows of ``op``'s output tile: its lhs-only output loops."""
-  vm = region.value_map
-  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  return math.prod(tiles[l] for l in vm[op.out].loops if l in lhs and l not in rhs)
-
-
-def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
-                        device: DeviceSpec,
-                        expr: Optional[tiling.TilingExpr] = None) -> tuple[int, int]:
-  """num_warps 8 for dot tiles of 128x128 or more with at least 128 rows,
-  else 4; num_stages the larger of 3 and 2 whose pipelined buffers
-  (``pruning.pipelined_smem_bytes`` of the placed ``expr``) fit in shared
-  memory (without ``expr``: 3 when eq. (1)'s estimate leaves room for a
-  third buffer, else 2).
+def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
+  """num_warps: 8 for dot tiles of 128x128 or more with at least 128 rows,
+  else 4.
 
   Why 128 rows: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so
   8 warps on a 64-row tile split the columns instead and exchange row
@@ -150,14 +145,19 @@ def choose_warps_stages(region: ir.Region, tiles: Mapping[str, int],
   ops = region.contractions
   area = max([math.prod(tiles[l] for l in vm[op.out].loops) for op in ops] or [0])
   rows = min([_rows(region, op, tiles) for op in ops] or [0])
-  warps = 8 if area >= 128 * 128 and rows >= 128 else 4
-  if expr is None:
-    smem = pruning.smem_estimate(region, tiles)
-    return warps, (3 if 1.5 * smem <= device.smem_per_block_bytes else 2)
+  return 8 if area >= 128 * 128 and rows >= 128 else 4
+
+
+def choose_warps_stages(region: ir.Region, expr: tiling.TilingExpr,
+                        tiles: Mapping[str, int], device: DeviceSpec) -> tuple[int, int]:
+  """(num_warps, num_stages) for a placed plan: ``choose_warps``, and the
+  larger of 3 and 2 stages whose pipelined buffers
+  (``pruning.pipelined_smem_bytes``) fit in shared memory (``MIN_STAGES``
+  when neither does; the planner then rejects the plan)."""
   for stages in (3, 2):
     if pruning.pipelined_smem_bytes(region, expr, tiles, stages) <= device.smem_per_block_bytes:
-      return warps, stages
-  return warps, MIN_STAGES
+      return choose_warps(region, tiles), stages
+  return choose_warps(region, tiles), MIN_STAGES
 
 
 def register_budget_bytes(num_warps: int) -> int:

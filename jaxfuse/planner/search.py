@@ -152,7 +152,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
     raise tiling.PlacementError(
         f"shared memory estimate {pruning.smem_estimate(region, tiles)} B exceeds "
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
-  warps, _ = cost_model.choose_warps_stages(region, tiles, device)
+  warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.accumulator_bytes(region, tiles)
   if acc > cost_model.register_budget_bytes(warps):
     raise tiling.PlacementError(
@@ -174,7 +174,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
       raise tiling.PlacementError("split plans store outputs only after the split loop")
   pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split,
                             streamable=streamable)
-  warps, stages = cost_model.choose_warps_stages(region, tiles, device, expr)
+  warps, stages = cost_model.choose_warps_stages(region, expr, tiles, device)
   if pruning.pipelined_smem_bytes(region, expr, tiles, stages) > device.smem_per_block_bytes:
     raise tiling.PlacementError(
         f"shared memory of {pruning.pipelined_smem_bytes(region, expr, tiles, stages)} B at "

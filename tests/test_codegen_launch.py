@@ -192,3 +192,14 @@ def test_keep_or_drop_against_xla(monkeypatch):
       with pytest.raises(CodegenError, match="measured slower than XLA"):
         launch._keep_fused(K(), lambda *a: a)
   launch._xla_decisions.clear()
+
+
+def test_device_reference_is_cached_per_region_and_seed():
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  a = launch._device_reference(r, 3)
+  assert launch._device_reference(r, 3) is a                 # same inputs: reused
+  assert launch.compare(r, a, ir.evaluate(r, launch.random_inputs(r, 3))) <= launch.tolerance(r)
+  b = launch._device_reference(r, 4)                          # other inputs: recomputed
+  assert b is not a
+  assert launch.compare(r, b, ir.evaluate(r, launch.random_inputs(r, 4))) <= launch.tolerance(r)

@@ -195,7 +195,7 @@ def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list]
   xs = random_inputs(kernel.region, seed)
   outs = runner(kernel, xs)
   if runner is _run_on_gpu:
-    refs = _reference_on_gpu(kernel.region, xs)
+    refs = _device_reference(kernel.region, seed, xs)
   else:
     refs = ir.evaluate(kernel.region, xs)
   err = compare(kernel.region, outs, refs)
@@ -529,11 +529,12 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
     budget_s = config.tune_budget_s
   t_end = time.perf_counter() + budget_s
   plans = list(plans)
-  xs = random_inputs(region, seed=7)
+  seed = 7
+  xs: Optional[list[np.ndarray]] = None   # made on first use by the slow path
   times: list[float] = [float("inf")] * len(plans)
   why: list[Optional[str]] = [None] * len(plans)
   t0 = time.perf_counter()
-  fast = _torch_measurer(region, xs) if _torch_cuda() else None
+  fast = _TorchMeasurer(region, seed) if _torch_cuda() else None
   if fast is not None:
     kernels = fast.prepare(plans, why, t_end)
   else:
@@ -550,6 +551,7 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
         times[i] = fast.check_and_time(kernels[i], reps)
       else:
         k = select_kernel(region, [p], backend="triton", check=True)
+        xs = fast.xs if fast is not None else xs or random_inputs(region, seed)
         times[i] = _time_kernel(k, xs, reps)
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: measuring %s failed: %s", p, e)
@@ -562,36 +564,42 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
   return times
 
 
-# The float32 reference of the region last measured: the search measures
-# one region in several batches (one per iteration) on the same inputs.
-_last_reference: dict[str, list[np.ndarray]] = {}
+# The float32 device reference last computed, keyed by region signature and
+# input seed: the search measures one region in several batches (one per
+# iteration), and the self-check of the chosen kernel checks it again.
+_last_reference: dict[tuple[str, int], list[np.ndarray]] = {}
 
 
-def _measure_reference(region: ir.Region, xs: list[np.ndarray]) -> list[np.ndarray]:
-  sig = region.signature()
+def _device_reference(region: ir.Region, seed: int,
+                      xs: Optional[list[np.ndarray]] = None) -> list[np.ndarray]:
+  """``_reference_on_gpu`` of ``random_inputs(region, seed)`` (pass them as
+  ``xs`` when already made), computed once per region and seed."""
+  key = (region.signature(), seed)
   with _lock:
-    hit = _last_reference.get(sig)
+    hit = _last_reference.get(key)
   if hit is None:
-    hit = _reference_on_gpu(region, xs)
+    hit = _reference_on_gpu(region, random_inputs(region, seed) if xs is None else xs)
     with _lock:
-      _last_reference.clear()   # one region's outputs at a time: they can be large
-      _last_reference[sig] = hit
+      _last_reference.clear()   # one reference at a time: outputs can be large
+      _last_reference[key] = hit
   return hit
 
 
-class _torch_measurer:  # pylint: disable=invalid-name
+class _TorchMeasurer:
   """Compiles, checks and times a batch of plans' kernels through Triton's
   own launcher on torch CUDA tensors (no XLA compile per candidate)."""
 
-  def __init__(self, region: ir.Region, xs: list[np.ndarray]):
+  def __init__(self, region: ir.Region, seed: int):
     import torch  # pylint: disable=g-import-not-at-top
     _ensure_triton_cache_dir()
     self.region = region
+    self.seed = seed
+    xs = random_inputs(region, seed)
     self.ins = [_to_torch(x).cuda() for x in xs]
     vm = region.value_map
     self.outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device="cuda")
                  for b in region.outputs]
-    self._xs = xs
+    self.xs = xs
     self._refs: Optional[list[np.ndarray]] = None
     self.ref_s = 0.0
 
@@ -667,7 +675,7 @@ class _torch_measurer:  # pylint: disable=invalid-name
     if not checked:
       if self._refs is None:
         t0 = time.perf_counter()
-        self._refs = _measure_reference(self.region, self._xs)
+        self._refs = _device_reference(self.region, self.seed, self.xs)
         self.ref_s = time.perf_counter() - t0
       vm = self.region.value_map
       got = [_from_torch(o.cpu(), vm[b.value].dtype) for o, b in zip(self.outs, self.region.outputs)]

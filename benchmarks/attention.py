@@ -109,18 +109,6 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
 
-def parse_shapes(spec: str) -> list[tuple[tuple[int, ...], bool]]:
-  out = []
-  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
-    t = tok.lower()
-    causal = t.endswith("c")
-    parts = t.rstrip("c").split("x")
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-      raise ValueError(f"--shapes: {tok!r} is not BxHxMxNxD[c] with positive ints")
-    out.append((tuple(int(p) for p in parts), causal))
-  return out
-
-
 def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
@@ -138,7 +126,8 @@ def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
                     group="large" + (" causal" if causal else ""), dtype=dtype)
       cases[c.name] = c
       groups["large" + sfx].append(c.name)
-  for (b, h, m, n, d), causal in parse_shapes(shapes):
+  for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
+    causal = sfx == "c"
     c = make_case(f"B{b}-H{h}-M{m}-N{n}-D{d}" + ("-causal" if causal else ""),
                   b, h, m, n, d, d, causal=causal, layout=layout, group="custom",
                   dtype=dtype)

@@ -96,16 +96,6 @@ def make_case(name: str, batch: int, m: int, n: int, k: int, h: int, *,
                       group=group)
 
 
-def parse_shapes(spec: str) -> list[tuple[int, ...]]:
-  out = []
-  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
-    parts = tok.lower().split("x")
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-      raise ValueError(f"--shapes: {tok!r} is not BxMxNxKxH with positive ints")
-    out.append(tuple(int(p) for p in parts))
-  return out
-
-
 def all_cases(epilogue: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
   cases, groups = {}, {"mcfuser": [], "chimera": [], "tables": [], "shapes": []}
   for g, (b, m, n, k, h) in MCFUSER.items():
@@ -121,7 +111,7 @@ def all_cases(epilogue: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
     cases[f"CH-{g}"] = c
     groups["chimera"].append(f"CH-{g}")
   groups["tables"] = groups["mcfuser"] + groups["chimera"]
-  for (b, m, n, k, h) in parse_shapes(shapes):
+  for (b, m, n, k, h) in (d for d, _ in harness.parse_shapes(shapes, "BxMxNxKxH")):
     key = f"B{b}-M{m}-N{n}-K{k}-H{h}"
     c = make_case(key, b, m, n, k, h, epilogue=epilogue, group="custom", dtype=dtype)
     cases[key] = c

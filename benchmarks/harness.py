@@ -48,6 +48,7 @@ import glob
 import gzip
 import json
 import math
+import re
 import os
 import platform
 import statistics
@@ -1165,6 +1166,25 @@ def plot(prefix: str, rows: list[dict], roof: Roof, title: str) -> list[str]:
 # ---------------------------------------------------------------------------
 # Case selection and the main loop
 # ---------------------------------------------------------------------------
+
+def parse_shapes(spec: str, form: str, suffixes: Sequence[str] = ("",)
+                 ) -> list[tuple[tuple[int, ...], str]]:
+  """``--shapes``: comma-separated ``AxBx...`` tokens with as many positive
+  ints as ``form`` has fields (e.g. ``form='BxMxNxKxH'``), each followed by
+  one of ``suffixes`` (e.g. ``c`` for causal). Returns (dims, suffix)
+  pairs; a bad token is a ValueError naming ``--shapes``."""
+  n = len(form.split("x"))
+  out = []
+  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
+    m = re.fullmatch(r"([0-9x]+?)([a-z]*)", tok.lower())
+    parts = m.group(1).split("x") if m else []
+    if (len(parts) != n or not all(p.isdigit() and int(p) > 0 for p in parts)
+        or m.group(2) not in suffixes):
+      sfx = "[" + "|".join(x for x in suffixes if x) + "]" if any(suffixes) else ""
+      raise ValueError(f"--shapes: {tok!r} is not {form}{sfx} with positive ints")
+    out.append((tuple(int(p) for p in parts), m.group(2)))
+  return out
+
 
 def select_from_flags(cases: dict[str, Any], groups: dict[str, list[str]]) -> list[str]:
   """Case names from ``--cases``; with only ``--shapes`` given, just those

@@ -101,16 +101,6 @@ def make_case(name: str, m: int, dims: tuple[int, int, int, int], *,
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
 
-def parse_shapes(spec: str) -> list[tuple[int, ...]]:
-  out = []
-  for tok in [t.strip() for t in spec.split(",") if t.strip()]:
-    parts = tok.lower().split("x")
-    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-      raise ValueError(f"--shapes: {tok!r} is not MxD0xD1xD2xD3 with positive ints")
-    out.append(tuple(int(p) for p in parts))
-  return out
-
-
 def all_cases(acts, bias, dtype, shapes="") -> tuple[dict, dict]:
   cases, groups = {}, {"shapes": []}
   for model, d in MODELS.items():
@@ -120,7 +110,7 @@ def all_cases(acts, bias, dtype, shapes="") -> tuple[dict, dict]:
                     dtype=dtype, group=model, extra={"model": model})
       cases[c.name] = c
       groups[model].append(c.name)
-  for (m, d0, d1, d2, d3) in parse_shapes(shapes):
+  for (m, d0, d1, d2, d3) in (d for d, _ in harness.parse_shapes(shapes, "MxD0xD1xD2xD3")):
     c = make_case(f"M{m}-{d0}x{d1}x{d2}x{d3}", m, (d0, d1, d2, d3), acts=acts,
                   bias=bias, dtype=dtype, group="custom")
     cases[c.name] = c

@@ -186,3 +186,15 @@ def test_fidelity_sample_indices():
   assert len(s) == 11 and len(set(s)) == 11 and max(s) < 12
   with pytest.raises(ValueError, match="sample"):
     mf.sample_indices(10, 5, "best")
+
+
+def test_parse_shapes():
+  from benchmarks import harness
+  assert harness.parse_shapes("1x64x32x16x16, 2x8x8x8x8", "BxMxNxKxH") == [
+      ((1, 64, 32, 16, 16), ""), ((2, 8, 8, 8, 8), "")]
+  assert harness.parse_shapes("1x2x32x48x16c", "BxHxMxNxD", ("", "c")) == [
+      ((1, 2, 32, 48, 16), "c")]
+  for bad in ("1x2x3x4", "1x2x3x4x0", "1x2x3x4x5c", "axbxcxdxe"):
+    with pytest.raises(ValueError, match="--shapes"):
+      harness.parse_shapes(bad, "BxMxNxKxH")
+  assert harness.parse_shapes("", "BxMxNxKxH") == []

@@ -48,8 +48,22 @@ class DeviceSpec:
   sfu_ops: float = 3.9e12
   mma_rows: int = 16
   kernel_launch_s: float = 2e-6
+  # What one program (one CTA on one SM) streams from L2/HBM, and the fixed
+  # cost of one pipelined loop step; cost_model's per-program path.
+  sm_bandwidth_Bps: float = 0.0
+  loop_step_s: float = 150e-9
+  # The shortest a launched kernel runs (launch latency and ramp): XLA's
+  # smallest GEMM kernels took 1.5-1.6 us on an H200.
+  min_kernel_s: float = 1.0e-6
   regs_per_sm: int = 65536
   live: bool = False
+
+  def __post_init__(self):
+    if not self.sm_bandwidth_Bps:
+      # One SM streams ~2.3x its fair share of HBM bandwidth (H200, 75 GB/s
+      # against 4.3 TB/s / 132 SMs; benchmarks/RESULTS.md, fourth session).
+      object.__setattr__(self, "sm_bandwidth_Bps",
+                         2.3 * self.mem_bandwidth_Bps / max(self.sm_count, 1))
 
   def peak(self, dtype: str) -> float:
     """Tensor-core FLOP/s for inputs of ``dtype`` (float16 when unknown)."""
@@ -73,14 +87,16 @@ _TABLE: dict[str, DeviceSpec] = {
         l2_bytes=50 * _MB, mem_bandwidth_Bps=3.0e12,
         peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
                     "float64": 54e12},
-        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64),
+        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64,
+        # the H200's SMs and L2 (measured there; not yet on an H100)
+        sm_bandwidth_Bps=75e9),
     # H200: the H100 die with HBM3e; ~4.3 TB/s measured.
     "h200": DeviceSpec(
         name="h200", sm_count=132, smem_per_block_bytes=227 * _KB,
         l2_bytes=60 * _MB, mem_bandwidth_Bps=4.3e12,
         peak_flops={"float16": 790e12, "bfloat16": 790e12, "float32": 395e12,
                     "float64": 54e12},
-        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64),
+        vector_flops=60e12, sfu_ops=3.9e12, mma_rows=64, sm_bandwidth_Bps=75e9),
     # A100 PCIe 40 GB (MCFuser's and Chimera's GPU): 108 SMs, 163 KB per block.
     "a100": DeviceSpec(
         name="a100", sm_count=108, smem_per_block_bytes=163 * _KB,

@@ -317,6 +317,14 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
   rr.plan = best
   if best is not None and getattr(best, "predicted", None) is not None:
     rr.predicted_time_s = float(best.predicted.time_s)
+    if spec is not None and rr.why_not is None:
+      try:
+        from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+        why = cost_model.slower_than_unfused(region, best, spec)
+        if why:
+          rr.why_not = f"{why}; left to XLA under tune='model'"
+      except Exception as e:  # pylint: disable=broad-except
+        rr.notes.append(f"unfused estimate failed: {_err(e)}")
   rest = [p for p in ranked if p is not best and p != best][:5]
   rr.alternatives = [
       Alternative(plan=str(p), predicted_time_s=(

@@ -203,3 +203,23 @@ def test_device_reference_is_cached_per_region_and_seed():
   b = launch._device_reference(r, 4)                          # other inputs: recomputed
   assert b is not a
   assert launch.compare(r, b, ir.evaluate(r, launch.random_inputs(r, 4))) <= launch.tolerance(r)
+
+
+def test_model_leaves_predicted_losers_to_xla(monkeypatch):
+  """tune='model': MCFuser G6 (measured 1.6x slower fused on an H200) is
+  left to XLA on the model's word; G1 is fused; the interpreter path and
+  tune='measure' do not apply the model's verdict."""
+  from jaxfuse.codegen import CodegenError
+  from jaxfuse.config import config
+  from jaxfuse.devices import get_device
+  from jaxfuse.planner import examples
+  import jaxfuse.devices as devices
+  h200 = get_device("h200")
+  monkeypatch.setattr(devices, "get_device", lambda *a, **k: h200)
+  g6 = examples.gemm_chain(1, 512, 512, 1024, 256)
+  g1 = examples.gemm_chain(1, 512, 256, 64, 64)
+  with config.override(tune="model"):
+    with pytest.raises(CodegenError, match="as separate kernels.*left to XLA"):
+      launch._candidate_plans(g6, None, backend="triton")
+    assert launch._candidate_plans(g1, None, backend="triton")
+    assert launch._candidate_plans(g6, None, backend="interpret")

@@ -208,12 +208,39 @@ def test_model_alpha_and_recompute():
   p1 = cost_model.predict(r, e1, t, ("b", "m"), H100)
   p2 = cost_model.predict(r, e2, t, ("b", "m", "h"), H100)
   assert p1.programs == 16 and p2.programs == 32
-  assert p1.alpha == pytest.approx((16 + 132) / 16)
+  # 16 programs on 132 SMs: one wave, the time is one program's path
+  assert p1.time_s == pytest.approx(p1.t_program_s)
+  assert p1.alpha == pytest.approx(p1.time_s / (p1.t_mem_s + p1.t_comp_s))
   # GEMM1 runs once per h tile either way (sequential h loop or h programs)
   assert p1.flops == p2.flops == r.flops() + 2 * 1024 * 1024 * 128
   t1 = dict(t, h=128)                   # one h tile: no recomputation
   e3 = tiling.place(r, "mhnk", t1, ("b", "m"))
   assert cost_model.predict(r, e3, t1, ("b", "m"), H100).flops == r.flops()
+
+
+def test_model_per_program_path():
+  """t = max(t_mem + t_comp, waves * t_program), t_program from one
+  program's bytes at the SM's bandwidth, its compute at one SM's share and
+  its serial loop steps; 2 pipeline stages cost STAGE2_PENALTY more."""
+  r = examples.gemm_chain(1, 1024, 1024, 128, 128)
+  t = {"b": 1, "m": 64, "n": 64, "k": 128, "h": 64}
+  grid = ("b", "m", "h")
+  e = tiling.place(r, "mhnk", t, grid)
+  p3 = cost_model.predict(r, e, t, grid, H100, num_stages=3)
+  p2 = cost_model.predict(r, e, t, grid, H100, num_stages=2)
+  steps = 1024 // 64                                   # the n loop per program
+  assert p3.steps == steps
+  want = (p3.bytes_moved / p3.programs / H100.sm_bandwidth_Bps
+          + p3.t_comp_s * H100.sm_count / p3.programs + steps * H100.loop_step_s)
+  assert p3.t_program_s == pytest.approx(want)
+  assert p3.time_s == pytest.approx(max(p3.t_mem_s + p3.t_comp_s, p3.t_program_s))
+  assert p2.t_program_s == pytest.approx(want * (1 + cost_model.STAGE2_PENALTY))
+  # a grid of several waves pays each wave
+  big = examples.gemm_chain(16, 1024, 1024, 128, 128)
+  eb = tiling.place(big, "mhnk", t, grid)
+  pb = cost_model.predict(big, eb, t, grid, H100, num_stages=3)
+  assert pb.programs == 16 * 32
+  assert pb.time_s == pytest.approx(max(pb.t_mem_s + pb.t_comp_s, 4 * pb.t_program_s))
 
 
 def test_no_plan_for_huge_single_tile():
@@ -314,7 +341,7 @@ def test_dot_efficiency_rewards_wide_tiles_and_wgmma_rows():
   eff = lambda **t: cost_model.dot_efficiency(r, c, dict(dict(b=1, m=64, n=64, k=64, h=64), **t), H100)
   assert eff(n=16) < eff(n=64) < eff(n=128)
   assert eff(k=16) < eff(k=64)
-  assert eff(m=32) == pytest.approx(cost_model.NARROW_ROWS_EFFICIENCY * eff(m=64))
+  assert eff(m=32) == pytest.approx(cost_model.NARROW_ROWS_EFFICIENCY * 32 / 64 * eff(m=64))
   a100 = get_device("a100")                   # no wgmma: 16 rows are full rate
   t = dict(b=1, m=16, n=64, k=64, h=64)
   assert cost_model.dot_efficiency(r, c, t, a100) == pytest.approx(
@@ -380,3 +407,25 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
     search.make_plan(r, dev, search.Candidate(g, str(sk), tuple(narrow.items())), sp.streamable)
   best = plan_region(r, dev, use_cache=False).best
   assert best.num_warps == 4 or best.tile("m") >= 128
+
+
+def test_unfused_estimate_and_verdict(monkeypatch):
+  """unfused_time prices each contraction as a library GEMM (split-K when
+  its tiles do not fill the GPU) plus one pass per reduction."""
+  h200 = get_device("h200")
+  g6 = examples.gemm_chain(1, 512, 512, 1024, 256)
+  g1 = examples.gemm_chain(1, 512, 256, 64, 64)
+  # two GEMM kernels at least
+  assert cost_model.unfused_time(g1, h200) >= 2 * h200.min_kernel_s
+  # split-K: the 16-tile first GEMM of G6 is cheaper split than whole
+  split = cost_model._library_gemm_time(512, 512, 1, 1024, 2, h200.peak("float16"), h200)
+  monkeypatch.setattr(cost_model, "_LIBRARY_SPLITS", (1,))
+  assert split < cost_model._library_gemm_time(512, 512, 1, 1024, 2, h200.peak("float16"), h200)
+  monkeypatch.undo()
+  attn = examples.attention(1, 8, 512, 512, 64, 64)
+  assert cost_model.unfused_time(attn, h200) > cost_model.unfused_time(
+      examples.gemm_chain(8, 512, 512, 64, 64), h200)      # + the softmax passes
+  best6 = plan_region(g6, h200, use_cache=False).best
+  best1 = plan_region(g1, h200, use_cache=False).best
+  assert "separate kernels" in cost_model.slower_than_unfused(g6, best6, h200)
+  assert cost_model.slower_than_unfused(g1, best1, h200) is None

@@ -31,7 +31,8 @@ from jaxfuse.planner.plan import Plan, Prediction
 
 __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
+# 2: the per-program cost model (plans cached by 1 were ranked by alpha).
+FORMAT_VERSION = 2
 
 
 def _version() -> str:

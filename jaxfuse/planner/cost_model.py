@@ -1,6 +1,7 @@
-"""MCFuser's analytical performance model (IV-A, eq. 2-5) on placed plans.
+"""MCFuser's analytical performance model (IV-A, eq. 2-5) on placed plans,
+with a per-program critical path measured on Hopper.
 
-``t = (t_mem + t_comp) * alpha`` with
+MCFuser: ``t = (t_mem + t_comp) * alpha`` with
 
 * ``t_mem = sum over Load/Store statements of bytes x trip counts / W``
   (``movement.placed_volume``: hoisted statements run fewer times),
@@ -11,15 +12,32 @@
   consumer-private loop such as ``h`` to program ids cost something),
 * ``alpha = (N_block + N_SM) / N_block``.
 
+jaxfuse replaces ``alpha`` by the critical path of one program::
+
+    t = max(t_mem + t_comp, waves * t_program),  waves = ceil(N_block / N_SM)
+    t_program = (bytes / N_block) / W_sm + t_comp * N_SM / N_block
+                + steps * t_step,      x (1 + STAGE2_PENALTY) at 2 stages
+
+``W_sm`` (``device.sm_bandwidth_Bps``) is what one program streams from
+L2/HBM, ``steps`` the serial pipelined loop steps of a program and
+``t_step`` (``device.loop_step_s``) their fixed cost. Why: on an H200
+(benchmarks/RESULTS.md, fourth session) alpha over-predicted grids of
+16-64 programs 3-5x (one SM pulls ~75 GB/s, not W / N_SM = 33 GB/s) and
+ranked MCFuser G6's candidates with Spearman 0.67 and a 74% regret; this
+form, fitted on 700 measured candidates of G1-G6, G10, S1-S3, S7 and S9,
+gives Spearman 0.85-0.96 and regret <= 13% on each. ``Prediction.alpha`` reports
+``t / (t_mem + t_comp)``, the factor the grid costs over the roofline sum.
+
 Three refinements of ``t_comp`` that MCFuser's model lacks and that decided
 plans on Hopper (benchmarks/RESULTS.md, 2026-11-21: the plain model tied
 16-wide and 64-wide key tiles in attention and picked the 16-wide one, 2x
 slower than cuDNN):
 
 * a contraction runs at ``P x dot_efficiency``: below ``device.mma_rows``
-  rows ``tl.dot`` cannot use wgmma, and narrow column and reduction tiles
-  pay per-instruction operand traffic and per-step loop overhead
-  (``x / (x + 16)`` each);
+  rows ``tl.dot`` cannot use wgmma (``NARROW_ROWS_EFFICIENCY`` x rows /
+  ``mma_rows``), and narrow
+  column and reduction tiles pay per-instruction operand traffic and
+  per-step loop overhead (``x / (x + 16)`` each);
 * transcendental ops (``exp``...) run at the SFU rate, not the FMA rate;
 * an accumulator fed through a streamed (online) softmax is rescaled once
   per step of the streamed loop (the code generator's
@@ -47,7 +65,8 @@ from jaxfuse.planner.plan import Prediction
 
 __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages",
            "accumulator_bytes", "register_budget_bytes",
-           "floor_time", "unfused_time", "dot_efficiency"]
+           "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
+           "UNFUSED_MARGIN"]
 
 # Elementwise functions that run on the special-function units.
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
@@ -55,8 +74,16 @@ TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "log
 # Tile width at which operand traffic / loop overhead halves tensor-core
 # throughput (see dot_efficiency).
 HALF_EFFICIENCY_TILE = 16
-# Throughput of tl.dot without wgmma (mma.sync) relative to wgmma on Hopper.
-NARROW_ROWS_EFFICIENCY = 0.6
+# Throughput of tl.dot on fewer rows than wgmma takes (mma.sync on 16-32
+# rows), relative to wgmma on Hopper, times rows / mma_rows. Fitted with the
+# per-program path on MCFuser G1-G6, G10, S1-S3, S7, S9 (H200, fourth
+# session): 16-row plans measured 2-3x slower than their 64-row
+# neighbours; a flat 0.6 ranked them first.
+NARROW_ROWS_EFFICIENCY = 0.4
+# A program with 2 pipeline stages keeps one load in flight while it
+# computes; at 3 stages the same tiles measured faster (G4: n=64 at 3
+# stages 6.3 us vs n=128 at 2 stages 7.5 us).
+STAGE2_PENALTY = 0.1
 
 
 def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
@@ -79,7 +106,7 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   rows = _rows(region, op, tiles)
   cols = math.prod(tiles[l] for l in out if l in rhs and l not in lhs)
   red = math.prod(tiles[l] for l in op.reduce)
-  eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY
+  eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY * rows / device.mma_rows
   h = HALF_EFFICIENCY_TILE
   return eta * cols / (cols + h) * red / (red + h)
 
@@ -169,12 +196,16 @@ def register_budget_bytes(num_warps: int) -> int:
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
             grid: Sequence[str], device: DeviceSpec,
             split: Optional[tuple[str, int]] = None,
-            streamable: Optional[frozenset] = None) -> Prediction:
+            streamable: Optional[frozenset] = None,
+            num_stages: Optional[int] = None) -> Prediction:
   """The model's time for a placed plan (see the module docstring).
   ``streamable``: loops the code generator streams (default
-  ``tiling.streamable_loops(region)``)."""
+  ``tiling.streamable_loops(region)``); ``num_stages``: the plan's pipeline
+  depth (default: ``choose_warps_stages``'s)."""
   if streamable is None:
     streamable = tiling.streamable_loops(region)
+  if num_stages is None:
+    num_stages = choose_warps_stages(region, expr, tiles, device)[1]
   ext = region.loop_extents
   vm = region.value_map
 
@@ -191,10 +222,12 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   vec = 0
   sfu = 0
   t_dot = 0.0
+  steps = 1
   peak = device.peak(region_dtype(region))
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind != "C":
       continue
+    steps = max(steps, math.prod(trips(l) for l in enclosing))
     op = region.producer(st.value)
     ol = set(region.op_loops(op))
     around = set(enclosing) | set(grid)
@@ -230,12 +263,18 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     t_mem += (partial - final) / device.mem_bandwidth_Bps
     extra = (partial + final) / device.mem_bandwidth_Bps + device.kernel_launch_s
     bytes_moved += 2 * partial
-  alpha = (programs + device.sm_count) / programs
-  time_s = (t_mem + t_comp) * alpha + extra
-  return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp, alpha=alpha,
+  sms = device.sm_count
+  t_program = (bytes_moved / programs / device.sm_bandwidth_Bps
+               + t_comp * sms / programs + steps * device.loop_step_s)
+  if num_stages <= 2:
+    t_program *= 1.0 + STAGE2_PENALTY
+  body = max(t_mem + t_comp, math.ceil(programs / sms) * t_program)
+  time_s = body + extra
+  return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
+                    alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
                     bytes_moved=int(bytes_moved), flops=int(flops),
                     smem_bytes=pruning.smem_estimate(region, tiles),
-                    programs=programs)
+                    programs=programs, t_program_s=t_program, steps=steps)
 
 
 def floor_time(region: ir.Region, device: DeviceSpec) -> float:
@@ -244,16 +283,85 @@ def floor_time(region: ir.Region, device: DeviceSpec) -> float:
              region.min_bytes() / device.mem_bandwidth_Bps)
 
 
+# Split-K factors a library GEMM may use when its output tiles do not
+# fill the GPU, and the output tile it is priced at (cuBLAS on Hopper).
+_LIBRARY_SPLITS = (1, 2, 4, 8, 16)
+_LIBRARY_TILE = 128
+
+
+def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int,
+                       peak: float, device: DeviceSpec) -> float:
+  """One contraction as a library GEMM kernel (``_LIBRARY_TILE``-square
+  output tiles, split-K when that fills more SMs), priced by the same
+  per-program path as a fused plan."""
+  sms = device.sm_count
+  tr, tc = min(_LIBRARY_TILE, rows), min(_LIBRARY_TILE, cols)
+  tiles = batch * math.ceil(rows / tr) * math.ceil(cols / tc)
+  best = math.inf
+  for s in _LIBRARY_SPLITS:
+    if s > 1 and (red / s < 128 or tiles * s > 2 * sms):
+      continue
+    part = math.ceil(red / s)
+    programs = tiles * s
+    bytes_p = (tr + tc) * part * itemsize + tr * tc * (4 if s > 1 else itemsize)
+    flops_p = 2 * tr * tc * part
+    t_program = (bytes_p / device.sm_bandwidth_Bps + flops_p * sms / peak
+                 + math.ceil(part / 64) * device.loop_step_s)
+    t = max(programs * bytes_p / device.mem_bandwidth_Bps + programs * flops_p / peak,
+            math.ceil(programs / sms) * t_program) + device.min_kernel_s
+    if s > 1:   # the partial sums' reduction kernel
+      t += 2 * batch * rows * cols * 4 * s / device.mem_bandwidth_Bps / s + device.min_kernel_s
+    best = min(best, t)
+  return best
+
+
 def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
-  """A rough time for the region as separate ops (each intermediate
-  written and read once, one launch per contraction)."""
+  """The region as XLA runs it unfused: each contraction one library GEMM
+  (``_library_gemm_time``), each reduction one memory-bound kernel over its
+  input (elementwise ops fuse into those kernels).
+
+  Why: a fused plan predicted slower than this is left to XLA under
+  tune=model. On an H200 (fourth session) this estimate was 0.7-2.1x XLA's
+  measured kernel time on the 33 paper cases; the fused plans it rejects
+  (MCFuser G5, G6) measured 1.4-1.7x slower than XLA.
+  """
   vm = region.value_map
   ext = region.loop_extents
-  inter = 0
+  peak = device.peak(region_dtype(region))
+  total = 0.0
   for op in region.ops:
-    if op.out in region.output_names:
-      continue
-    inter += 2 * math.prod(ext[l] for l in vm[op.out].loops) * ir.dtype_itemsize(vm[op.out].dtype)
-  t = (region.min_bytes() + inter) / device.mem_bandwidth_Bps
-  t = max(t, region.flops() / device.peak(region_dtype(region)))
-  return t + device.kernel_launch_s * max(len(region.contractions) - 1, 0)
+    if isinstance(op, ir.Contraction):
+      lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+      out = vm[op.out].loops
+      rows = math.prod(ext[l] for l in out if l in lhs and l not in rhs)
+      cols = math.prod(ext[l] for l in out if l in rhs and l not in lhs)
+      batch = math.prod(ext[l] for l in out if l in lhs and l in rhs)
+      red = math.prod(ext[l] for l in op.reduce)
+      itemsize = ir.dtype_itemsize(vm[op.lhs].dtype)
+      total += _library_gemm_time(rows, cols, batch, red, itemsize, peak, device)
+    elif isinstance(op, ir.Reduction):
+      src = vm[op.inputs[0]]
+      n = math.prod(ext[l] for l in src.loops)
+      total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+  return total
+
+
+# A fused plan predicted more than this many times slower than
+# ``unfused_time`` is left to XLA. The margin covers both estimates' error:
+# on the 33 paper cases (H200, fourth session) the fused prediction was
+# 0.7-1.5x the measured kernel time and ``unfused_time`` 0.6-1.7x XLA's;
+# MCFuser G5 and G6 (ratios 1.9 and 3.5) measured 1.4x and 1.6x slower
+# fused, every case below 1.5 was faster fused.
+UNFUSED_MARGIN = 1.5
+
+
+def slower_than_unfused(region: ir.Region, plan, device: DeviceSpec) -> Optional[str]:
+  """Why ``plan`` should be left to XLA on the model's word, or None."""
+  pred = getattr(plan, "predicted", None)
+  if pred is None:
+    return None
+  unfused = unfused_time(region, device)
+  if pred.time_s > UNFUSED_MARGIN * unfused:
+    return (f"predicted {pred.time_s * 1e6:.1f} us fused vs {unfused * 1e6:.1f} us "
+            f"as separate kernels (more than {UNFUSED_MARGIN}x slower)")
+  return None

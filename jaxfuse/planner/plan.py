@@ -39,7 +39,10 @@ from jaxfuse.planner.tiling import TilingExpr
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-  """The performance model's estimate for one plan (MCFuser eq. 2-5)."""
+  """The performance model's estimate for one plan (MCFuser eq. 2-5 with
+  the per-program path of ``cost_model``): ``alpha`` is the factor the
+  grid costs over ``t_mem + t_comp``; ``t_program_s`` one program's time,
+  ``steps`` its serial loop steps."""
   time_s: float
   t_mem_s: float
   t_comp_s: float
@@ -48,6 +51,8 @@ class Prediction:
   flops: int
   smem_bytes: int
   programs: int
+  t_program_s: float = 0.0
+  steps: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

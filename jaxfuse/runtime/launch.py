@@ -355,15 +355,21 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     raise CodegenError(f"planner found no plan: {getattr(res, 'why_not', None)}")
   if backend == "triton":
     # MCFuser fuses chains that are memory-bound (intensity below the ridge
-    # point); a compute-bound chain is left to XLA's library GEMMs. The
-    # model's absolute times are not calibrated against XLA's (alpha is a
-    # ranking penalty), so the keep-or-drop decision against XLA itself is
-    # made by measurement (tune='measure', see _keep_fused). The
-    # interpreter path is for testing kernels, so it always runs them.
-    mbci, ai, ridge = is_mbci(region, get_device(res.device or None))
+    # point); a compute-bound chain is left to XLA's library GEMMs. Under
+    # tune='model' a plan the model predicts to lose to the separate
+    # kernels is left to XLA too; under tune='measure' measurement decides
+    # (_keep_fused). The interpreter path is for testing kernels, so it
+    # always runs them.
+    dev = get_device(res.device or None)
+    mbci, ai, ridge = is_mbci(region, dev)
     if not mbci:
       raise CodegenError(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                          f"{ridge:.0f}; left to XLA")
+    if not measured:
+      from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+      why = cost_model.slower_than_unfused(region, ranked[0], dev)
+      if why:
+        raise CodegenError(f"{why}; left to XLA")
   return ranked
 
 

@@ -219,7 +219,24 @@ def test_model_leaves_predicted_losers_to_xla(monkeypatch):
   g6 = examples.gemm_chain(1, 512, 512, 1024, 256)
   g1 = examples.gemm_chain(1, 512, 256, 64, 64)
   with config.override(tune="model"):
-    with pytest.raises(CodegenError, match="as separate kernels.*left to XLA"):
+    with pytest.raises(launch.LeftToXLA, match="as separate kernels.*left to XLA"):
       launch._candidate_plans(g6, None, backend="triton")
     assert launch._candidate_plans(g1, None, backend="triton")
     assert launch._candidate_plans(g6, None, backend="interpret")
+
+
+def test_left_to_xla_is_logged_as_a_decision(caplog):
+  """A LeftToXLA decision is one INFO line; a real failure one WARNING."""
+  import logging as std_logging
+  from jaxfuse.planner import examples
+  from jaxfuse.runtime import primitive
+  r = examples.gemm_chain(1, 48, 16, 16, 16)
+  primitive._warned.clear()
+  with caplog.at_level(std_logging.INFO):
+    primitive._warn_fallback(r, "g", "triton kernel", launch.LeftToXLA("predicted slower"))
+    primitive._warn_fallback(r, "g", "triton kernel", launch.LeftToXLA("predicted slower"))
+    primitive._warn_fallback(r, "g", "interpret kernel", RuntimeError("boom"))
+  recs = [(x.levelno, x.getMessage()) for x in caplog.records if "jaxfuse: region" in x.getMessage()]
+  assert recs == [(std_logging.INFO, recs[0][1]), (std_logging.WARNING, recs[1][1])]
+  assert "left to XLA: predicted slower" in recs[0][1] and "boom" in recs[1][1]
+  primitive._warned.clear()

@@ -32,6 +32,11 @@ from absl import logging
 
 from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
+
+
+class LeftToXLA(CodegenError):
+  """A decision, not a failure: the region runs as XLA's own ops because it
+  is compute-bound, or the model or a measurement says XLA is faster."""
 from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.runtime import timing
 
@@ -363,13 +368,13 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     dev = get_device(res.device or None)
     mbci, ai, ridge = is_mbci(region, dev)
     if not mbci:
-      raise CodegenError(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
+      raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                          f"{ridge:.0f}; left to XLA")
     if not measured:
       from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
       why = cost_model.slower_than_unfused(region, ranked[0], dev)
       if why:
-        raise CodegenError(f"{why}; left to XLA")
+        raise LeftToXLA(f"{why}; left to XLA")
   return ranked
 
 
@@ -422,7 +427,7 @@ def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
   # Dropped only when clearly slower: within 5% the two are a tie that the
   # fused kernel wins on memory traffic left for the rest of the program.
   if t_fused > 1.05 * t_xla:
-    raise CodegenError(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
+    raise LeftToXLA(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
                        f"XLA {t_xla * 1e6:.1f} us")
 
 

@@ -142,6 +142,14 @@ def _lower_original(ctx, *args, region, jaxpr, name):
 _warned: set[tuple[str, str]] = set()
 
 
+def _is_decision(err: BaseException) -> bool:
+  try:
+    from jaxfuse.runtime.launch import LeftToXLA  # pylint: disable=g-import-not-at-top
+  except Exception:  # pylint: disable=broad-except  (no triton: no decision either)
+    return False
+  return isinstance(err, LeftToXLA)
+
+
 def _warn_fallback(region: ir.Region, name: str, what: str,
                    err: BaseException) -> None:
   """One log line per (region, what); repeated lowerings stay quiet."""
@@ -150,6 +158,11 @@ def _warn_fallback(region: ir.Region, name: str, what: str,
     return
   _warned.add(key)
   msg = str(err).splitlines()[0] if str(err) else ""
+  if _is_decision(err):
+    # A decision (compute-bound, or predicted/measured slower), not a fault.
+    logging.info("jaxfuse: region %s (%s) left to XLA: %s", name,
+                 region.einsum_summary(), msg[:300])
+    return
   logging.warning("jaxfuse: region %s (%s) runs its original ops: %s "
                   "failed: %s: %s", name, region.einsum_summary(), what,
                   type(err).__name__, msg[:300])

@@ -240,3 +240,19 @@ def test_left_to_xla_is_logged_as_a_decision(caplog):
   assert recs == [(std_logging.INFO, recs[0][1]), (std_logging.WARNING, recs[1][1])]
   assert "left to XLA: predicted slower" in recs[0][1] and "boom" in recs[1][1]
   primitive._warned.clear()
+
+
+def test_make_measure_marks_unmeasured_plans(monkeypatch):
+  """measure() returns None for plans the budget left unmeasured and inf
+  for plans that failed, so the search can tell them apart."""
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  def fake(region, plans, *, budget_s=None, reps=20, errors=None):
+    errors.extend([None, "CodegenError: boom", launch._BUDGET_SPENT])
+    return [1e-6, float("inf"), float("inf")]
+  monkeypatch.setattr(launch, "measure_plans", fake)
+  m = launch.make_measure(r, budget_s=60.0)
+  assert m(["a", "b", "c"]) == [1e-6, float("inf"), None]
+  spent = launch.make_measure(r, budget_s=0.0)
+  assert spent(["a", "b"]) == [None, None]

@@ -284,6 +284,28 @@ def test_measure_callback_reorders():
   assert all(seen >= p.predicted.programs for p in res.ranked[:2])
 
 
+def test_unmeasured_plans_rank_by_scaled_prediction():
+  """A plan the budget left unmeasured (None) ranks by its prediction times
+  the region's median measured/predicted ratio: the model's first plan is
+  not displaced by a slower plan that happened to be measured; failed
+  plans (inf) go last."""
+  r = examples.gemm_chain(1, 512, 256, 64, 128)
+  model = plan_region(r, "h100", use_cache=False, top=3)
+  first = str(model.best).split("  warps")[0]
+  failed = str(model.ranked[1]).split("  warps")[0]
+
+  def measure(plans):
+    out = []
+    for p in plans:
+      k = str(p).split("  warps")[0]
+      out.append(None if k == first else math.inf if k == failed
+                 else 2.0 * p.predicted.time_s)
+    return out
+  res = plan_region(r, "h100", measure=measure, use_cache=False, top=10**6)
+  assert str(res.best).split("  warps")[0] == first
+  assert str(res.ranked[-1]).split("  warps")[0] == failed
+
+
 def test_measured_search_tries_launch_knobs_on_the_best_plan():
   r = examples.gemm_chain(1, 512, 256, 64, 128)
   batches = []

@@ -74,7 +74,8 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
                 seed: int = 0, use_cache: bool = True, top: int = 6) -> PlanningResult:
   """Plans ``region`` for ``device`` (default: ``devices.get_device()``).
 
-  ``measure(plans) -> seconds per plan`` refines the model's top candidates
+  ``measure(plans) -> seconds per plan`` (``inf``: the plan failed; ``None``:
+  not measured, e.g. the budget ran out) refines the model's top candidates
   (MCFuser Alg. 1); without it the model decides. Results (model-only or
   measured) are cached on disk unless ``use_cache=False``; a corrupt cache
   entry is logged and ignored. Never raises for a region it cannot plan:

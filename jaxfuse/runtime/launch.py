@@ -522,6 +522,9 @@ def _torch_cuda() -> bool:
     return False
 
 
+_BUDGET_SPENT = "measuring budget spent"
+
+
 def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
                   reps: int = 20, errors: Optional[list] = None) -> list[float]:
   """Seconds per launch of each plan's kernel on the GPU (MCFuser Alg. 1's
@@ -555,7 +558,7 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
     if why[i] is not None:
       continue
     if time.perf_counter() > t_end:
-      why[i] = "measuring budget spent"
+      why[i] = _BUDGET_SPENT
       continue
     try:
       if kernels[i] is not None:
@@ -726,8 +729,12 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
   def measure(plans):
     left = t_end - time.perf_counter()
     if left <= 0:
-      return [float("inf")] * len(plans)
-    return measure_plans(region, plans, budget_s=left)
+      return [None] * len(plans)
+    why: list = []
+    times = measure_plans(region, plans, budget_s=left, errors=why)
+    # None = not measured (budget spent): the search ranks those by the model;
+    # inf = failed (compile error, wrong answer).
+    return [None if w == _BUDGET_SPENT else t for t, w in zip(times, why)]
   return measure
 
 

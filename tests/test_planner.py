@@ -233,14 +233,24 @@ def test_model_per_program_path():
   want = (p3.bytes_moved / p3.programs / H100.sm_bandwidth_Bps
           + p3.t_comp_s * H100.sm_count / p3.programs + steps * H100.loop_step_s)
   assert p3.t_program_s == pytest.approx(want)
-  assert p3.time_s == pytest.approx(max(p3.t_mem_s + p3.t_comp_s, p3.t_program_s))
+
+  def traffic(r, p):   # HBM for the bytes the region must move, L2 for all
+    return max(r.min_bytes() / H100.mem_bandwidth_Bps,
+               p.bytes_moved / (H100.sm_count * H100.sm_bandwidth_Bps))
+  assert p3.time_s == pytest.approx(max(traffic(r, p3) + p3.t_comp_s, p3.t_program_s))
   assert p2.t_program_s == pytest.approx(want * (1 + cost_model.STAGE2_PENALTY))
-  # a grid of several waves pays each wave
+  # a grid of several waves pays each wave; small tiles put 2 programs on an SM
   big = examples.gemm_chain(16, 1024, 1024, 128, 128)
   eb = tiling.place(big, "mhnk", t, grid)
   pb = cost_model.predict(big, eb, t, grid, H100, num_stages=3)
   assert pb.programs == 16 * 32
-  assert pb.time_s == pytest.approx(max(pb.t_mem_s + pb.t_comp_s, 4 * pb.t_program_s))
+  occ = cost_model.programs_per_sm(big, eb, t, 3, H100)
+  assert occ == 2
+  assert pb.time_s == pytest.approx(max(traffic(big, pb) + pb.t_comp_s,
+                                        math.ceil(512 / (132 * occ)) * pb.t_program_s))
+  # a program that fills shared memory runs alone on its SM
+  tb = {"b": 1, "m": 128, "n": 128, "k": 128, "h": 128}
+  assert cost_model.programs_per_sm(big, tiling.place(big, "mhnk", tb, ("b", "m")), tb, 3, H100) == 1
 
 
 def test_no_plan_for_huge_single_tile():

@@ -14,18 +14,25 @@ MCFuser: ``t = (t_mem + t_comp) * alpha`` with
 
 jaxfuse replaces ``alpha`` by the critical path of one program::
 
-    t = max(t_mem + t_comp, waves * t_program),  waves = ceil(N_block / N_SM)
+    t = max(t_traffic + t_comp, waves * t_program)
+    t_traffic = max(min_bytes / W, bytes / (N_SM * W_sm))
+    waves = ceil(N_block / (N_SM * programs_per_sm))
     t_program = (bytes / N_block) / W_sm + t_comp * N_SM / N_block
                 + steps * t_step,      x (1 + STAGE2_PENALTY) at 2 stages
 
 ``W_sm`` (``device.sm_bandwidth_Bps``) is what one program streams from
 L2/HBM, ``steps`` the serial pipelined loop steps of a program and
-``t_step`` (``device.loop_step_s``) their fixed cost. Why: on an H200
+``t_step`` (``device.loop_step_s``) their fixed cost; ``t_traffic`` lets
+re-reads that programs of one wave share come from L2 (``t_mem``, all
+bytes at HBM bandwidth, is still reported), and ``programs_per_sm`` (at
+most 2) lets small tiles share an SM. The last two took large attention
+(8x16 heads, T=2048, d=64) from a 21% to a 3% regret. Why: on an H200
 (benchmarks/RESULTS.md, fourth session) alpha over-predicted grids of
 16-64 programs 3-5x (one SM pulls ~75 GB/s, not W / N_SM = 33 GB/s) and
 ranked MCFuser G6's candidates with Spearman 0.67 and a 74% regret; this
-form, fitted on 700 measured candidates of G1-G6, G10, S1-S3, S7 and S9,
-gives Spearman 0.85-0.96 and regret <= 13% on each. ``Prediction.alpha`` reports
+form, fitted on ~800 measured candidates of G1-G6, G10, S1-S3, S7, S9 and
+two large attention cases, gives Spearman 0.84-0.96 and regret <= 13% on
+each. ``Prediction.alpha`` reports
 ``t / (t_mem + t_comp)``, the factor the grid costs over the roofline sum.
 
 Three refinements of ``t_comp`` that MCFuser's model lacks and that decided
@@ -63,7 +70,7 @@ from jaxfuse.devices import DeviceSpec, region_dtype
 from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
-__all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages",
+__all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "register_budget_bytes",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
            "UNFUSED_MARGIN"]
@@ -187,6 +194,27 @@ def choose_warps_stages(region: ir.Region, expr: tiling.TilingExpr,
   return choose_warps(region, tiles), MIN_STAGES
 
 
+# Programs co-resident on one SM that the per-program path credits (more
+# fit when small tiles leave shared memory and registers free, but they
+# then share the SM's issue slots and L2 bandwidth).
+MAX_PROGRAMS_PER_SM = 2
+# Registers per thread besides the fp32 accumulators (operands, addresses,
+# softmax statistics).
+BASE_REGS_PER_THREAD = 64
+
+
+def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
+                    num_stages: int, device: DeviceSpec) -> int:
+  """Programs of a plan one SM runs at once: limited by pipelined shared
+  memory, threads (2048 per SM) and registers, at most
+  ``MAX_PROGRAMS_PER_SM``."""
+  threads = choose_warps(region, tiles) * 32
+  smem = max(1, pruning.pipelined_smem_bytes(region, expr, tiles, num_stages))
+  regs = min(255.0, BASE_REGS_PER_THREAD + accumulator_bytes(region, tiles) / 4 / threads)
+  return max(1, min(MAX_PROGRAMS_PER_SM, device.smem_per_block_bytes // smem,
+                    2048 // threads, int(device.regs_per_sm // (threads * regs))))
+
+
 def register_budget_bytes(num_warps: int) -> int:
   """Bytes of fp32 accumulators a program of ``num_warps`` warps holds in
   registers without spilling."""
@@ -268,7 +296,13 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                + t_comp * sms / programs + steps * device.loop_step_s)
   if num_stages <= 2:
     t_program *= 1.0 + STAGE2_PENALTY
-  body = max(t_mem + t_comp, math.ceil(programs / sms) * t_program)
+  # Throughput side: re-reads of tiles that concurrently running programs
+  # share come from L2, so traffic is bounded by HBM for the bytes the
+  # region must move and by the SMs' L2 bandwidth for all of them.
+  t_traffic = max(region.min_bytes() / device.mem_bandwidth_Bps,
+                  bytes_moved / (sms * device.sm_bandwidth_Bps))
+  waves = math.ceil(programs / (sms * programs_per_sm(region, expr, tiles, num_stages, device)))
+  body = max(t_traffic + t_comp, waves * t_program)
   time_s = body + extra
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,

@@ -29,11 +29,13 @@ most 2) lets small tiles share an SM. The last two took large attention
 (8x16 heads, T=2048, d=64) from a 21% to a 3% regret. Why: on an H200
 (benchmarks/RESULTS.md, fourth session) alpha over-predicted grids of
 16-64 programs 3-5x (one SM pulls ~75 GB/s, not W / N_SM = 33 GB/s) and
-ranked MCFuser G6's candidates with Spearman 0.67 and a 74% regret; this
-form, fitted on ~800 measured candidates of G1-G6, G10, S1-S3, S7, S9 and
-two large attention cases, gives Spearman 0.84-0.96 and regret <= 13% on
-each. ``Prediction.alpha`` reports
-``t / (t_mem + t_comp)``, the factor the grid costs over the roofline sum.
+ranked MCFuser G6's candidates with Spearman 0.67 and a 74% regret. The
+constants were fitted on ~1,600 measured candidates (G1-G6, G10, S1-S3,
+S7, S9, two large attention cases); the final fidelity run gave regret
+<= 2.4% on G1-G4 and S1-S3 and Spearman 0.90-0.95 except S2 (0.78: 16-row
+attention tiles are priced too slow, the narrow-row factor comes from GEMM
+chains). ``Prediction.alpha`` reports ``t / (t_mem + t_comp)``, the factor
+the grid costs over the roofline sum.
 
 Three refinements of ``t_comp`` that MCFuser's model lacks and that decided
 plans on Hopper (benchmarks/RESULTS.md, 2026-11-21: the plain model tied
@@ -42,9 +44,8 @@ slower than cuDNN):
 
 * a contraction runs at ``P x dot_efficiency``: below ``device.mma_rows``
   rows ``tl.dot`` cannot use wgmma (``NARROW_ROWS_EFFICIENCY`` x rows /
-  ``mma_rows``), and narrow
-  column and reduction tiles pay per-instruction operand traffic and
-  per-step loop overhead (``x / (x + 16)`` each);
+  ``mma_rows``), and narrow column and reduction tiles pay per-instruction
+  operand traffic and per-step loop overhead (``x / (x + 16)`` each);
 * transcendental ops (``exp``...) run at the SFU rate, not the FMA rate;
 * an accumulator fed through a streamed (online) softmax is rescaled once
   per step of the streamed loop (the code generator's

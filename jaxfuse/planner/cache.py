@@ -31,8 +31,9 @@ from jaxfuse.planner.plan import Plan, Prediction
 
 __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 
-# 2: the per-program cost model (plans cached by 1 were ranked by alpha).
-FORMAT_VERSION = 2
+# 2: the per-program cost model (plans cached by 1 were ranked by alpha);
+# 3: its L2 and co-residency terms.
+FORMAT_VERSION = 3
 
 
 def _version() -> str:

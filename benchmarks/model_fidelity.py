@@ -31,6 +31,7 @@ Example::
 
     python -m benchmarks.model_fidelity --plot
     python benchmarks/model_fidelity.py --cases=G1,S1 --candidates=80
+    python -m benchmarks.model_fidelity --rescore=/tmp/fid.G4.json   # CPU: re-rank a saved run
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ flags.DEFINE_enum("sample", "spread", ["spread", "top"],
 flags.DEFINE_bool("isolate", True, "On a GPU with several cases, measure each case in "
                   "a fresh process (a kernel that faults leaves the CUDA context "
                   "unusable for every later case in the same process).")
+
+flags.DEFINE_list("rescore", [], "JSON files written by earlier runs of this binary: re-rank "
+                  "their measured candidates with the current cost model (no GPU "
+                  "needed) and print the same statistics. The sample stays the one "
+                  "the earlier model drew.")
 
 FLAGS = flags.FLAGS
 
@@ -440,9 +446,64 @@ def run_case_in_child(case: str, prefix: str) -> dict:
     return {"case": case, "error": f"child exited {p.returncode}: {tail}", "stats": {}}
 
 
+def _device_of(meta: dict):
+  from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
+  kind = str(meta.get("device") or "")
+  try:
+    return get_device(kind.split(":", 1)[-1]) if kind else get_device("h100")
+  except ValueError:
+    return get_device("h100")
+
+
+def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
+  """The candidates measured in ``paths`` (this binary's JSON, one case per
+  row), predicted again by the current model and ranked by it: the
+  statistics of ``fidelity_stats`` as if the current model had ranked that
+  sample. A row whose case is unknown or whose JSON lacks candidates is
+  reported with an ``error``."""
+  from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
+  cases = fidelity_cases(dtype)
+  out = []
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    dev = _device_of(data.get("meta") or {})
+    for row in data.get("rows") or []:
+      name = row.get("case")
+      res: dict[str, Any] = {"case": name, "source": path, "device": dev.name, "stats": {},
+                             "region": row.get("region", "-")}
+      out.append(res)
+      cands = [c for c in row.get("candidates") or []
+               if c.get("measured_s") is not None and math.isfinite(float(c["measured_s"]))]
+      if name not in cases or not cands:
+        res["error"] = "unknown case" if name not in cases else "no measured candidates"
+        continue
+      region = capture_region(cases[name], row.get("dtype") or dtype)
+      scored = []
+      for c in cands:
+        p = parse_plan(c["plan"], region.loop_extents)
+        t = cost_model.predict(region, p.expr, p.tile_map, p.grid, dev, p.split,
+                               num_stages=p.num_stages).time_s
+        scored.append((t, float(c["measured_s"]), c["plan"]))
+      scored.sort(key=lambda x: (x[0], x[2]))
+      res["stats"] = fidelity_stats([x[0] for x in scored], [x[1] for x in scored])
+      res["candidates"] = [{"rank": i, "plan": pl, "predicted_s": t, "measured_s": m}
+                           for i, (t, m, pl) in enumerate(scored)]
+      res["plan_time_s"] = row.get("plan_time_s")
+  return out
+
+
 def main(argv) -> int:
   del argv
   prefix = FLAGS.out or harness.default_out("model_fidelity", FLAGS.dtype)
+  if FLAGS.rescore:
+    rows = rescore_rows(FLAGS.rescore, FLAGS.dtype)
+    print(table(rows))
+    for r in rows:
+      if r.get("error"):
+        print(f"[model_fidelity] {r['source']}: {r['case']}: {r['error']}")
+    return 0
   if not harness.on_gpu():
     return dry_run(prefix)
   api = harness.jaxfuse_api()

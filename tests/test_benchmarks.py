@@ -198,3 +198,35 @@ def test_parse_shapes():
     with pytest.raises(ValueError, match="--shapes"):
       harness.parse_shapes(bad, "BxMxNxKxH")
   assert harness.parse_shapes("", "BxMxNxKxH") == []
+
+
+def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
+  """--rescore re-predicts the measured candidates of a saved run with the
+  current model (no GPU): the model's ranking decides the pick and the
+  statistics; unknown cases are reported, not fatal."""
+  from benchmarks import model_fidelity as mf
+  from jaxfuse.planner import plan_region
+  region = mf.capture_region(mf.fidelity_cases("float16")["G1"], "float16")
+  ranked = plan_region(region, "h200", use_cache=False, top=12).ranked
+  assert len(ranked) >= 6
+  # "measured": the model's second plan is the fastest; one plan failed
+  meas = [p.predicted.time_s * (0.5 if i == 1 else 1.0) for i, p in enumerate(ranked)]
+  meas[-1] = math.inf
+  row = {"case": "G1", "dtype": "float16", "region": region.einsum_summary(),
+         "candidates": [{"rank": i, "plan": str(p), "predicted_s": 1.0, "measured_s": m}
+                        for i, (p, m) in enumerate(zip(reversed(ranked), reversed(meas)))]}
+  path = tmp_path / "fid.json"
+  path.write_text(json.dumps({"meta": {"device": "gpu:NVIDIA H200"},
+                              "rows": [row, {"case": "nope", "candidates": []}]}))
+  rows = mf.rescore_rows([str(path)], "float16")
+  good, bad = rows
+  assert bad["error"] == "unknown case"
+  s = good["stats"]
+  assert good["device"] == "h200" and s["measured_ok"] == len(ranked) - 1
+  # ranked by the current model again: its first plan is the pick, the
+  # fastest (its second) gives the regret
+  assert good["candidates"][0]["plan"] == str(ranked[0])
+  p0, p1 = ranked[0].predicted.time_s, ranked[1].predicted.time_s
+  assert s["best_measured_s"] == pytest.approx(0.5 * p1)
+  assert s["regret_top1"] == pytest.approx(p0 / (0.5 * p1) - 1.0)
+  assert s["spearman"] is not None and "| G1 |" in mf.table(rows)

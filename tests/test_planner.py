@@ -461,3 +461,20 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   best1 = plan_region(g1, h200, use_cache=False).best
   assert "separate kernels" in cost_model.slower_than_unfused(g6, best6, h200)
   assert cost_model.slower_than_unfused(g1, best1, h200) is None
+
+
+def test_parse_plan_roundtrip():
+  from jaxfuse.config import config
+  from jaxfuse.planner.plan import parse_plan
+  for r in (examples.gemm_chain(1, 512, 256, 64, 128), examples.attention(1, 2, 256, 256, 64, 64)):
+    for p in plan_region(r, "h100", use_cache=False, top=20).ranked:
+      q = parse_plan(str(p), r.loop_extents)
+      assert str(q) == str(p) and q.tiles == p.tiles and q.grid == p.grid
+  with config.override(allow_split=True):
+    r = examples.gemm_chain(1, 1024, 1024, 128, 128)
+    split = [p for p in plan_region(r, "h100", use_cache=False, top=400).ranked if p.split]
+  assert split and parse_plan(str(split[0])).split == split[0].split
+  with pytest.raises(ValueError, match="not a printed plan"):
+    parse_plan("grid(m) mnk")
+  with pytest.raises(TypeError):
+    parse_plan(3)

@@ -32,7 +32,8 @@ recomputes its producer tiles.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import re
+from typing import Iterable, Optional
 
 from jaxfuse.planner.tiling import TilingExpr
 
@@ -81,3 +82,34 @@ class Plan:
     if self.split:
       s += f"  split={self.split[0]}x{self.split[1]}"
     return s
+
+
+_PLAN_RE = re.compile(r"grid\((?P<grid>[^)]*)\) (?P<expr>.+?)  tiles\((?P<tiles>[^)]*)\)  "
+                      r"warps=(?P<warps>\d+) stages=(?P<stages>\d+)"
+                      r"(?:  split=(?P<sl>\w+)x(?P<sp>\d+))?$")
+
+
+def parse_plan(text: str, loops: Optional[Iterable[str]] = None) -> Plan:
+  """The plan ``str(plan)`` printed (without its prediction), e.g. from a
+  benchmark's JSON: ``str(parse_plan(str(p))) == str(p)``. ``loops``: the
+  region's loop names, checked when given.
+
+  Example::
+
+      p = parse_plan("grid(m) (La,n(Lb,Cc,Ld,Ce),Se)  tiles(m=64, n=64, k=64, h=64)  "
+                     "warps=4 stages=3")
+  """
+  from jaxfuse.planner import tiling  # pylint: disable=import-outside-toplevel
+  if not isinstance(text, str):
+    raise TypeError(f"text must be a str, got {type(text).__name__}")
+  m = _PLAN_RE.match(text.strip())
+  if m is None:
+    raise ValueError(f"not a printed plan: {text!r}")
+  grid = tuple(g for g in m["grid"].split(",") if g and g != "-")
+  tiles = []
+  for item in m["tiles"].split(", "):
+    name, _, size = item.partition("=")
+    tiles.append((name, int(size)))
+  split = (m["sl"], int(m["sp"])) if m["sl"] else None
+  return Plan(expr=tiling.parse(m["expr"], loops), grid=grid, tiles=tuple(tiles),
+              num_warps=int(m["warps"]), num_stages=int(m["stages"]), split=split)

@@ -187,6 +187,13 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   for s, (h, m, n, dk, dv, _) in attention.MCFUSER.items():
     cases[s] = attention.make_case(s, 1, h, m, n, dk, dv, causal=False, layout="bhtd",
                                    group="MCFuser Table III", dtype=dtype)
+  # The large attention cases (not run by default: their candidates take
+  # minutes to compile and time).
+  for t in (2048, 4096):
+    for d in (64, 128):
+      name = f"L-T{t}-d{d}"
+      cases[name] = attention.make_case(name, 8, 16, t, t, d, d, causal=False, layout="bhtd",
+                                        group="large", dtype=dtype)
   return cases
 
 

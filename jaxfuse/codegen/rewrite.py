@@ -36,7 +36,7 @@ def _scale_literal(op) -> Optional[int]:
     return None
   for i, a in enumerate(op.args):
     other = op.args[1 - i]
-    if isinstance(a, ir.Literal) and isinstance(other, str):
+    if isinstance(a, ir.Literal) and isinstance(other, str) and a.dtype in ir.FLOAT_DTYPES:
       v = a.value
       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
         return i

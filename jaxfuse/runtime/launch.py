@@ -32,15 +32,17 @@ from absl import logging
 
 from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
+from jaxfuse.codegen.compile import interpret_env
+from jaxfuse.runtime import timing
 
 
 class LeftToXLA(CodegenError):
   """A decision, not a failure: the region runs as XLA's own ops because it
   is compute-bound, or the model or a measurement says XLA is faster."""
-from jaxfuse.codegen.compile import interpret_env
-from jaxfuse.runtime import timing
 
-__all__ = ["fused_call", "run_interpreted", "select_kernel", "measure_plans", "self_check"]
+
+__all__ = ["fused_call", "run_interpreted", "select_kernel", "measure_plans", "self_check",
+           "LeftToXLA"]
 
 _lock = threading.Lock()
 # (region signature, plan str, backend) -> GeneratedKernel, or the error that dropped it.
@@ -369,7 +371,7 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     mbci, ai, ridge = is_mbci(region, dev)
     if not mbci:
       raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
-                         f"{ridge:.0f}; left to XLA")
+                      f"{ridge:.0f}; left to XLA")
     if not measured:
       from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
       why = cost_model.slower_than_unfused(region, ranked[0], dev)
@@ -428,7 +430,7 @@ def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
   # fused kernel wins on memory traffic left for the rest of the program.
   if t_fused > 1.05 * t_xla:
     raise LeftToXLA(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
-                       f"XLA {t_xla * 1e6:.1f} us")
+                    f"XLA {t_xla * 1e6:.1f} us")
 
 
 def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,

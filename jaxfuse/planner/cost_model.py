@@ -95,11 +95,22 @@ NARROW_ROWS_EFFICIENCY = 0.4
 STAGE2_PENALTY = 0.15
 
 
-def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
-  """Rows of ``op``'s output tile: its lhs-only output loops."""
+def _gemm_dims(region: ir.Region, op: "ir.Contraction",
+               sizes: Mapping[str, int]) -> tuple[int, int, int, int]:
+  """(rows, cols, batch, red) of ``op`` at ``sizes`` (tiles or extents):
+  the lhs-only, rhs-only and shared output loops, and the contracted ones."""
   vm = region.value_map
   lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  return math.prod(tiles[l] for l in vm[op.out].loops if l in lhs and l not in rhs)
+  out = vm[op.out].loops
+  return (math.prod(sizes[l] for l in out if l in lhs and l not in rhs),
+          math.prod(sizes[l] for l in out if l in rhs and l not in lhs),
+          math.prod(sizes[l] for l in out if l in lhs and l in rhs),
+          math.prod(sizes[l] for l in op.reduce))
+
+
+def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
+  """Rows of ``op``'s output tile: its lhs-only output loops."""
+  return _gemm_dims(region, op, tiles)[0]
 
 
 def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int],
@@ -109,12 +120,7 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   rows: the lhs-only output loops; cols: the rhs-only output loops; red:
   the contracted loops (batch loops, tile 1, drop out).
   """
-  vm = region.value_map
-  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  out = vm[op.out].loops
-  rows = _rows(region, op, tiles)
-  cols = math.prod(tiles[l] for l in out if l in rhs and l not in lhs)
-  red = math.prod(tiles[l] for l in op.reduce)
+  rows, cols, _, red = _gemm_dims(region, op, tiles)
   eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY * rows / device.mma_rows
   h = HALF_EFFICIENCY_TILE
   return eta * cols / (cols + h) * red / (red + h)
@@ -345,8 +351,9 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
                  + math.ceil(part / 64) * device.loop_step_s)
     t = max(programs * bytes_p / device.mem_bandwidth_Bps + programs * flops_p / peak,
             math.ceil(programs / sms) * t_program) + device.min_kernel_s
-    if s > 1:   # the partial sums' reduction kernel
-      t += 2 * batch * rows * cols * 4 * s / device.mem_bandwidth_Bps / s + device.min_kernel_s
+    if s > 1:   # the reduction kernel reads s fp32 partials, writes the result
+      t += (batch * rows * cols * (4 * s + itemsize) / device.mem_bandwidth_Bps
+            + device.min_kernel_s)
     best = min(best, t)
   return best
 
@@ -357,7 +364,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   input (elementwise ops fuse into those kernels).
 
   Why: a fused plan predicted slower than this is left to XLA under
-  tune=model. On an H200 (fourth session) this estimate was 0.7-2.1x XLA's
+  tune=model. On an H200 (fourth session) this estimate was 0.6-1.7x XLA's
   measured kernel time on the 33 paper cases; the fused plans it rejects
   (MCFuser G5, G6) measured 1.4-1.7x slower than XLA.
   """
@@ -367,12 +374,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   total = 0.0
   for op in region.ops:
     if isinstance(op, ir.Contraction):
-      lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-      out = vm[op.out].loops
-      rows = math.prod(ext[l] for l in out if l in lhs and l not in rhs)
-      cols = math.prod(ext[l] for l in out if l in rhs and l not in lhs)
-      batch = math.prod(ext[l] for l in out if l in lhs and l in rhs)
-      red = math.prod(ext[l] for l in op.reduce)
+      rows, cols, batch, red = _gemm_dims(region, op, ext)
       itemsize = ir.dtype_itemsize(vm[op.lhs].dtype)
       total += _library_gemm_time(rows, cols, batch, red, itemsize, peak, device)
     elif isinstance(op, ir.Reduction):
@@ -386,7 +388,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
 # ``unfused_time`` is left to XLA. The margin covers both estimates' error:
 # on the 33 paper cases (H200, fourth session) the fused prediction was
 # 0.7-1.5x the measured kernel time and ``unfused_time`` 0.6-1.7x XLA's;
-# MCFuser G5 and G6 (ratios 1.9 and 3.5) measured 1.4x and 1.6x slower
+# MCFuser G5 and G6 (ratios 1.75 and 3.1) measured 1.4x and 1.6x slower
 # fused, every case below 1.5 was faster fused.
 UNFUSED_MARGIN = 1.5
 

@@ -172,13 +172,14 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
                if isinstance(n, tiling.LoopNode) and n.loop == cand.split[0])
     if any(s.kind == "S" for s in tiling.TilingExpr(expr.body[:idx + 1]).statements()):
       raise tiling.PlacementError("split plans store outputs only after the split loop")
-  pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split,
-                            streamable=streamable)
   warps, stages = cost_model.choose_warps_stages(region, expr, tiles, device)
-  if pruning.pipelined_smem_bytes(region, expr, tiles, stages) > device.smem_per_block_bytes:
+  smem = pruning.pipelined_smem_bytes(region, expr, tiles, stages)
+  if smem > device.smem_per_block_bytes:
     raise tiling.PlacementError(
-        f"shared memory of {pruning.pipelined_smem_bytes(region, expr, tiles, stages)} B at "
-        f"{stages} pipeline stages exceeds {device.smem_per_block_bytes} B (Rule 4)")
+        f"shared memory of {smem} B at {stages} pipeline stages exceeds "
+        f"{device.smem_per_block_bytes} B (Rule 4)")
+  pred = cost_model.predict(region, expr, tiles, cand.grid, device, cand.split,
+                            streamable=streamable, num_stages=stages)
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
 

@@ -81,6 +81,13 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}
 # Flags
 # ---------------------------------------------------------------------------
 
+# --call_outputs: returning every call's outputs from the timed program adds
+# a per-output cost of the program itself (output buffers, command-buffer
+# updates): 2-3 us per call for jax.jit and jaxfuse alike on 2-5 us kernels
+# (H200, fifth session), more than some whole calls cost inside a program.
+CALL_OUTPUTS = ("consumed", "returned")
+
+
 def define_flags(default_cases: str = "all", default_baselines: str = "all",
                  shapes_help: Optional[str] = None) -> None:
   """Defines the flags every benchmark binary shares (idempotent)."""
@@ -101,6 +108,11 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
   flags.DEFINE_string("out", "", "Output path prefix for .json/.csv/.png "
                       "(default benchmarks/results/<binary>-<device>-<dtype>).")
   flags.DEFINE_bool("plot", False, "Write a roofline chart and a speedup chart.")
+  flags.DEFINE_enum("call_outputs", "consumed", list(CALL_OUTPUTS),
+                    "What the timed K-call function does with each call's "
+                    "outputs: 'consumed' keeps them on the device (behind an "
+                    "optimization barrier, one element of each returned), "
+                    "'returned' returns them all from the program.")
   flags.DEFINE_enum("tune", "model", ["model", "measure"],
                     "jaxfuse search: the analytical model alone, or measured "
                     "refinement of the top candidates on the GPU.")
@@ -384,6 +396,13 @@ class Impl:
   def build(self) -> Callable[[list], Any]:
     raise NotImplementedError
 
+  def build_timed(self, call_outputs: str) -> Optional[Callable[[list], Any]]:
+    """The program the slope times, when it differs from ``build()``'s:
+    for ``call_outputs='consumed'``, the same K calls with their outputs
+    kept on the device, returning one element of each output leaf (call
+    by call, leaf by leaf) so that the check can see it computed them."""
+    return None
+
   def block(self, out: Any) -> None:
     raise NotImplementedError
 
@@ -436,11 +455,26 @@ class JaxImpl(Impl):
       # Independent calls, unrolled: XLA sees K separate computations.
       return [fn(*s) for s in sets]
 
-    if self.compiler == "jaxfuse":
-      compiled = jaxfuse_api().jit(many)
-    else:
-      compiled = jax.jit(many)
+    compiled = self._jit(many)
     return lambda sets: compiled(*sets)
+
+  def build_timed(self, call_outputs: str) -> Optional[Callable[[list], Any]]:
+    if call_outputs == "returned":
+      return None
+    fn = self.fn
+
+    def many_consumed(*sets):
+      # The barrier keeps every output whole: XLA may not narrow a call to
+      # the element returned.
+      outs = jax.lax.optimization_barrier([fn(*s) for s in sets])
+      return jnp.stack([l.reshape(-1)[0].astype(jnp.float32)
+                        for o in outs for l in jax.tree_util.tree_leaves(o)])
+
+    compiled = self._jit(many_consumed)
+    return lambda sets: compiled(*sets)
+
+  def _jit(self, f: Callable) -> Callable:
+    return jaxfuse_api().jit(f) if self.compiler == "jaxfuse" else jax.jit(f)
 
   def block(self, out: Any) -> None:
     jax.block_until_ready(out)
@@ -706,6 +740,20 @@ def reference(case: Case, args: tuple) -> tuple[list[np.ndarray], str]:
           "float32 (highest matmul precision)")
 
 
+def check_consumed(samples: Any, out: Any, tol: float) -> None:
+  """The timed (outputs consumed) program computed what the checked one
+  returned: its samples are the first element of each call's output leaves
+  (``Impl.build_timed``). Raises on a mismatch."""
+  leaves = [np.asarray(jnp.asarray(l, jnp.float32), np.float64)
+            for o in out for l in jax.tree_util.tree_leaves(o)]
+  got = np.asarray(samples, np.float64)
+  want = np.array([l.reshape(-1)[0] for l in leaves])
+  scale = np.array([max(float(np.max(np.abs(l))), 1e-30) for l in leaves])
+  if got.shape != want.shape or not np.all(np.abs(got - want) <= 2 * tol * scale):
+    raise AssertionError(f"timed program's samples {got[:4]} differ from the checked "
+                         f"outputs {want[:4]}")
+
+
 def rel_error(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> tuple[float, float]:
   """(normwise relative error, max abs error / max |ref|) over all leaves."""
   if len(outs) != len(refs):
@@ -749,6 +797,7 @@ class Settings:
   mem_budget_gb: float = 4.0
   profile: str = "auto"
   tune: str = "model"
+  call_outputs: str = "consumed"
   seed: int = 0
   fresh_cache: bool = True
   tol: float = 0.0
@@ -759,7 +808,7 @@ class Settings:
   def from_flags(cls) -> "Settings":
     return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), calls=FLAGS.calls,
                mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
-               tune=FLAGS.tune, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
+               tune=FLAGS.tune, call_outputs=FLAGS.call_outputs, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
                tol=FLAGS.tol, details=FLAGS.jaxfuse_details)
 
   @property
@@ -913,8 +962,14 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         errs = [rel_error(per_call[i], refs[i][0]) for i in check_idx]
         res["rel_err"] = max(e[0] for e in errs)
         res["max_err"] = max(e[1] for e in errs)
-        impl.block(runner(prepared[:4 * k]))   # compile/warm 4K
-        res.update(slope_time(runner, impl.block, prepared, k, settings.reps))
+        timed = impl.build_timed(settings.call_outputs)
+        if timed is not None:
+          check_consumed(timed(prepared[:k]), out, tol)
+        else:
+          timed = runner
+        impl.block(timed(prepared[:4 * k]))   # compile/warm 4K
+        res.update(slope_time(timed, impl.block, prepared, k, settings.reps))
+        res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         if settings.do_profile:
           ks = impl.profile(runner, prepared[:k], settings.profile_iters)
           if ks is not None and (ks.count > 0 or ks.total_us > 0):
@@ -1250,7 +1305,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
       "host": platform.node(), "versions": versions(), "settings": dataclasses.asdict(settings),
       "roof": dataclasses.asdict(roof), "jaxfuse_path": note, "argv": sys.argv,
       "method": ("per-call = slope between K and 4K unrolled independent calls "
-                 "(median of reps); kernel = profiler GPU kernel time per call"),
+                 f"(median of reps; call outputs {settings.call_outputs}); kernel = "
+                 "profiler GPU kernel time per call (outputs returned)"),
   }
   print(f"[{binary}] device {meta['device']} (backend {meta['backend']}), dtype "
         f"{settings.dtype}, floor vs {roof.name} ({roof.source})")

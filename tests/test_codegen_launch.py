@@ -100,28 +100,6 @@ def test_planner_ranked_plans_generate_correct_kernels():
 
 # -- launch form and timing ---------------------------------------------------
 
-def test_as_typed_ffi_rewrites_a_legacy_custom_call():
-  import jax
-  import jax.numpy as jnp
-  from jax.extend.core import Primitive
-  from jax.interpreters import mlir
-  prim = Primitive("jaxfuse_test_legacy_call")
-  prim.multiple_results = True
-  prim.def_abstract_eval(lambda x: [jax.core.ShapedArray(x.shape, x.dtype)])
-
-  def lowering(ctx, x):
-    res = jax.ffi.ffi_lowering("legacy_target", api_version=2,
-                               backend_config=b"\x78opaque\xff")(ctx, x)
-    launch.as_typed_ffi(res, "typed_target", "kern")
-    return res
-  mlir.register_lowering(prim, lowering)
-  text = jax.jit(lambda x: prim.bind(x)).lower(jnp.ones(4)).as_text()
-  call = [l for l in text.splitlines() if "custom_call" in l]
-  assert len(call) == 1
-  assert "@typed_target" in call[0] and "api_version = 4" in call[0]
-  assert 'backend_config = {name = "kern", opaque = "x' in call[0].replace("\\78", "x")
-
-
 def test_config_launch_is_checked():
   from jaxfuse.config import config
   with pytest.raises(ValueError, match="launch"):

@@ -5,7 +5,8 @@ given), generates the kernel and runs it:
 
 * ``backend='triton'``: ``jax_triton.triton_call`` (imported lazily) with the
   plan's grid, ``num_warps`` and ``num_stages``, lowered to jaxlib's typed
-  FFI Triton target (``config.launch``); usable inside a lowering
+  FFI Triton target (``config.launch``) with a slimmed serialized kernel
+  (``jaxfuse.runtime.triton_call``); usable inside a lowering
   (``mlir.lower_fun``) and inside ``jax.jit``.
 * ``backend='interpret'``: ``jax.pure_callback`` that runs the same kernel in
   Triton's interpreter on torch CPU tensors.
@@ -34,6 +35,7 @@ from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
 from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.runtime import timing
+from jaxfuse.runtime import triton_call
 
 
 class LeftToXLA(CodegenError):
@@ -212,82 +214,6 @@ def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list]
 
 
 # ------------------------------------------------------------ GPU path
-def _jt():
-  import jax_triton  # pylint: disable=g-import-not-at-top  (fails on CPU jaxlib)
-  return jax_triton
-
-
-FFI_TARGET = "triton_kernel_call_ffi"
-# The target name jax-triton is handed when the FFI form is wanted; only the
-# lowering below understands it.
-_FFI_SENTINEL = "jaxfuse." + FFI_TARGET
-_ffi_lowering_registered = False
-
-
-def ffi_available() -> bool:
-  """jaxlib registers the typed-FFI Triton target after 0.10.2 (Pallas
-  switched to it then)."""
-  from jax._src.lib import version  # pylint: disable=g-import-not-at-top
-  return tuple(version) > (0, 10, 2)
-
-
-def as_typed_ffi(results, target: str, name: str) -> None:
-  """Turns the legacy custom call producing ``results`` (its opaque string
-  in ``backend_config``) into a typed-FFI call of ``target`` whose backend
-  config is ``{name, opaque}``, in place."""
-  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
-  op = results[0].owner
-  op = getattr(op, "operation", op)
-  opaque = op.attributes["backend_config"]
-  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(target)
-  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(
-      mlir_ir.IntegerType.get_signless(32), 4)
-  op.attributes["backend_config"] = mlir_ir.DictAttr.get({
-      "name": mlir_ir.StringAttr.get(name), "opaque": opaque})
-
-
-def _register_ffi_lowering(jt) -> None:
-  """Lowers jax-triton calls that name ``_FFI_SENTINEL`` to jaxlib's typed
-  FFI target instead of jax-triton's legacy custom call.
-
-  Why: with the legacy call, per-call time exceeded kernel time by 4-9 us
-  on an H200 (benchmarks/RESULTS.md, first session) while XLA's own
-  kernels showed ~3 us; a legacy custom call cannot join XLA's command
-  buffers, a typed-FFI call can (independent fused calls then overlapped,
-  second session). Fourth session A/B: 1-1.7 us less per call than the
-  legacy form on small GEMM chains. The kernel, its compilation and the serialized call are
-  jax-triton's; only the custom call's form changes. Other jax-triton
-  users are unaffected.
-  """
-  global _ffi_lowering_registered
-  with _lock:
-    if _ffi_lowering_registered:
-      return
-    from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
-    tl = jt.triton_lib
-    legacy = tl.triton_kernel_call_lowering
-
-    def lowering(ctx, *args, custom_call_target_name, **params):
-      if custom_call_target_name != _FFI_SENTINEL:
-        return legacy(tl.get_cuda_backend, ctx, *args,
-                      custom_call_target_name=custom_call_target_name, **params)
-      results = legacy(tl.get_cuda_backend, ctx, *args,
-                       custom_call_target_name=FFI_TARGET, **params)
-      as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
-      return results
-
-    mlir.register_lowering(tl.triton_kernel_call_p, lowering, platform="cuda")
-    _ffi_lowering_registered = True
-
-
-def _call_target(jt) -> str:
-  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  if config.launch == "ffi" and ffi_available():
-    _register_ffi_lowering(jt)
-    return _FFI_SENTINEL
-  return "triton_kernel_call"
-
-
 def _out_shapes(region: ir.Region):
   import jax  # pylint: disable=g-import-not-at-top
   vm = region.value_map
@@ -298,9 +224,9 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   """``jax_triton.triton_call`` of a generated kernel (plus its combine pass)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  jt = _jt()
+  jt = triton_call.jax_triton_module()
   kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages,
-            custom_call_target_name=_call_target(jt), **kernel.constexprs)
+            custom_call_target_name=triton_call.call_target(jt), **kernel.constexprs)
   outs = _out_shapes(kernel.region)
   if kernel.combine_fn is None:
     res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw)

@@ -380,6 +380,31 @@ def test_dot_efficiency_rewards_wide_tiles_and_wgmma_rows():
       cost_model.dot_efficiency(r, c, dict(t, m=64), a100))
 
 
+def test_model_charges_refilling_nested_loops():
+  """A loop nested in another refills its pipeline each time the program
+  enters it: t_program gains inner_loop_starts * NESTED_LOOP_FILL_S."""
+  ext = {"n": 1024, "k": 128, "h": 64}
+  trips = lambda l: ext[l] // 64
+  assert cost_model.inner_loop_starts(tiling.parse("(La,n(Lb,Cc,Ld,Ce),Se)"), trips) == 0
+  assert cost_model.inner_loop_starts(tiling.parse("(n(k(La,Lb,Cc),Ld,Ce),Se)"), trips) == 16
+  # h(n(k)): n entered 1x per h tile, k once per (h, n) tile
+  assert cost_model.inner_loop_starts(tiling.parse("h(n(k(La,Lb,Cc),Ld,Ce),Se)"), trips) == 1 + 16
+  r = examples.gemm_chain(1, 1024, 1024, 128, 128)
+  grid = ("b", "m", "h")
+  flat = {"b": 1, "m": 64, "n": 64, "k": 128, "h": 64}   # k in one tile: n loop only
+  nested = dict(flat, k=64)                               # k loop inside the n loop
+  ef, en = tiling.place(r, "mhnk", flat, grid), tiling.place(r, "mhnk", nested, grid)
+  assert "k(" not in str(ef) and "k(" in str(en)
+  pf = cost_model.predict(r, ef, flat, grid, H100, num_stages=3)
+  pn = cost_model.predict(r, en, nested, grid, H100, num_stages=3)
+  base = (pn.bytes_moved / pn.programs / H100.sm_bandwidth_Bps
+          + pn.t_comp_s * H100.sm_count / pn.programs + pn.steps * H100.loop_step_s)
+  assert pn.t_program_s == pytest.approx(base + 1024 // 64 * cost_model.NESTED_LOOP_FILL_S)
+  assert pf.t_program_s == pytest.approx(
+      pf.bytes_moved / pf.programs / H100.sm_bandwidth_Bps
+      + pf.t_comp_s * H100.sm_count / pf.programs + pf.steps * H100.loop_step_s)
+
+
 def test_attention_model_charges_narrow_key_tiles():
   att = examples.attention(8, 16, 2048, 2048, 64)
   grid = ("b", "g", "m")

@@ -123,6 +123,24 @@ def test_slope_takes_fixed_costs_out(monkeypatch):
     timing.slope(run, lambda out: None, lo=4, hi=4)
 
 
+def test_consume_outputs_keeps_every_output_whole_and_returns_samples():
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse.runtime import timing
+  xs = [jnp.arange(12.0).reshape(3, 4) + i for i in range(3)]
+
+  def prog(xs):
+    return timing.consume_outputs([(x @ x.T, x * 2) for x in xs])
+  got = np.asarray(jax.jit(prog)(xs))
+  want = [v for x in xs for v in (float((x @ x.T)[0, 0]), float(x[0, 0] * 2))]
+  np.testing.assert_allclose(got, want)
+  # Behind the barrier each call's contraction is computed whole, not
+  # narrowed to the one element returned.
+  hlo = jax.jit(prog).lower(xs).compile().as_text()
+  dots = [l for l in hlo.splitlines() if " dot(" in l]
+  assert len(dots) == 3 and all("f32[3,3]" in l for l in dots)
+
+
 def test_triton_cache_dir_is_made_writable(monkeypatch, tmp_path):
   import os
   from jaxfuse.config import config

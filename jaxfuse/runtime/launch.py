@@ -312,7 +312,8 @@ _xla_decisions: dict[str, tuple[float, float]] = {}
 def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
                    reps: int = 7) -> float:
   """Seconds per call of ``fn`` on the device by the slope method
-  (``jaxfuse.runtime.timing``) on distinct random inputs."""
+  (``jaxfuse.runtime.timing``) on distinct random inputs, the calls'
+  outputs consumed on the device (``timing.consume_outputs``)."""
   import jax  # pylint: disable=g-import-not-at-top
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
@@ -320,7 +321,8 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
   with jax.ensure_compile_time_eval():
     dev = [jax.device_put(x) for x in base]
     sets = [[_shifted(x, i) for x in dev] for i in range(hi)]
-  progs = {n: jax.jit(lambda s, n=n: [fn(*a) for a in s[:n]]) for n in (lo, hi)}
+  progs = {n: jax.jit(lambda s, n=n: timing.consume_outputs([fn(*a) for a in s[:n]]))
+           for n in (lo, hi)}
   with jax.ensure_compile_time_eval():
     res = timing.slope(lambda n: progs[n](sets), jax.block_until_ready, lo=lo, hi=hi,
                        reps=reps)

@@ -172,20 +172,30 @@ def test_device_reference_runs_eagerly_inside_a_trace():
 
 def test_keep_or_drop_against_xla(monkeypatch):
   from jaxfuse.codegen import CodegenError
+  from jaxfuse.planner import cost_model
   from jaxfuse.planner import examples
   r = examples.gemm_chain(1, 32, 16, 16, 16)
 
   class K:
     region = r
-  for fused, xla, kept in ((2e-6, 5e-6, True), (5.1e-6, 5e-6, True), (6e-6, 5e-6, False),
-                           (2e-6, 0.0, True), (-1e-6, 5e-6, True)):
+    plan = None
+  # (fused s, spread), (XLA s, spread), model verdict, kept?
+  cases = (((2e-6, 0.1), (5e-6, 0.1), None, True),
+           ((5.1e-6, 0.1), (5e-6, 0.1), None, True),      # within 5%: a tie, kept
+           ((6e-6, 0.1), (5e-6, 0.1), None, False),
+           ((2e-6, 0.1), (0.0, 0.1), None, True),         # a zero slope: the model says fused
+           ((-1e-6, 0.1), (5e-6, 0.1), "slower", False),  # a negative slope: the model says XLA
+           ((6e-6, 0.1), (1e-6, 0.9), None, True),        # XLA's repetitions disagree
+           ((6e-6, 0.9), (1e-6, 0.1), "slower", False))
+  for fused, xla, verdict, kept in cases:
     launch._xla_decisions.clear()
     times = iter((fused, xla))
     monkeypatch.setattr(launch, "_per_call_time", lambda fn, region: next(times))
+    monkeypatch.setattr(cost_model, "slower_than_unfused", lambda *a, v=verdict: v)
     if kept:
       launch._keep_fused(K(), lambda *a: a)
     else:
-      with pytest.raises(CodegenError, match="measured slower than XLA"):
+      with pytest.raises(CodegenError, match="measured slower than XLA|inconclusive"):
         launch._keep_fused(K(), lambda *a: a)
   launch._xla_decisions.clear()
 

@@ -232,9 +232,12 @@ def versions() -> dict[str, str]:
     except Exception as e:  # pragma: no cover - optional deps
       out[mod] = f"unavailable ({type(e).__name__})"
   try:
-    out["jaxfuse_commit"] = subprocess.run(
-        ["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
-        capture_output=True, text=True, timeout=10).stdout.strip()
+    git = lambda *a: subprocess.run(["git", "-C", REPO_ROOT, *a], capture_output=True,
+                                    text=True, timeout=10).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    # A copied work tree can be ahead of its git metadata: say so.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "jaxfuse", "benchmarks")
+    out["jaxfuse_commit"] = commit + ("+modified" if commit and changed else "")
   except Exception:
     out["jaxfuse_commit"] = "?"
   return out

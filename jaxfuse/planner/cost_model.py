@@ -37,9 +37,10 @@ constants were fitted on ~1,600 measured candidates (G1-G6, G10, S1-S3,
 S7, S9, two large attention cases); the final fidelity run gave regret
 <= 2.4% on G1-G4 and S1-S3 and Spearman 0.90-0.95 except S2 (0.78). The
 nested-loop refill term, added after, re-scores those 35 saved samples at
-Spearman >= 0.86 and regret <= 12.9% except G6 (0.83, as before); S2's
-16-row attention tiles are still priced ~2x too slow (the narrow-row factor
-comes from GEMM chains). ``Prediction.alpha`` reports
+Spearman >= 0.86 and regret <= 12.9% except G6 (0.83, as before), and a
+fresh run drawn by it (fifth session) gave Spearman 0.93-0.98 and regret
+<= 7.2% on G1-G4 and S1-S3; S2's 16-row attention tiles are still priced
+~2x too slow (the narrow-row factor comes from GEMM chains). ``Prediction.alpha`` reports
 ``t / (t_mem + t_comp)``, the factor the grid costs over the roofline sum.
 
 Three refinements of ``t_comp`` that MCFuser's model lacks and that decided

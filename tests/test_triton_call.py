@@ -4,6 +4,11 @@ import zlib
 
 import pytest
 
+try:
+  import triton.language as tl
+except ImportError:  # pragma: no cover
+  tl = None
+
 from jaxfuse.runtime import triton_call as tc
 
 
@@ -101,3 +106,32 @@ def test_slim_backend_config_rewrites_the_serialized_call_in_place():
   assert tc.slim_kernel_call(zlib.compress(ANY)) == seen[0]
   got = zlib.decompress(seen[0])
   assert b"tt.func" in ANY and b"tt.func" not in got and b"mov.u32" in got
+
+
+def _compile_for_hopper():
+  triton = pytest.importorskip("triton")
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import compiler as tcc
+  try:
+    # JITFunction directly: the tests run with TRITON_INTERPRET=1, under
+    # which @triton.jit gives an interpreter function.
+    from triton.runtime.jit import JITFunction
+    return triton.compile(tcc.ASTSource(JITFunction(_double), signature={"x": "*fp32", "n": "i32"},
+                                        constexprs={}),
+                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+  except Exception as e:  # a Triton without its CUDA toolchain
+    pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}")
+
+
+def test_kernels_compile_without_line_info():
+  with_info = _compile_for_hopper()
+  with tc._without_line_info():
+    without = _compile_for_hopper()
+  assert ".loc" in with_info and ".loc" not in without
+  assert len(without) < len(with_info)
+
+
+
+def _double(x, n):   # compiled below as a Triton kernel (not interpreted)
+  i = tl.arange(0, 16)
+  tl.store(x + i, tl.load(x + i, mask=i < n) * 2, mask=i < n)

@@ -53,6 +53,7 @@ def _check_outputs(prefix, out: str, *, plots: bool = False, must_run=("jaxfuse"
       assert res["correct"] is True, (row["case"], name, res)
       assert res["rel_err"] < 5e-3
       assert "per_call_s" in res
+      assert res["call_outputs"] == data["meta"]["settings"]["call_outputs"]
     assert "jaxfuse" in row["impls"]["jaxfuse"]   # jaxfuse details recorded
   if plots:
     assert os.path.getsize(str(prefix) + "_roofline.png") > 1000
@@ -69,6 +70,25 @@ def test_gemm_chain_cpu(tmp_path):
   assert row["params"] == {"batch": 1, "M": 64, "N": 32, "K": 16, "H": 16, "epilogue": "none"}
   assert row["flops"] == 2 * 64 * 32 * (16 + 16)
   assert row["impls"]["torch"]["status"].startswith("skipped")
+
+
+def test_gemm_chain_cpu_outputs_returned(tmp_path):
+  prefix = tmp_path / "gr"
+  out = _run(["-m", "benchmarks.gemm_chain", "--shapes=1x64x32x16x16", "--reps=1",
+              "--baselines=xla", "--call_outputs=returned", f"--out={prefix}"], tmp_path)
+  data = _check_outputs(prefix, out)
+  assert data["rows"][0]["impls"]["xla"]["call_outputs"] == "returned"
+
+
+def test_check_consumed_compares_samples_with_returned_outputs():
+  from benchmarks import harness
+  out = [(np.array([[1.0, 2.0], [3.0, 4.0]]), np.array([5.0])), (np.array([[7.0, 0.0]]), np.array([9.0]))]
+  harness.check_consumed(np.array([1.0, 5.0, 7.0, 9.0]), out, tol=2e-3)
+  harness.check_consumed(np.array([1.001, 5.0, 7.0, 9.0]), out, tol=2e-3)  # fp16 rounding
+  with pytest.raises(AssertionError, match="differ"):
+    harness.check_consumed(np.array([1.0, 5.0, 0.0, 9.0]), out, tol=2e-3)
+  with pytest.raises(AssertionError, match="differ"):
+    harness.check_consumed(np.array([1.0, 5.0]), out, tol=2e-3)
 
 
 def test_attention_cpu_script(tmp_path):

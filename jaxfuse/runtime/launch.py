@@ -306,7 +306,8 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
   return ranked
 
 
-_xla_decisions: dict[str, tuple[float, float]] = {}
+# region signature -> ((fused s, spread), (XLA s, spread)) per call.
+_xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
 
 
 def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,

@@ -74,9 +74,11 @@ def slope(run: Callable[[int], Any], block: Callable[[Any], None], *, lo: int, h
 
 def consume_outputs(outs: Any) -> Any:
   """What a K-call program timed by ``slope`` returns instead of its calls'
-  outputs: they stay on the device behind an optimization barrier (so XLA
-  computes each whole) and one element of each output leaf comes back, call
-  by call, leaf by leaf (float32), for a check that the calls ran.
+  outputs: they stay on the device behind an optimization barrier and one
+  element of each output leaf comes back, call by call, leaf by leaf
+  (float32), for a check that the calls ran. Contractions and custom calls
+  still compute their whole outputs; an elementwise op after a call's last
+  kernel may be computed by XLA for the returned element only.
 
   Why: returning every output from the program adds a cost per program
   output (output buffers, command-buffer updates) of 2-3 us per call on an

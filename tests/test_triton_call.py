@@ -4,11 +4,6 @@ import zlib
 
 import pytest
 
-try:
-  import triton.language as tl
-except ImportError:  # pragma: no cover
-  tl = None
-
 from jaxfuse.runtime import triton_call as tc
 
 
@@ -108,30 +103,50 @@ def test_slim_backend_config_rewrites_the_serialized_call_in_place():
   assert b"tt.func" in ANY and b"tt.func" not in got and b"mov.u32" in got
 
 
-def _compile_for_hopper():
-  triton = pytest.importorskip("triton")
-  from triton.backends.compiler import GPUTarget
-  from triton.compiler import compiler as tcc
-  try:
-    # JITFunction directly: the tests run with TRITON_INTERPRET=1, under
-    # which @triton.jit gives an interpreter function.
-    from triton.runtime.jit import JITFunction
-    return triton.compile(tcc.ASTSource(JITFunction(_double), signature={"x": "*fp32", "n": "i32"},
-                                        constexprs={}),
-                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-  except Exception as e:  # a Triton without its CUDA toolchain
-    pytest.skip(f"cannot compile for sm_90 here: {type(e).__name__}")
 
+# Compiled in a fresh process: Triton's interpreter, used by other tests in
+# this one, patches triton.language in place.
+_COMPILE_TWICE = """
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compiler as tcc
+from triton.runtime.jit import JITFunction
+from jaxfuse.runtime import triton_call
 
-def test_kernels_compile_without_line_info():
-  with_info = _compile_for_hopper()
-  with tc._without_line_info():
-    without = _compile_for_hopper()
-  assert ".loc" in with_info and ".loc" not in without
-  assert len(without) < len(with_info)
-
-
-
-def _double(x, n):   # compiled below as a Triton kernel (not interpreted)
+def double(x, n):
   i = tl.arange(0, 16)
   tl.store(x + i, tl.load(x + i, mask=i < n) * 2, mask=i < n)
+
+def ptx():
+  src = tcc.ASTSource(JITFunction(double), signature={"x": "*fp32", "n": "i32"}, constexprs={})
+  return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+try:
+  with_info = ptx()
+except ImportError as e:   # a Triton without its CUDA backend
+  print(json.dumps({"skip": str(e)})); sys.exit(0)
+with triton_call._without_line_info():
+  without = ptx()
+print(json.dumps({"with": with_info, "without": without}))
+"""
+
+
+def test_kernels_compile_without_line_info(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+  script = tmp_path / "compile_twice.py"   # Triton reads kernels' source from a file
+  script.write_text(_COMPILE_TWICE)
+  p = subprocess.run([sys.executable, str(script)], cwd=repo, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  res = json.loads(p.stdout.strip().splitlines()[-1])
+  if "skip" in res:
+    pytest.skip(f"Triton cannot compile for sm_90 here: {res['skip']}")
+  assert ".loc" in res["with"] and ".loc" not in res["without"]
+  assert len(res["without"]) < len(res["with"])

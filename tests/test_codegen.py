@@ -108,6 +108,17 @@ def test_attention_streamed(bias, mask, causal):
     assert "tl.minimum(N, (pid_m + 1) * BLOCK_M)" in k.source   # tiles above the diagonal skipped
 
 
+def test_softmax_max_reduces_unscaled_scores():
+  """max(c*x) is printed as c*max(x) (exact for c > 0), so c*x keeps one use
+  and fuses into the FMA of the shift; the kernel still matches the IR."""
+  r = T.attention(M=40, N=72, D=24, B=2, heads=2)
+  scale = next(op for op in r.ops if isinstance(op, Elementwise) and op.fn == "mul")
+  x = next(a for a in scale.args if isinstance(a, str))
+  k = run_and_check(r, T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16)))
+  line = next(l for l in k.source.splitlines() if "tl.max(" in l)
+  assert f"{x}, float(\"-inf\")), axis=1) * " in line, line
+
+
 def test_attention_plans():
   r = T.attention(M=33, N=40, D=16, B=1, heads=2, causal=True, bias=True)
   g = ("b", "g", "m")

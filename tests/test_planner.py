@@ -452,10 +452,16 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
   narrow = {"b": 1, "g": 1, "m": 64, "n": 256, "d": 64, "e": 64}
   wide = dict(narrow, m=128, n=128)
   assert cost_model.choose_warps(r, narrow) == 4     # 64 rows: one warpgroup
-  assert cost_model.choose_warps(r, wide) == 8
-  # 64x256 scores + 64x64 output in fp32 = 80 KB > 4 warps x 128 regs x 128 threads
-  assert cost_model.accumulator_bytes(r, narrow) == 80 * 1024
-  assert cost_model.register_budget_bytes(4) == 64 * 1024
+  # 128x128 scores + 128x64 output in fp32 = 96 KB: fits 4 warps x 192 regs x 128 threads
+  assert cost_model.accumulator_bytes(r, wide) == 96 * 1024
+  assert cost_model.register_budget_bytes(4) == 96 * 1024
+  assert cost_model.choose_warps(r, wide) == 4
+  r128 = examples.attention(1, 8, 512, 1024, 128)
+  assert cost_model.choose_warps(r128, dict(wide, d=128, e=128)) == 8   # 128 KB
+  # 64 rows whose 64x512 scores + 64x16 output (132 KB) exceed 4 warps' registers
+  r = examples.attention(1, 8, 512, 1024, 16)
+  narrow = dict(narrow, n=512, d=16, e=16)
+  assert cost_model.accumulator_bytes(r, narrow) == 132 * 1024
   sp = search.build_space(r, dev)
   sk = next(s for g in sp.grids for s in sp.skeletons[g] if "n(" in str(
       tiling.place(r, s, narrow, g, streamable=sp.streamable)))

@@ -25,7 +25,7 @@ from typing import Optional
 
 from jaxfuse import ir
 
-__all__ = ["fold_exp2"]
+__all__ = ["fold_exp2", "positive_scale"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -41,6 +41,15 @@ def _scale_literal(op) -> Optional[int]:
       if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
         return i
   return None
+
+
+def positive_scale(op) -> Optional[tuple[str, ir.Literal]]:
+  """``(x, c)`` when ``op`` is ``mul(x, c)`` or ``mul(c, x)`` with ``c`` a
+  finite positive float literal, else None."""
+  i = _scale_literal(op)
+  if i is None:
+    return None
+  return op.args[1 - i], op.args[i]
 
 
 def _masked_input(op) -> Optional[str]:

@@ -25,7 +25,7 @@ import math
 from typing import Optional, Sequence
 
 from jaxfuse import ir
-from jaxfuse.codegen import streaming
+from jaxfuse.codegen import rewrite, streaming
 from jaxfuse.planner.plan import Plan
 from jaxfuse.planner.tiling import LoopNode, Stmt
 
@@ -600,10 +600,19 @@ class _Printer:
       return self.f32(a)   # a single element: nothing to reduce
     x = self.f32(a)
     axis = a.order.index(l)
+    # max(c*x) == c*max(x) exactly for c > 0 (rounding is monotone): reducing
+    # x leaves c*x with a single use, which the compiler fuses into the FMA
+    # that consumes it (softmax's c*x - max), one multiply less per element.
+    scale = ""
+    if op.kind == "max":
+      ps = rewrite.positive_scale(self.ops.get(op.arg))
+      xt = self.lookup(ps[0]) if ps is not None else None
+      if xt is not None and xt.order == a.order:
+        x, scale = self.f32(xt), f" * {_lit(ps[1])}"
     if self.needs_mask(l) and (op.kind == "max" or l not in a.zpad):
       fill = 'float("-inf")' if op.kind == "max" else "0.0"
       x = f"tl.where({self.expand(f'mask_{l}', (l,), a.order)}, {x}, {fill})"
-    return f"tl.{op.kind}({x}, axis={axis})"
+    return f"tl.{op.kind}({x}, axis={axis}){scale}"
 
   def masked_operand(self, t: _Tile, red: Sequence[str]) -> str:
     x = t.var

@@ -208,26 +208,32 @@ def accumulator_bytes(region: ir.Region, tiles: Mapping[str, int]) -> int:
 # 3.6, H200, 2026-11-21) compiled but failed the self-check (error 0.98).
 MIN_STAGES = 2
 # fp32 accumulator registers one thread may hold (of 255) before the
-# kernel spills; the rest hold operands, the softmax tile and addresses.
-ACC_REGS_PER_THREAD = 128
+# kernel spills; the rest (BASE_REGS_PER_THREAD) hold operands, softmax
+# statistics and addresses. Measured on an H200 (Triton 3.6, 2026-11-21,
+# attention 8x16x2048): 4 warps holding 192 per thread ran fastest of 24
+# configurations (d=64, 128x128 scores: 353 us; d=128, 128x64 scores:
+# 632 us); 256 per thread spilled and ran 2.1x slower (d=128, 128x128).
+ACC_REGS_PER_THREAD = 192
 
 
 def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
-  """num_warps: 8 for dot tiles of 128x128 or more with at least 128 rows,
-  else 4.
+  """num_warps: 8 when the contractions' fp32 tiles exceed what 4 warps
+  hold in registers (``register_budget_bytes(4)``) and every contraction
+  has at least 128 rows, else 4.
 
   Why 128 rows: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so
   8 warps on a 64-row tile split the columns instead and exchange row
   maxima and sums through shared memory. On an H200 (2026-11-21,
   benchmarks.model_fidelity) every 64-row plan with 8 warps measured
   slower than the same rows with 4 warps: 8.3 vs 6.2 us on attention S1,
-  3.1 vs 2.8 us on GEMM chain G3.
+  3.1 vs 2.8 us on GEMM chain G3. Why registers: 128-row tiles that fit
+  in 4 warps' registers ran faster with 4 warps than with 8 (attention
+  8x16x2048, d=64, 128x128 scores: 353 vs 494 us; d=128, 128x64 scores:
+  632 vs 698 us).
   """
-  vm = region.value_map
   ops = region.contractions
-  area = max([math.prod(tiles[l] for l in vm[op.out].loops) for op in ops] or [0])
   rows = min([_rows(region, op, tiles) for op in ops] or [0])
-  return 8 if area >= 128 * 128 and rows >= 128 else 4
+  return 8 if rows >= 128 and accumulator_bytes(region, tiles) > register_budget_bytes(4) else 4
 
 
 def choose_warps_stages(region: ir.Region, expr: tiling.TilingExpr,

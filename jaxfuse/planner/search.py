@@ -334,7 +334,16 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   # attention: its reference and compile took the whole 4 s), one slower
   # plan that happened to be measured must not displace it (it did: 844 vs
   # 585 us on an H200, fourth session).
-  entries = [(measured.get(c), p) for c, p in memo.items() if p is not None]
+  # Several candidates can place the same plan; a measurement of one holds
+  # for all (an unmeasured twin must not outrank a plan that failed).
+  def plan_key(p):
+    return (str(p.expr), p.grid, p.tiles, p.split, p.num_warps, p.num_stages)
+  by_plan: dict = {}
+  for c, p in memo.items():
+    if p is not None and c in measured:
+      k = plan_key(p)
+      by_plan[k] = min(by_plan.get(k, math.inf), measured[c])
+  entries = [(by_plan.get(plan_key(p)), p) for c, p in memo.items() if p is not None]
   if measure is not None:
     entries += _measure_launch_knobs(entries, measure)
   ratios = sorted(m / p.predicted.time_s for m, p in entries
@@ -349,7 +358,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   entries.sort(key=key)
   ranked, seen = [], set()
   for _, p in entries:
-    k = (str(p.expr), p.grid, p.tiles, p.split, p.num_warps, p.num_stages)
+    k = plan_key(p)
     if k not in seen:
       seen.add(k)
       ranked.append(p)

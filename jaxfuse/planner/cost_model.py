@@ -78,7 +78,7 @@ from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
 __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
-           "accumulator_bytes", "register_budget_bytes",
+           "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
            "inner_loop_starts", "UNFUSED_MARGIN", "NESTED_LOOP_FILL_S"]
 
@@ -99,6 +99,13 @@ NARROW_ROWS_EFFICIENCY = 0.4
 # stages 6.3 us vs n=128 at 2 stages 7.5 us; refitted with the L2 and
 # co-residency terms on three runs of G1-G4).
 STAGE2_PENALTY = 0.15
+# A program of 8 warps (two warpgroups, which choose_warps asks for only
+# when 128-row tiles outgrow 4 warps' registers) synchronises both halves
+# at every loop step. On attention 8x16x2048 (H200, Triton 3.6,
+# 2026-11-21) every 8-warp plan measured slower than the best 4-warp one:
+# d=64 128x128 scores 494 vs 353 us, d=64 128x64 377 vs 374 us, d=128
+# 128x128 610-646 vs 128x64 at 4 warps 532-632 us.
+EIGHT_WARPS_PENALTY = 0.15
 # Exposed latency each time a program enters a loop nested inside another
 # loop (``inner_loop_starts``), about one global-memory round trip. Triton
 # software-pipelines a loop's loads across its own iterations only: every
@@ -214,6 +221,12 @@ MIN_STAGES = 2
 # configurations (d=64, 128x128 scores: 353 us; d=128, 128x64 scores:
 # 632 us); 256 per thread spilled and ran 2.1x slower (d=128, 128x128).
 ACC_REGS_PER_THREAD = 192
+# The same budget for tiles of 64 rows let in plans (64x256 scores, whole
+# short sequences in one tile) that the model ranks above what they measure:
+# attention S1-S9 picked them and ran 1.19x cuDNN in kernel time against
+# 1.34x with them out (H200, 2026-11-21; S4 5.07 vs 4.06 us). Until the
+# model prices what they lose, 64-row tiles keep 128.
+NARROW_ACC_REGS_PER_THREAD = 128
 
 
 def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
@@ -231,9 +244,13 @@ def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
   8x16x2048, d=64, 128x128 scores: 353 vs 494 us; d=128, 128x64 scores:
   632 vs 698 us).
   """
-  ops = region.contractions
-  rows = min([_rows(region, op, tiles) for op in ops] or [0])
-  return 8 if rows >= 128 and accumulator_bytes(region, tiles) > register_budget_bytes(4) else 4
+  rows = tile_rows(region, tiles)
+  return 8 if rows >= 128 and accumulator_bytes(region, tiles) > register_budget_bytes(4, rows) else 4
+
+
+def tile_rows(region: ir.Region, tiles: Mapping[str, int]) -> int:
+  """The fewest rows (wgmma M) among the plan's contraction tiles."""
+  return min([_rows(region, op, tiles) for op in region.contractions] or [0])
 
 
 def choose_warps_stages(region: ir.Region, expr: tiling.TilingExpr,
@@ -269,10 +286,11 @@ def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
                     2048 // threads, int(device.regs_per_sm // (threads * regs))))
 
 
-def register_budget_bytes(num_warps: int) -> int:
-  """Bytes of fp32 accumulators a program of ``num_warps`` warps holds in
-  registers without spilling."""
-  return num_warps * 32 * ACC_REGS_PER_THREAD * 4
+def register_budget_bytes(num_warps: int, rows: int = 128) -> int:
+  """Bytes of fp32 accumulators a program of ``num_warps`` warps, on tiles
+  of ``rows`` rows, may hold in registers (see ``ACC_REGS_PER_THREAD``)."""
+  per_thread = ACC_REGS_PER_THREAD if rows >= 128 else NARROW_ACC_REGS_PER_THREAD
+  return num_warps * 32 * per_thread * 4
 
 
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
@@ -351,6 +369,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S)
   if num_stages <= 2:
     t_program *= 1.0 + STAGE2_PENALTY
+  if choose_warps(region, tiles) == 8:
+    t_program *= 1.0 + EIGHT_WARPS_PENALTY
   # Throughput side: re-reads of tiles that concurrently running programs
   # share come from L2, so traffic is bounded by HBM for the bytes the
   # region must move and by the SMs' L2 bandwidth for all of them.

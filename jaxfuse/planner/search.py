@@ -154,10 +154,11 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.accumulator_bytes(region, tiles)
-  if acc > cost_model.register_budget_bytes(warps):
+  budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles))
+  if acc > budget:
     raise tiling.PlacementError(
         f"fp32 accumulators of {acc} B exceed the register budget of {warps} warps "
-        f"({cost_model.register_budget_bytes(warps)} B)")
+        f"({budget} B)")
   if cand.split:
     l, parts = cand.split
     if math.ceil(region.extent(l) / tiles[l]) < parts:

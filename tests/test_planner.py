@@ -460,9 +460,6 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
   assert cost_model.choose_warps(r128, dict(wide, d=128, e=128)) == 8   # 128 KB
   # 64-row tiles keep the narrower budget (see NARROW_ACC_REGS_PER_THREAD)
   assert cost_model.register_budget_bytes(4, rows=64) == 64 * 1024
-  # an 8-warp program is priced above the same tiles' 4-warp time
-  tiles8 = dict(wide, d=128, e=128)
-  assert cost_model.choose_warps(r128, tiles8) == 8
   # 64 rows whose 64x512 scores + 64x16 output (132 KB) exceed 4 warps' registers
   r = examples.attention(1, 8, 512, 1024, 16)
   narrow = dict(narrow, n=512, d=16, e=16)

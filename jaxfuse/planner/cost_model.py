@@ -99,13 +99,6 @@ NARROW_ROWS_EFFICIENCY = 0.4
 # stages 6.3 us vs n=128 at 2 stages 7.5 us; refitted with the L2 and
 # co-residency terms on three runs of G1-G4).
 STAGE2_PENALTY = 0.15
-# A program of 8 warps (two warpgroups, which choose_warps asks for only
-# when 128-row tiles outgrow 4 warps' registers) synchronises both halves
-# at every loop step. On attention 8x16x2048 (H200, Triton 3.6,
-# 2026-11-21) every 8-warp plan measured slower than the best 4-warp one:
-# d=64 128x128 scores 494 vs 353 us, d=64 128x64 377 vs 374 us, d=128
-# 128x128 610-646 vs 128x64 at 4 warps 532-632 us.
-EIGHT_WARPS_PENALTY = 0.15
 # Exposed latency each time a program enters a loop nested inside another
 # loop (``inner_loop_starts``), about one global-memory round trip. Triton
 # software-pipelines a loop's loads across its own iterations only: every
@@ -369,8 +362,6 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S)
   if num_stages <= 2:
     t_program *= 1.0 + STAGE2_PENALTY
-  if choose_warps(region, tiles) == 8:
-    t_program *= 1.0 + EIGHT_WARPS_PENALTY
   # Throughput side: re-reads of tiles that concurrently running programs
   # share come from L2, so traffic is bounded by HBM for the bytes the
   # region must move and by the SMs' L2 bandwidth for all of them.

@@ -1192,5 +1192,4 @@ def print_kernel(region: ir.Region, plan: Plan, kernel_name: str = "fused_kernel
     raise TypeError(f"region must be a jaxfuse.ir.Region, got {type(region).__name__}")
   if not isinstance(plan, Plan):
     raise TypeError(f"plan must be a jaxfuse.planner.plan.Plan, got {type(plan).__name__}")
-  from jaxfuse.codegen import rewrite  # pylint: disable=g-import-not-at-top
   return _Printer(rewrite.fold_exp2(region), plan, kernel_name).build()

@@ -210,9 +210,10 @@ MIN_STAGES = 2
 # fp32 accumulator registers one thread may hold (of 255) before the
 # kernel spills; the rest (BASE_REGS_PER_THREAD) hold operands, softmax
 # statistics and addresses. Measured on an H200 (Triton 3.6, 2026-11-21,
-# attention 8x16x2048): 4 warps holding 192 per thread ran fastest of 24
-# configurations (d=64, 128x128 scores: 353 us; d=128, 128x64 scores:
-# 632 us); 256 per thread spilled and ran 2.1x slower (d=128, 128x128).
+# attention 8x16x2048, a sweep of 24 configurations of one kernel variant):
+# 4 warps holding 192 per thread ran fastest (d=64, 128x128 scores: 353
+# us; d=128, 128x64 scores: 632 us); 256 per thread spilled and ran 2.1x
+# slower (d=128, 128x128).
 ACC_REGS_PER_THREAD = 192
 # The same budget for tiles of 64 rows let in plans (64x256 scores, whole
 # short sequences in one tile) that the model ranks above what they measure:

@@ -337,14 +337,12 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   # 585 us on an H200, fourth session).
   # Several candidates can place the same plan; a measurement of one holds
   # for all (an unmeasured twin must not outrank a plan that failed).
-  def plan_key(p):
-    return (str(p.expr), p.grid, p.tiles, p.split, p.num_warps, p.num_stages)
   by_plan: dict = {}
   for c, p in memo.items():
     if p is not None and c in measured:
-      k = plan_key(p)
+      k = _launched_plan(p)
       by_plan[k] = min(by_plan.get(k, math.inf), measured[c])
-  entries = [(by_plan.get(plan_key(p)), p) for c, p in memo.items() if p is not None]
+  entries = [(by_plan.get(_launched_plan(p)), p) for c, p in memo.items() if p is not None]
   if measure is not None:
     entries += _measure_launch_knobs(entries, measure)
   ratios = sorted(m / p.predicted.time_s for m, p in entries
@@ -359,11 +357,16 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   entries.sort(key=key)
   ranked, seen = [], set()
   for _, p in entries:
-    k = plan_key(p)
+    k = _launched_plan(p)
     if k not in seen:
       seen.add(k)
       ranked.append(p)
   return SearchResult(ranked, len(memo), it, rejected, space.counts)
+
+
+def _launched_plan(p: Plan) -> tuple:
+  """What identifies the kernel a plan launches."""
+  return (str(p.expr), p.grid, p.tiles, p.split, p.num_warps, p.num_stages)
 
 
 # (num_warps, num_stages) tried on the best measured plan. The model does

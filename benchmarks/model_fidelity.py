@@ -491,7 +491,7 @@ def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
       for c in cands:
         p = parse_plan(c["plan"], region.loop_extents)
         t = cost_model.predict(region, p.expr, p.tile_map, p.grid, dev, p.split,
-                               num_stages=p.num_stages).time_s
+                               num_stages=p.num_stages, num_warps=p.num_warps).time_s
         scored.append((t, float(c["measured_s"]), c["plan"]))
       scored.sort(key=lambda x: (x[0], x[2]))
       res["stats"] = fidelity_stats([x[0] for x in scored], [x[1] for x in scored])

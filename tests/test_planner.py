@@ -246,11 +246,83 @@ def test_model_per_program_path():
   assert pb.programs == 16 * 32
   occ = cost_model.programs_per_sm(big, eb, t, 3, H100)
   assert occ == 2
-  assert pb.time_s == pytest.approx(max(traffic(big, pb) + pb.t_comp_s,
+  # ... and with two warpgroups on every SM, part of the shorter work hides
+  # under the longer (OVERLAP_COMPUTE, OVERLAP_TRAFFIC)
+  def hide(a, b, f):
+    return max(a, b) + (1 - f) * min(a, b)
+  busy = hide(pb.t_dot_s, pb.t_vector_s, cost_model.OVERLAP_COMPUTE)
+  assert pb.time_s == pytest.approx(max(hide(traffic(big, pb), busy, cost_model.OVERLAP_TRAFFIC),
                                         math.ceil(512 / (132 * occ)) * pb.t_program_s))
   # a program that fills shared memory runs alone on its SM
   tb = {"b": 1, "m": 128, "n": 128, "k": 128, "h": 128}
   assert cost_model.programs_per_sm(big, tiling.place(big, "mhnk", tb, ("b", "m")), tb, 3, H100) == 1
+
+
+def test_model_overlap_needs_two_warpgroups_per_sm():
+  """One 4-warp program per SM runs its tensor-core and softmax work in
+  turn (MCFuser's sum); an 8-warp program, or two programs on every SM,
+  hide part of one under the other."""
+  r = examples.attention(8, 16, 2048, 2048, 128, 128)
+  grid = ("b", "g", "m")
+  t4 = {"b": 1, "g": 1, "m": 128, "n": 64, "d": 128, "e": 128}
+  t8 = dict(t4, m=256)
+  sk = search.build_space(r, H100).skeletons[grid][0]
+  e4, e8 = tiling.place(r, sk, t4, grid), tiling.place(r, sk, t8, grid)
+  p4 = cost_model.predict(r, e4, t4, grid, H100, num_stages=3, num_warps=4)
+  p8 = cost_model.predict(r, e8, t8, grid, H100, num_stages=3, num_warps=8)
+  assert cost_model.programs_per_sm(r, e4, t4, 3, H100, 4) == 1
+  assert p4.t_vector_s > 0 and p8.t_vector_s > 0
+  # alone on its SM, the 4-warp program's path sums the two kinds of work
+  sms = H100.sm_count
+  assert p4.t_program_s == pytest.approx(
+      p4.bytes_moved / p4.programs / H100.sm_bandwidth_Bps + p4.t_comp_s * sms / p4.programs
+      + p4.steps * H100.loop_step_s)
+  busy8 = (max(p8.t_dot_s, p8.t_vector_s)
+           + (1 - cost_model.OVERLAP_COMPUTE) * min(p8.t_dot_s, p8.t_vector_s))
+  assert p8.t_program_s == pytest.approx(
+      p8.bytes_moved / p8.programs / H100.sm_bandwidth_Bps + busy8 * sms / p8.programs
+      + p8.steps * H100.loop_step_s)
+  # a partial second wave does not count as co-residency: S2-sized grids
+  # (192 programs on 132 SMs) keep the sum
+  small = examples.attention(1, 12, 512, 512, 64, 64)
+  ts = {"b": 1, "g": 1, "m": 64, "n": 64, "d": 64, "e": 32}
+  gs = ("b", "g", "m", "e")
+  sks = search.build_space(small, H100).skeletons[gs][0]
+  es = tiling.place(small, sks, ts, gs)
+  ps = cost_model.predict(small, es, ts, gs, H100, num_stages=3)
+  assert ps.programs == 192
+  assert ps.time_s == pytest.approx(max(ps.t_traffic_s + ps.t_comp_s, ps.waves * ps.t_program_s))
+
+
+def test_rule4_can_leave_register_accumulators_out():
+  """The planner bounds fp32 accumulators by the register budget, so its
+  Rule 4 counts only the tiles that live in shared memory: attention at
+  d=128 with 256x64 score tiles (Triton: 160 KB at 3 stages) passes."""
+  r = examples.attention(8, 16, 2048, 2048, 128, 128)
+  t = {"b": 1, "g": 1, "m": 256, "n": 64, "d": 128, "e": 128}
+  acc = cost_model.accumulator_bytes(r, t)
+  assert (pruning.smem_estimate(r, t) - pruning.smem_estimate(r, t, register_accumulators=True)
+          == acc == (256 * 64 + 256 * 128) * 4)
+  assert not pruning.rule4_ok(r, t, H100.smem_per_block_bytes)
+  assert pruning.rule4_ok(r, t, H100.smem_per_block_bytes, register_accumulators=True)
+  best = search.search(r, H100).ranked[0]
+  assert best.tile_map["m"] >= 128
+
+
+def test_search_descends_to_a_local_optimum():
+  """After Alg. 1, a greedy descent over one-loop tile changes (and
+  grid/skeleton changes) leaves no neighbour the model prefers."""
+  r = examples.gemm_chain(1, 1024, 1024, 128, 128)
+  sp = search.build_space(r, H100)
+  res = search.search(r, H100, space=sp, max_iters=3, population=16)
+  best = res.ranked[0]
+  cand = search.Candidate(best.grid, best.skeleton, best.tiles, best.split)
+  for n in search._neighbours(sp, cand):  # pylint: disable=protected-access
+    try:
+      q = search.make_plan(r, H100, n, sp.streamable)
+    except (tiling.PlacementError, ValueError):
+      continue
+    assert q.predicted.time_s >= best.predicted.time_s
 
 
 def test_no_plan_for_huge_single_tile():

@@ -266,14 +266,34 @@ MAX_PROGRAMS_PER_SM = 2
 # Registers per thread besides the fp32 accumulators (operands, addresses,
 # softmax statistics).
 BASE_REGS_PER_THREAD = 64
+# Fractions of the shorter of two kinds of work hidden under the longer when
+# an SM holds two or more warpgroups (co-resident programs, or the two
+# warpgroups of an 8-warp program): tensor-core vs vector/SFU work, and
+# L2/HBM traffic vs both. One warpgroup alone runs them in turn (Triton 3.6
+# waits on each wgmma before the softmax reads it), several drift out of
+# phase and one's softmax runs under another's wgmma. Fitted on an H100
+# (2026-11-21, benchmarks/RESULTS.md, seventh session: attention 8x16 heads,
+# T=2048/4096, d=64/128, 36 tile/warp/stage configurations each): without
+# them the model picked 256x128 tiles at 8 warps for d=64 (374 us) over
+# 128-row 4-warp tiles that ran 327-338 us, and priced every large plan
+# 1.4-1.7x too slow.
+OVERLAP_COMPUTE = 0.5
+OVERLAP_TRAFFIC = 0.25
+
+
+def _overlapped(a: float, b: float, fraction: float) -> float:
+  """Time of two kinds of work when ``fraction`` of the shorter one runs
+  under the longer."""
+  return max(a, b) + (1.0 - fraction) * min(a, b)
 
 
 def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
-                    num_stages: int, device: DeviceSpec) -> int:
+                    num_stages: int, device: DeviceSpec,
+                    num_warps: Optional[int] = None) -> int:
   """Programs of a plan one SM runs at once: limited by pipelined shared
   memory, threads (2048 per SM) and registers, at most
-  ``MAX_PROGRAMS_PER_SM``."""
-  threads = choose_warps(region, tiles) * 32
+  ``MAX_PROGRAMS_PER_SM``. ``num_warps`` defaults to ``choose_warps``'s."""
+  threads = (num_warps or choose_warps(region, tiles)) * 32
   smem = max(1, pruning.pipelined_smem_bytes(region, expr, tiles, num_stages))
   regs = min(255.0, BASE_REGS_PER_THREAD + accumulator_bytes(region, tiles) / 4 / threads)
   return max(1, min(MAX_PROGRAMS_PER_SM, device.smem_per_block_bytes // smem,
@@ -291,11 +311,12 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
             grid: Sequence[str], device: DeviceSpec,
             split: Optional[tuple[str, int]] = None,
             streamable: Optional[frozenset] = None,
-            num_stages: Optional[int] = None) -> Prediction:
+            num_stages: Optional[int] = None,
+            num_warps: Optional[int] = None) -> Prediction:
   """The model's time for a placed plan (see the module docstring).
   ``streamable``: loops the code generator streams (default
-  ``tiling.streamable_loops(region)``); ``num_stages``: the plan's pipeline
-  depth (default: ``choose_warps_stages``'s)."""
+  ``tiling.streamable_loops(region)``); ``num_stages``, ``num_warps``: the
+  plan's pipeline depth and warps (default: ``choose_warps_stages``'s)."""
   if streamable is None:
     streamable = tiling.streamable_loops(region)
   if num_stages is None:
@@ -358,8 +379,20 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     extra = (partial + final) / device.mem_bandwidth_Bps + device.kernel_launch_s
     bytes_moved += 2 * partial
   sms = device.sm_count
+  pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps)
+  waves = math.ceil(programs / (sms * pps))
+  # Warpgroups (4 warps) that run at once: within one program, and on
+  # every SM (co-resident programs count when each SM gets them; in a
+  # partial wave the SMs holding two programs set the time, and an
+  # attention sample, S2, ranked such grids 26% too fast when they did).
+  groups = max(1, (num_warps or choose_warps(region, tiles)) // 4)
+  per_sm = min(pps, programs // sms) * groups
+  t_vec = t_comp - t_dot
+  t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
+  share = min(1.0, max(0.0, per_sm - 1.0))
+  t_shared = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE * share)
   t_program = (bytes_moved / programs / device.sm_bandwidth_Bps
-               + t_comp * sms / programs + steps * device.loop_step_s
+               + t_busy * sms / programs + steps * device.loop_step_s
                + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S)
   if num_stages <= 2:
     t_program *= 1.0 + STAGE2_PENALTY
@@ -368,14 +401,16 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   # region must move and by the SMs' L2 bandwidth for all of them.
   t_traffic = max(region.min_bytes() / device.mem_bandwidth_Bps,
                   bytes_moved / (sms * device.sm_bandwidth_Bps))
-  waves = math.ceil(programs / (sms * programs_per_sm(region, expr, tiles, num_stages, device)))
-  body = max(t_traffic + t_comp, waves * t_program)
+  t_throughput = _overlapped(t_traffic, t_shared, OVERLAP_TRAFFIC * share)
+  body = max(t_throughput, waves * t_program)
   time_s = body + extra
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
                     bytes_moved=int(bytes_moved), flops=int(flops),
                     smem_bytes=pruning.smem_estimate(region, tiles),
-                    programs=programs, t_program_s=t_program, steps=steps)
+                    programs=programs, t_program_s=t_program, steps=steps,
+                    t_dot_s=t_dot, t_vector_s=t_vec, t_traffic_s=t_traffic,
+                    waves=waves)
 
 
 def floor_time(region: ir.Region, device: DeviceSpec) -> float:

@@ -43,7 +43,9 @@ class Prediction:
   """The performance model's estimate for one plan (MCFuser eq. 2-5 with
   the per-program path of ``cost_model``): ``alpha`` is the factor the
   grid costs over ``t_mem + t_comp``; ``t_program_s`` one program's time,
-  ``steps`` its serial loop steps."""
+  ``steps`` its serial loop steps; ``t_dot_s`` and ``t_vector_s`` split
+  ``t_comp_s`` into tensor-core and vector/SFU work, ``t_traffic_s`` is the
+  L2/HBM traffic bound and ``waves`` the program waves."""
   time_s: float
   t_mem_s: float
   t_comp_s: float
@@ -54,6 +56,10 @@ class Prediction:
   programs: int
   t_program_s: float = 0.0
   steps: int = 1
+  t_dot_s: float = 0.0
+  t_vector_s: float = 0.0
+  t_traffic_s: float = 0.0
+  waves: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

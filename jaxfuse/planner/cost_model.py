@@ -14,12 +14,17 @@ MCFuser: ``t = (t_mem + t_comp) * alpha`` with
 
 jaxfuse replaces ``alpha`` by the critical path of one program::
 
-    t = max(t_traffic + t_comp, waves * t_program)
+    t = max(t_traffic (+) t_comp, waves * t_program)
     t_traffic = max(min_bytes / W, bytes / (N_SM * W_sm))
     waves = ceil(N_block / (N_SM * programs_per_sm))
     t_program = (bytes / N_block) / W_sm + t_comp * N_SM / N_block
                 + steps * t_step + starts * NESTED_LOOP_FILL_S,
                 x (1 + STAGE2_PENALTY) at 2 stages
+
+where ``a (+) b`` is ``a + b`` while an SM runs one warpgroup (4 warps) at
+a time, and hides part of the shorter under the longer when it runs two
+or more (``OVERLAP_TRAFFIC``; and inside ``t_comp``, tensor-core vs
+vector/SFU work, ``OVERLAP_COMPUTE``).
 
 ``W_sm`` (``device.sm_bandwidth_Bps``) is what one program streams from
 L2/HBM, ``steps`` the serial pipelined loop steps of a program and

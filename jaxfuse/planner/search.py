@@ -19,8 +19,9 @@ candidates (random, seeded, plus Chimera's Lagrange tiles and a balanced
 seed per skeleton), ranked by the model; the top n measured when a
 ``measure`` callback is given; stop when the best improves by less than
 ``eps`` (relative); the next population by sampling weighted by 1/estimate
-and mutating one loop's tile (or the grid/split/skeleton). Deterministic
-for a given seed. With measurement, the best measured plan is finally
+and mutating one loop's tile (or the grid/split/skeleton). Then a greedy
+descent from the model's best plans (``_refine``) settles on the local
+optimum around them. Deterministic for a given seed. With measurement, the best measured plan is finally
 measured with other ``num_warps``/``num_stages`` (``LAUNCH_KNOBS``).
 
 Example::

@@ -302,17 +302,8 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
         uniq.append((c, p))
     top = uniq[:top_n]
     if measure is not None:
-      todo = [(c, p) for c, p in top if c not in measured]
-      if todo:
-        try:
-          times = list(measure([p for _, p in todo]))
-        except Exception as e:  # pylint: disable=broad-except
-          logging.warning("jaxfuse planner: measure failed (%s); model only", e)
-          measure = None
-          times = []
-        for (c, _), t in zip(todo, times):
-          if t is not None:   # None: not measured (budget spent); the model ranks it
-            measured[c] = float(t) if math.isfinite(t) else math.inf
+      if not _measure_into(measure, [(c, p) for c, p in top if c not in measured], measured):
+        measure = None
       cand_t = [measured.get(c, math.inf) for c, _ in top]
       top1_t = min(cand_t) if cand_t else math.inf
     else:
@@ -339,16 +330,9 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   starts = _model_best(memo, REFINE_STARTS)
   refined = _refine(space, evaluate, starts)
   if measure is not None:
-    todo = [(c, p) for c, p in refined if c not in measured][:top_n]
-    if todo:
-      try:
-        times = list(measure([p for _, p in todo]))
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("jaxfuse planner: measure failed (%s); model only", e)
-        times = []
-      for (c, _), t in zip(todo, times):
-        if t is not None:
-          measured[c] = float(t) if math.isfinite(t) else math.inf
+    if not _measure_into(measure, [(c, p) for c, p in refined if c not in measured][:top_n],
+                         measured):
+      measure = None
 
   # Rank every valid plan seen: measured ones by measurement, unmeasured
   # ones by prediction scaled to this region's measurements (median
@@ -384,6 +368,24 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       seen.add(k)
       ranked.append(p)
   return SearchResult(ranked, len(memo), it, rejected, space.counts)
+
+
+def _measure_into(measure, todo, measured: dict) -> bool:
+  """Measures the plans of ``todo`` ((candidate, plan) pairs) into
+  ``measured``; False when the callback failed (the search goes on with
+  the model only). A time of None means not measured (budget spent): the
+  model ranks that plan."""
+  if not todo:
+    return True
+  try:
+    times = list(measure([p for _, p in todo]))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse planner: measure failed (%s); model only", e)
+    return False
+  for (c, _), t in zip(todo, times):
+    if t is not None:
+      measured[c] = float(t) if math.isfinite(t) else math.inf
+  return True
 
 
 # Plans the greedy descent starts from, and its most steps from each.

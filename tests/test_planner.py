@@ -292,6 +292,14 @@ def test_model_overlap_needs_two_warpgroups_per_sm():
   ps = cost_model.predict(small, es, ts, gs, H100, num_stages=3)
   assert ps.programs == 192
   assert ps.time_s == pytest.approx(max(ps.t_traffic_s + ps.t_comp_s, ps.waves * ps.t_program_s))
+  # ... but each program's own two warpgroups (8 warps) still overlap
+  p8s = cost_model.predict(small, es, ts, gs, H100, num_stages=3, num_warps=8)
+
+  def hide(a, b, f):
+    return max(a, b) + (1 - f) * min(a, b)
+  assert p8s.time_s == pytest.approx(max(
+      hide(p8s.t_traffic_s, hide(p8s.t_dot_s, p8s.t_vector_s, cost_model.OVERLAP_COMPUTE),
+           cost_model.OVERLAP_TRAFFIC), p8s.waves * p8s.t_program_s))
 
 
 def test_rule4_can_leave_register_accumulators_out():

@@ -391,7 +391,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   # partial wave the SMs holding two programs set the time, and an
   # attention sample, S2, ranked such grids 26% too fast when they did).
   groups = max(1, (num_warps or choose_warps(region, tiles)) // 4)
-  per_sm = min(pps, programs // sms) * groups
+  per_sm = max(1, min(pps, programs // sms)) * groups
   t_vec = t_comp - t_dot
   t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
   share = min(1.0, max(0.0, per_sm - 1.0))

@@ -1329,6 +1329,10 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
       if not res.get("status", "").startswith("ok"):
         print(f"[{binary}]   {name}: {res.get('status')}")
     rows.append(row)
+    if len(rows) < len(cases):
+      # A run killed later (a device time limit) keeps the cases it finished.
+      write_outputs(prefix, {**meta, "partial": f"{len(rows)} of {len(cases)} cases"}, rows,
+                    summarize(rows))
   summary = summarize(rows)
   print()
   print(markdown_table(rows))

@@ -72,6 +72,38 @@ def test_gemm_chain_cpu(tmp_path):
   assert row["impls"]["torch"]["status"].startswith("skipped")
 
 
+def test_interrupted_run_keeps_finished_cases(tmp_path, monkeypatch):
+  """The outputs are written after every case: a run killed part-way (a
+  device time limit) leaves the finished cases, marked partial."""
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  cases = [gemm_chain.make_case(n, 1, 32, 32, 16, 16, dtype="float32") for n in ("a", "b")]
+  real = harness.run_case
+
+  def run_case(case, *args, **kwargs):
+    if case.name == "b":
+      raise KeyboardInterrupt
+    return real(case, *args, **kwargs)
+  monkeypatch.setattr(harness, "run_case", run_case)
+  prefix = str(tmp_path / "part")
+  settings = harness.Settings(dtype="float32", reps=1, profile="off")
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  parsed = flags.FLAGS.is_parsed()
+  if not parsed:
+    flags.FLAGS.mark_as_parsed()   # defaults; main() reads a few
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      harness.main("gemm_chain", cases, gemm_chain.impls_for, settings, out=prefix,
+                   do_plot=False, baselines="xla")
+  finally:
+    if not parsed:
+      flags.FLAGS.unparse_flags()
+  with open(prefix + ".json") as f:
+    data = json.load(f)
+  assert [r["case"] for r in data["rows"]] == ["a"]
+  assert data["meta"]["partial"] == "1 of 2 cases"
+  assert data["rows"][0]["impls"]["xla"]["status"] == "ok"
+
+
 def test_gemm_chain_cpu_outputs_returned(tmp_path):
   prefix = tmp_path / "gr"
   out = _run(["-m", "benchmarks.gemm_chain", "--shapes=1x64x32x16x16", "--reps=1",

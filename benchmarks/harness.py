@@ -1295,7 +1295,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
   out = out if out is not None else FLAGS.out
   do_plot = FLAGS.plot if do_plot is None else do_plot
   baselines = FLAGS.baselines if baselines is None else baselines
-  fail_on_mismatch = FLAGS.fail_on_mismatch if "fail_on_mismatch" in FLAGS else True
+  fail_on_mismatch = (FLAGS.fail_on_mismatch
+                      if "fail_on_mismatch" in FLAGS and FLAGS.is_parsed() else True)
   roof = get_roof(settings.dtype)
   prefix = out or default_out(binary, settings.dtype)
   note = jaxfuse_path_note()

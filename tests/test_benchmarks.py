@@ -86,17 +86,9 @@ def test_interrupted_run_keeps_finished_cases(tmp_path, monkeypatch):
   monkeypatch.setattr(harness, "run_case", run_case)
   prefix = str(tmp_path / "part")
   settings = harness.Settings(dtype="float32", reps=1, profile="off")
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  parsed = flags.FLAGS.is_parsed()
-  if not parsed:
-    flags.FLAGS.mark_as_parsed()   # defaults; main() reads a few
-  try:
-    with pytest.raises(KeyboardInterrupt):
-      harness.main("gemm_chain", cases, gemm_chain.impls_for, settings, out=prefix,
-                   do_plot=False, baselines="xla")
-  finally:
-    if not parsed:
-      flags.FLAGS.unparse_flags()
+  with pytest.raises(KeyboardInterrupt):
+    harness.main("gemm_chain", cases, gemm_chain.impls_for, settings, out=prefix,
+                 do_plot=False, baselines="xla")
   with open(prefix + ".json") as f:
     data = json.load(f)
   assert [r["case"] for r in data["rows"]] == ["a"]

@@ -218,6 +218,11 @@ def test_model_alpha_and_recompute():
   assert cost_model.predict(r, e3, t1, ("b", "m"), H100).flops == r.flops()
 
 
+def _hide(a, b, f):
+  """Two kinds of work with fraction f of the shorter under the longer."""
+  return max(a, b) + (1 - f) * min(a, b)
+
+
 def test_model_per_program_path():
   """t = max(t_mem + t_comp, waves * t_program), t_program from one
   program's bytes at the SM's bandwidth, its compute at one SM's share and
@@ -248,10 +253,8 @@ def test_model_per_program_path():
   assert occ == 2
   # ... and with two warpgroups on every SM, part of the shorter work hides
   # under the longer (OVERLAP_COMPUTE, OVERLAP_TRAFFIC)
-  def hide(a, b, f):
-    return max(a, b) + (1 - f) * min(a, b)
-  busy = hide(pb.t_dot_s, pb.t_vector_s, cost_model.OVERLAP_COMPUTE)
-  assert pb.time_s == pytest.approx(max(hide(traffic(big, pb), busy, cost_model.OVERLAP_TRAFFIC),
+  busy = _hide(pb.t_dot_s, pb.t_vector_s, cost_model.OVERLAP_COMPUTE)
+  assert pb.time_s == pytest.approx(max(_hide(traffic(big, pb), busy, cost_model.OVERLAP_TRAFFIC),
                                         math.ceil(512 / (132 * occ)) * pb.t_program_s))
   # a program that fills shared memory runs alone on its SM
   tb = {"b": 1, "m": 128, "n": 128, "k": 128, "h": 128}
@@ -295,10 +298,8 @@ def test_model_overlap_needs_two_warpgroups_per_sm():
   # ... but each program's own two warpgroups (8 warps) still overlap
   p8s = cost_model.predict(small, es, ts, gs, H100, num_stages=3, num_warps=8)
 
-  def hide(a, b, f):
-    return max(a, b) + (1 - f) * min(a, b)
   assert p8s.time_s == pytest.approx(max(
-      hide(p8s.t_traffic_s, hide(p8s.t_dot_s, p8s.t_vector_s, cost_model.OVERLAP_COMPUTE),
+      _hide(p8s.t_traffic_s, _hide(p8s.t_dot_s, p8s.t_vector_s, cost_model.OVERLAP_COMPUTE),
            cost_model.OVERLAP_TRAFFIC), p8s.waves * p8s.t_program_s))
 
 

@@ -384,13 +384,14 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     extra = (partial + final) / device.mem_bandwidth_Bps + device.kernel_launch_s
     bytes_moved += 2 * partial
   sms = device.sm_count
+  num_warps = num_warps or choose_warps(region, tiles)
   pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps)
   waves = math.ceil(programs / (sms * pps))
   # Warpgroups (4 warps) that run at once: within one program, and on
   # every SM (co-resident programs count when each SM gets them; in a
   # partial wave the SMs holding two programs set the time, and an
   # attention sample, S2, ranked such grids 26% too fast when they did).
-  groups = max(1, (num_warps or choose_warps(region, tiles)) // 4)
+  groups = max(1, num_warps // 4)
   per_sm = max(1, min(pps, programs // sms)) * groups
   t_vec = t_comp - t_dot
   t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp

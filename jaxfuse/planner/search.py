@@ -21,8 +21,9 @@ seed per skeleton), ranked by the model; the top n measured when a
 ``eps`` (relative); the next population by sampling weighted by 1/estimate
 and mutating one loop's tile (or the grid/split/skeleton). Then a greedy
 descent from the model's best plans (``_refine``) settles on the local
-optimum around them. Deterministic for a given seed. With measurement, the best measured plan is finally
-measured with other ``num_warps``/``num_stages`` (``LAUNCH_KNOBS``).
+optimum around them. Deterministic for a given seed. With measurement,
+the best measured plan is finally measured with other
+``num_warps``/``num_stages`` (``LAUNCH_KNOBS``).
 
 Example::
 
@@ -293,13 +294,8 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       # Nothing valid yet: widen with fresh random candidates.
       pop = [_random(space, rng) for _ in range(population)]
       continue
-    valid.sort(key=lambda cp: (cp[1].predicted.time_s, str(cp[1])))
-    uniq, seen = [], set()
-    for c, p in valid:
-      k = (str(p.expr), p.grid, p.tiles, p.split)
-      if k not in seen:
-        seen.add(k)
-        uniq.append((c, p))
+    valid.sort(key=_by_model)
+    uniq = _distinct(valid)
     top = uniq[:top_n]
     if measure is not None:
       if not _measure_into(measure, [(c, p) for c, p in top if c not in measured], measured):
@@ -327,7 +323,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   # captures of one function (seventh session). A greedy descent from the
   # best plans, one loop's tile or the grid/skeleton at a time, settles on
   # the local optimum around them.
-  starts = _model_best(memo, REFINE_STARTS)
+  starts = _best_first((c, p) for c, p in memo.items() if p is not None)[:REFINE_STARTS]
   refined = _refine(space, evaluate, starts)
   if measure is not None:
     if not _measure_into(measure, [(c, p) for c, p in refined if c not in measured][:top_n],
@@ -361,12 +357,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       return (0, p.predicted.time_s * scale, str(p))
     return (0, m, str(p)) if math.isfinite(m) else (1, p.predicted.time_s, str(p))
   entries.sort(key=key)
-  ranked, seen = [], set()
-  for _, p in entries:
-    k = _launched_plan(p)
-    if k not in seen:
-      seen.add(k)
-      ranked.append(p)
+  ranked = [p for _, p in _distinct(entries)]
   return SearchResult(ranked, len(memo), it, rejected, space.counts)
 
 
@@ -393,40 +384,40 @@ REFINE_STARTS = 4
 REFINE_STEPS = 12
 
 
-def _model_best(memo: dict, n: int) -> list:
-  """The ``n`` best distinct (candidate, plan) pairs of ``memo`` by the model."""
-  valid = sorted(((c, p) for c, p in memo.items() if p is not None),
-                 key=lambda cp: (cp[1].predicted.time_s, str(cp[1])))
+def _by_model(cp) -> tuple:
+  return (cp[1].predicted.time_s, str(cp[1]))
+
+
+def _distinct(pairs) -> list:
+  """(candidate, plan) pairs in their order, one per launched plan."""
   out, seen = [], set()
-  for c, p in valid:
+  for c, p in pairs:
     k = _launched_plan(p)
     if k not in seen:
       seen.add(k)
       out.append((c, p))
-      if len(out) == n:
-        break
   return out
+
+
+def _best_first(pairs) -> list:
+  """Distinct (candidate, plan) pairs, the model's best first."""
+  return _distinct(sorted(pairs, key=_by_model))
 
 
 def _refine(space: Space, evaluate, starts) -> list:
   """Greedy descent on the model from each of ``starts``: each step takes
-  the best of all candidates that differ in one loop's tile, or in grid
-  and skeleton, while it improves. Returns the (candidate, plan) pairs it
-  ended on, best first."""
-  ends = {}
+  the best of ``_neighbours`` while it improves. Returns the (candidate,
+  plan) pairs it ended on, best first."""
+  ends = []
   for c, p in starts:
     for _ in range(REFINE_STEPS):
-      best = (p.predicted.time_s, str(p))
-      step = None
-      for n in _neighbours(space, c):
-        q = evaluate(n)
-        if q is not None and (q.predicted.time_s, str(q)) < best:
-          best, step = (q.predicted.time_s, str(q)), (n, q)
-      if step is None:
+      step = min(((n, q) for n in _neighbours(space, c) if (q := evaluate(n)) is not None),
+                 key=_by_model, default=None)
+      if step is None or _by_model(step) >= _by_model((c, p)):
         break
       c, p = step
-    ends[_launched_plan(p)] = (c, p)
-  return sorted(ends.values(), key=lambda cp: (cp[1].predicted.time_s, str(cp[1])))
+    ends.append((c, p))
+  return _best_first(ends)
 
 
 def _neighbours(space: Space, c: Candidate):

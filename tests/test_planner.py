@@ -297,7 +297,6 @@ def test_model_overlap_needs_two_warpgroups_per_sm():
   assert ps.time_s == pytest.approx(max(ps.t_traffic_s + ps.t_comp_s, ps.waves * ps.t_program_s))
   # ... but each program's own two warpgroups (8 warps) still overlap
   p8s = cost_model.predict(small, es, ts, gs, H100, num_stages=3, num_warps=8)
-
   assert p8s.time_s == pytest.approx(max(
       _hide(p8s.t_traffic_s, _hide(p8s.t_dot_s, p8s.t_vector_s, cost_model.OVERLAP_COMPUTE),
            cost_model.OVERLAP_TRAFFIC), p8s.waves * p8s.t_program_s))

@@ -183,6 +183,46 @@ def test_parse_perfetto_counts_stream_kernels_only(tmp_path):
   assert harness.parse_perfetto(path, device="/device:GPU:1") is None
 
 
+def test_execution_spans_split_runs_and_keep_overlap(tmp_path):
+  from benchmarks import harness
+  # Two traced runs of a 3-kernel program: the second run's first two
+  # kernels overlap; its span runs from 100 to 109.
+  ev = [
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "tid": 10, "name": "thread_name", "args": {"name": "Stream #14(Kernel)"}},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "a", "ts": 0, "dur": 2.0},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "b", "ts": 3, "dur": 2.0},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "c", "ts": 6, "dur": 1.0},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "c", "ts": 105, "dur": 4.0},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "a", "ts": 100, "dur": 3.0},
+      {"ph": "X", "pid": 2, "tid": 10, "name": "b", "ts": 101, "dur": 3.0},
+  ]
+  path = str(tmp_path / "perfetto_trace.json.gz")
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": ev}, f)
+  ks = harness.parse_perfetto(path, executions=2)
+  assert ks.spans_us == [pytest.approx(7.0), pytest.approx(9.0)]
+  assert ks.total_us == pytest.approx(15.0)
+  # Runs that do not split evenly give no spans rather than wrong ones.
+  assert harness.parse_perfetto(path, executions=4).spans_us == []
+  assert harness.parse_perfetto(path).spans_us == []
+  assert harness.execution_spans([], 1) == []
+
+
+def test_speedups_and_summary_carry_device_call():
+  from benchmarks import harness
+  row = {"case": "G1", "impls": {
+      "jaxfuse": {"per_call_s": 4e-6, "kernel_s": 2e-6, "device_call_s": 2.5e-6},
+      "xla": {"per_call_s": 4.4e-6, "kernel_s": 5e-6, "device_call_s": 4e-6}}}
+  harness._speedups(row)
+  assert row["jaxfuse_speedup"]["xla"]["device_call"] == pytest.approx(1.6)
+  g = harness.summarize([row])["geomean_speedup"]["xla"]
+  assert g["device_call"] == pytest.approx(1.6) and g["device_call_cases"] == 1
+  row["floor_s"] = 1e-6
+  table = harness.markdown_table([row])
+  assert "device µs/call" in table and "| 2.50 |" in table and "1.60x" in table
+
+
 def test_rel_error_and_select():
   from benchmarks import harness
   rng = np.random.default_rng(0)

@@ -515,6 +515,9 @@ def test_pipelined_smem_matches_triton_on_mcfuser_g5():
   assert [s.value for s, enc in tiling.statement_contexts(expr) if s.kind == "L" and not enc] == ["a"]
   assert pruning.pipelined_smem_bytes(r, expr, tiles, 2) == 360448
   assert pruning.pipelined_smem_bytes(r, expr, tiles, 1) == 360448 - (128 * 512 + 128 * 64) * 2
+  # The prediction reports what the kernel asks for at its stages, not eq. (1).
+  pred = cost_model.predict(r, expr, tiles, ("b", "m", "h"), get_device("h200"), num_stages=2)
+  assert pred.smem_bytes == 360448
   dev = get_device("h200")
   # 2 stages do not fit: the plan is rejected (1 stage miscompiled on Triton 3.6)
   sp = search.build_space(r, dev)

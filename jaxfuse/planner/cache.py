@@ -33,8 +33,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 
 # 2: the per-program cost model (plans cached by 1 were ranked by alpha);
 # 3: its L2 and co-residency terms; 4: the nested-loop refill term;
-# 5: the 192-register budget of 128-row tiles.
-FORMAT_VERSION = 6
+# 5: the 192-register budget of 128-row tiles; 6: the overlap terms;
+# 7: predictions carry the pipelined shared-memory request.
+FORMAT_VERSION = 7
 
 
 def _version() -> str:

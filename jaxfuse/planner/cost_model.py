@@ -413,7 +413,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
                     bytes_moved=int(bytes_moved), flops=int(flops),
-                    smem_bytes=pruning.smem_estimate(region, tiles),
+                    smem_bytes=pruning.pipelined_smem_bytes(region, expr, tiles, num_stages),
                     programs=programs, t_program_s=t_program, steps=steps,
                     t_dot_s=t_dot, t_vector_s=t_vec, t_traffic_s=t_traffic,
                     waves=waves)

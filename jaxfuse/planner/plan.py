@@ -45,7 +45,10 @@ class Prediction:
   grid costs over ``t_mem + t_comp``; ``t_program_s`` one program's time,
   ``steps`` its serial loop steps; ``t_dot_s`` and ``t_vector_s`` split
   ``t_comp_s`` into tensor-core and vector/SFU work, ``t_traffic_s`` is the
-  L2/HBM traffic bound and ``waves`` the program waves."""
+  L2/HBM traffic bound and ``waves`` the program waves; ``smem_bytes`` the
+  shared memory the kernel asks for at its pipeline depth
+  (``pruning.pipelined_smem_bytes``; MCFuser's eq. (1) also counted the
+  register-held accumulators)."""
   time_s: float
   t_mem_s: float
   t_comp_s: float

@@ -102,7 +102,8 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
   flags.DEFINE_integer("reps", 10, "Timing repetitions (median is reported).")
   flags.DEFINE_integer("calls", 0, "K, the unrolled calls per timed function "
                        "(the slope uses K and 4K); 0 picks from the memory "
-                       "budget.")
+                       "budget (at most 16) and 2 for calls with a roofline "
+                       "floor of 50 us or more.")
   flags.DEFINE_float("mem_budget_gb", 4.0,
                      "Device memory for the 4K input sets of one implementation.")
   flags.DEFINE_string("out", "", "Output path prefix for .json/.csv/.png "
@@ -844,14 +845,25 @@ class Settings:
     return self.profile == "on" or (self.profile == "auto" and on_gpu())
 
 
-def choose_calls(bytes_per_set: int, settings: Settings) -> int:
-  """K for the slope method: as many calls as fit 4K input sets in the budget."""
+# A call whose roofline floor is at least this long is timed with K=2: its
+# 4K-call window already lasts milliseconds, while the unrolled program grows
+# with K (BERT-Base b1 at K=6, 24 forwards in one program, compiled for more
+# than 200 s on the H100 host; at K=2 both compilers took 123 s together).
+HEAVY_CALL_FLOOR_S = 50e-6
+
+
+def choose_calls(bytes_per_set: int, settings: Settings, floor_s: float = 0.0) -> int:
+  """K for the slope method: as many calls as fit 4K input sets in the
+  budget, at most 16, and 2 for calls whose floor is ``HEAVY_CALL_FLOOR_S``
+  or more; ``--calls`` overrides."""
   if settings.calls > 0:
     return settings.calls
   if not on_gpu():
     return 2   # CPU runs are smoke tests
   budget = settings.mem_budget_gb * 2**30
   k = int(budget // max(4 * bytes_per_set, 1))
+  if floor_s >= HEAVY_CALL_FLOOR_S:
+    k = min(k, 2)
   return int(min(16, max(1, k)))
 
 
@@ -949,7 +961,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
   key = jax.random.PRNGKey(settings.seed)
   key = jax.random.fold_in(key, abs(hash(case.name)) % (2**31))
   first = case.make_inputs(jax.random.fold_in(key, 0), settings.dtype)
-  k = choose_calls(tree_nbytes(first), settings)
+  k = choose_calls(tree_nbytes(first), settings, row["floor_s"])
   row["calls"] = k
   sets = [first] + [case.make_inputs(jax.random.fold_in(key, i), settings.dtype)
                     for i in range(1, 4 * k)]

@@ -223,6 +223,21 @@ def test_speedups_and_summary_carry_device_call():
   assert "device µs/call" in table and "| 2.50 |" in table and "1.60x" in table
 
 
+def test_choose_calls_by_memory_and_floor(monkeypatch):
+  from benchmarks import harness
+  monkeypatch.setattr(harness, "on_gpu", lambda: True)
+  st = harness.Settings(mem_budget_gb=1.0)
+  assert harness.choose_calls(1 << 20, st) == 16                 # capped at 16
+  assert harness.choose_calls(64 << 20, st) == 4                  # 4K sets fit 1 GiB
+  assert harness.choose_calls(1 << 30, st) == 1
+  assert harness.choose_calls(1 << 20, st, floor_s=2e-6) == 16
+  assert harness.choose_calls(1 << 20, st, floor_s=122e-6) == 2   # BERT-Base b1
+  assert harness.choose_calls(1 << 30, st, floor_s=122e-6) == 1
+  assert harness.choose_calls(1 << 20, harness.Settings(calls=6), floor_s=1e-3) == 6
+  monkeypatch.setattr(harness, "on_gpu", lambda: False)
+  assert harness.choose_calls(1 << 20, st, floor_s=1e-3) == 2
+
+
 def test_rel_error_and_select():
   from benchmarks import harness
   rng = np.random.default_rng(0)

@@ -846,7 +846,8 @@ class Settings:
 
 
 # A call whose roofline floor is at least this long is timed with K=2: its
-# 4K-call window already lasts milliseconds, while the unrolled program grows
+# 8-call program runs 0.4 ms or more (and each timing window repeats it to
+# 10 ms), while the unrolled program grows
 # with K (BERT-Base b1 at K=6, 24 forwards in one program, compiled for more
 # than 200 s on the H100 host; at K=2 both compilers took 123 s together).
 HEAVY_CALL_FLOOR_S = 50e-6

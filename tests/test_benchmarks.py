@@ -161,22 +161,31 @@ def test_unknown_case_is_a_clear_error(tmp_path):
 
 # --------------------------------------------------------------------- harness
 
-def test_parse_perfetto_counts_stream_kernels_only(tmp_path):
-  from benchmarks import harness
+def _gpu_trace(tmp_path, events) -> str:
+  """A perfetto trace file: a GPU process (pid 2) with a kernel stream
+  (tid 10), plus ``events``; returns its path."""
   ev = [
-      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
       {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
       {"ph": "M", "pid": 2, "tid": 10, "name": "thread_name", "args": {"name": "Stream #14(Kernel)"}},
-      {"ph": "M", "pid": 2, "tid": 11, "name": "thread_name", "args": {"name": "XLA Ops"}},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "fused_kernel", "ts": 0, "dur": 3.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "gemm", "ts": 5, "dur": 4.5},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "MemcpyD2D", "ts": 9, "dur": 1.0},
-      {"ph": "X", "pid": 2, "tid": 11, "name": "dot.1", "ts": 0, "dur": 7.5},
-      {"ph": "X", "pid": 1, "tid": 5, "name": "python", "ts": 0, "dur": 100.0},
-  ]
+  ] + list(events)
   path = str(tmp_path / "perfetto_trace.json.gz")
   with gzip.open(path, "wt") as f:
     json.dump({"traceEvents": ev}, f)
+  return path
+
+
+def _kernel(name, ts, dur, tid=10, pid=2):
+  return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+
+
+def test_parse_perfetto_counts_stream_kernels_only(tmp_path):
+  from benchmarks import harness
+  path = _gpu_trace(tmp_path, [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "M", "pid": 2, "tid": 11, "name": "thread_name", "args": {"name": "XLA Ops"}},
+      _kernel("fused_kernel", 0, 3.0), _kernel("gemm", 5, 4.5), _kernel("MemcpyD2D", 9, 1.0),
+      _kernel("dot.1", 0, 7.5, tid=11), _kernel("python", 0, 100.0, tid=5, pid=1),
+  ])
   ks = harness.parse_perfetto(path)
   assert ks.count == 2 and ks.total_us == pytest.approx(7.5)
   assert ks.memcpy_us == pytest.approx(1.0)
@@ -187,19 +196,9 @@ def test_execution_spans_split_runs_and_keep_overlap(tmp_path):
   from benchmarks import harness
   # Two traced runs of a 3-kernel program: the second run's first two
   # kernels overlap; its span runs from 100 to 109.
-  ev = [
-      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-      {"ph": "M", "pid": 2, "tid": 10, "name": "thread_name", "args": {"name": "Stream #14(Kernel)"}},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "a", "ts": 0, "dur": 2.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "b", "ts": 3, "dur": 2.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "c", "ts": 6, "dur": 1.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "c", "ts": 105, "dur": 4.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "a", "ts": 100, "dur": 3.0},
-      {"ph": "X", "pid": 2, "tid": 10, "name": "b", "ts": 101, "dur": 3.0},
-  ]
-  path = str(tmp_path / "perfetto_trace.json.gz")
-  with gzip.open(path, "wt") as f:
-    json.dump({"traceEvents": ev}, f)
+  path = _gpu_trace(tmp_path, [
+      _kernel("a", 0, 2.0), _kernel("b", 3, 2.0), _kernel("c", 6, 1.0),
+      _kernel("c", 105, 4.0), _kernel("a", 100, 3.0), _kernel("b", 101, 3.0)])
   ks = harness.parse_perfetto(path, executions=2)
   assert ks.spans_us == [pytest.approx(7.0), pytest.approx(9.0)]
   assert ks.total_us == pytest.approx(15.0)

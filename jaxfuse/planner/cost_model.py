@@ -294,12 +294,17 @@ def _overlapped(a: float, b: float, fraction: float) -> float:
 
 def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
                     num_stages: int, device: DeviceSpec,
-                    num_warps: Optional[int] = None) -> int:
+                    num_warps: Optional[int] = None,
+                    smem_bytes: Optional[int] = None) -> int:
   """Programs of a plan one SM runs at once: limited by pipelined shared
   memory, threads (2048 per SM) and registers, at most
-  ``MAX_PROGRAMS_PER_SM``. ``num_warps`` defaults to ``choose_warps``'s."""
+  ``MAX_PROGRAMS_PER_SM``. ``num_warps`` defaults to ``choose_warps``'s;
+  ``smem_bytes`` to ``pruning.pipelined_smem_bytes`` at ``num_stages``
+  (``predict`` passes the value it reports)."""
   threads = (num_warps or choose_warps(region, tiles)) * 32
-  smem = max(1, pruning.pipelined_smem_bytes(region, expr, tiles, num_stages))
+  if smem_bytes is None:
+    smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
+  smem = max(1, smem_bytes)
   regs = min(255.0, BASE_REGS_PER_THREAD + accumulator_bytes(region, tiles) / 4 / threads)
   return max(1, min(MAX_PROGRAMS_PER_SM, device.smem_per_block_bytes // smem,
                     2048 // threads, int(device.regs_per_sm // (threads * regs))))
@@ -385,7 +390,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     bytes_moved += 2 * partial
   sms = device.sm_count
   num_warps = num_warps or choose_warps(region, tiles)
-  pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps)
+  smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
+  pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps, smem_bytes)
   waves = math.ceil(programs / (sms * pps))
   # Warpgroups (4 warps) that run at once: within one program, and on
   # every SM (co-resident programs count when each SM gets them; in a
@@ -413,7 +419,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
                     bytes_moved=int(bytes_moved), flops=int(flops),
-                    smem_bytes=pruning.pipelined_smem_bytes(region, expr, tiles, num_stages),
+                    smem_bytes=smem_bytes,
                     programs=programs, t_program_s=t_program, steps=steps,
                     t_dot_s=t_dot, t_vector_s=t_vec, t_traffic_s=t_traffic,
                     waves=waves)

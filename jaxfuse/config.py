@@ -50,7 +50,8 @@ class Config:
     candidates on the GPU, MCFuser Alg. 1).
   tune_budget_s: seconds of measured tuning allowed per region.
   allow_split: let the planner split a reduction loop across programs (a
-    second pass combines the partials) for grids too small for the GPU.
+    second pass combines the partials) for grids too small for the GPU;
+    the model picks such a plan only when it predicts it faster.
   launch: how a Triton kernel is called on the GPU. ``ffi``: jaxlib's typed
     FFI target ``triton_kernel_call_ffi``; ``legacy``: jax-triton's own
     ``triton_kernel_call`` custom call. ``ffi`` falls back to ``legacy``
@@ -62,7 +63,7 @@ class Config:
   device: str = "auto"
   tune: str = "model"
   tune_budget_s: float = 4.0
-  allow_split: bool = False
+  allow_split: bool = True
   launch: str = "ffi"
 
   @classmethod

@@ -6,6 +6,8 @@ element the kernel forgets to write fails) and is compared in float64.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -140,6 +142,31 @@ def test_split_attention_combines_max_sum_and_acc():
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16), split=("n", 3))
   k = run_and_check(r, plan)
   assert "part_mx_ptr" in k.source and "part_l_ptr" in k.source
+
+
+def _programs(grid):
+  return math.prod(grid)
+
+
+def test_split_combine_pass_retiles_small_grids():
+  """The combine pass of a split plan tiles the outputs finer than the main
+  kernel when the main grid is small (masked edges on both loops), loads
+  nothing it does not use, and still matches the IR."""
+  r = T.gemm_chain(M=77, N=200, K=24, H=80, B=1)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=64, n=16), split=("n", 3))
+  k = run_and_check(r, plan)
+  assert k.constexprs["BLOCK_M"] == 64 and k.constexprs["BLOCK_H"] == 128
+  assert k.combine_constexprs["BLOCK_M"] * k.combine_constexprs["BLOCK_H"] <= 1024
+  assert _programs(k.combine_grid) > _programs(k.grid) // 3
+  combine = k.source.split("def fused_kernel_combine")[1]
+  assert "a_ptr +" not in combine and "bb_ptr +" not in combine
+
+
+def test_split_attention_combine_retiles_with_deferred_division():
+  r = T.attention(M=100, N=72, D=40, B=2, heads=2)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=64, n=16), split=("n", 2))
+  k = run_and_check(r, plan)
+  assert _programs(k.combine_grid) > _programs(k.grid) // 2
 
 
 # ------------------------------------------------------------------------ MLP

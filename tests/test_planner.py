@@ -183,6 +183,16 @@ def test_attention_flash_order():
   assert ("m", "n") not in [(a, b) for a, b in zip(so, so[1:])]
 
 
+def test_splittable_loops():
+  """GEMM chains split GEMM2's reduction; attention's streamed key loop is
+  not offered (measured slower); a loop whose reduced values feed another
+  contraction does not split."""
+  assert search.splittable_loops(examples.gemm_chain(1, 512, 512, 512, 256)) == ("n",)
+  assert search.splittable_loops(examples.attention(1, 1, 1024, 512, 64)) == ()
+  mlp = examples.mlp_chain(1, 32, (64, 128, 64, 32))
+  assert search.splittable_loops(mlp) == ("k2",)       # only the last GEMM's loop
+
+
 def test_g10_parallelism():
   g10 = examples.gemm_chain(1, 1024, 1024, 128, 128)
   res = plan_region(g10, "h100", use_cache=False)
@@ -190,14 +200,14 @@ def test_g10_parallelism():
   _check_executable(g10, res.best)
   if res.best.predicted.programs < H100.sm_count:
     assert "SMs" in res.space["parallelism"]
-  # the low-parallelism options are in the space and ranked (split
-  # reductions only when allowed: opt-in since measured slower on an H200)
+  # the low-parallelism options are in the space and ranked; split
+  # reductions (on by default) only when allowed
   ranked = search.search(g10, H100, seed=0).ranked
-  assert not any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
-  from jaxfuse.config import config
-  with config.override(allow_split=True):
-    ranked = search.search(g10, H100, seed=0).ranked
   assert any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
+  from jaxfuse.config import config
+  with config.override(allow_split=False):
+    ranked = search.search(g10, H100, seed=0).ranked
+  assert not any(p.split for p in ranked) and any("h" in p.grid for p in ranked)
 
 
 def test_model_alpha_and_recompute():
@@ -421,6 +431,18 @@ def test_measured_search_tries_launch_knobs_on_the_best_plan():
 
 # -- cache ----------------------------------------------------------------------
 
+def test_cache_key_carries_allow_split():
+  """A plan cached with split reductions on is not served with them off."""
+  from jaxfuse.config import config
+  r = examples.gemm_chain(1, 512, 512, 512, 256)
+  on = cache.plan_key(r, H100)
+  with config.override(allow_split=False):
+    off = cache.plan_key(r, H100)
+    best = plan_region(r, "h100", use_cache=False).best
+  assert on != off and best is not None and best.split is None
+  assert plan_region(r, "h100", use_cache=False).best.split is not None
+
+
 def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
   monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
   r = examples.gemm_chain(1, 512, 256, 64, 64)
@@ -573,10 +595,15 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   attn = examples.attention(1, 8, 512, 512, 64, 64)
   assert cost_model.unfused_time(attn, h200) > cost_model.unfused_time(
       examples.gemm_chain(8, 512, 512, 64, 64), h200)      # + the softmax passes
-  best6 = plan_region(g6, h200, use_cache=False).best
+  from jaxfuse.config import config
+  with config.override(allow_split=False):
+    best6 = plan_region(g6, h200, use_cache=False).best
   best1 = plan_region(g1, h200, use_cache=False).best
   assert "separate kernels" in cost_model.slower_than_unfused(g6, best6, h200)
   assert cost_model.slower_than_unfused(g1, best1, h200) is None
+  # split reductions (on by default) make G6 a predicted winner
+  split6 = plan_region(g6, h200, use_cache=False).best
+  assert split6.split and cost_model.slower_than_unfused(g6, split6, h200) is None
 
 
 def test_parse_plan_roundtrip():

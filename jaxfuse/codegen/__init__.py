@@ -31,7 +31,7 @@ class GeneratedKernel:
   ``fn`` takes the region's input pointers, then (split plans) the scratch
   pointers, then the output pointers, and ``**constexprs``. For a split plan
   ``fn`` writes only scratch and ``combine_fn`` (inputs, scratch, outputs)
-  finishes the reduction.
+  finishes the reduction; it takes ``**combine_constexprs`` (its own tiles).
   """
   region: ir.Region
   plan: Plan
@@ -46,6 +46,7 @@ class GeneratedKernel:
   combine_fn: Any = None
   combine_grid: Optional[tuple[int, ...]] = None
   scratch: tuple[ScratchSpec, ...] = ()
+  combine_constexprs: Optional[dict] = None
 
 
 def source(region: ir.Region, plan: Plan) -> str:
@@ -79,4 +80,5 @@ def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
       fn=getattr(mod, pk.kernel_name), grid=pk.grid, num_warps=pk.num_warps,
       num_stages=pk.num_stages, constexprs=dict(pk.constexprs), interpret=interpret,
       combine_fn=getattr(mod, pk.combine_name) if pk.combine_name else None,
-      combine_grid=pk.combine_grid, scratch=pk.scratch)
+      combine_grid=pk.combine_grid, scratch=pk.scratch,
+      combine_constexprs=dict(pk.combine_constexprs) if pk.combine_name else None)

@@ -54,6 +54,16 @@ class PrintedKernel:
   combine_name: Optional[str] = None
   combine_grid: Optional[tuple[int, ...]] = None
   scratch: tuple[ScratchSpec, ...] = ()
+  combine_constexprs: tuple[tuple[str, int], ...] = ()
+
+
+# The combine pass of a split plan re-tiles the outputs until it has this many
+# programs or tiles this small: with the main kernel's tiles (often 16 programs
+# of 64x128 fp32 x parts) it read its partials at one SM's bandwidth and took
+# longer than the main kernel (MC-G5 on the H100: 9.8 us vs 6.1 us, 2026-11-21).
+COMBINE_MIN_PROGRAMS = 256
+COMBINE_MAX_TILE_ELEMS = 1024
+COMBINE_MIN_TILE = 16
 
 
 _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
@@ -132,6 +142,16 @@ class _Open:
   stream: Optional[streaming.StreamedLoop]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Partial:
+  """Where a split accumulator's partial results live (``scratch_layout``)."""
+  value: str
+  dims: tuple[str, ...]
+  strides: dict
+  part_size: int
+  scratch: ScratchSpec
+
+
 class _Printer:
 
   def __init__(self, region: ir.Region, plan: Plan, kernel_name: str):
@@ -155,6 +175,7 @@ class _Printer:
     self.acc_loop: dict[str, _Open] = {}      # value -> loop it accumulates in
     self.acc_tile: dict[str, _Tile] = {}
     self.scaled: dict[str, _Open] = {}        # value -> loop whose running max it uses
+    self.lazy_loads = False                   # combine pass: load inputs where first needed
     self._setup_loops()
 
   # ------------------------------------------------------------------ setup
@@ -456,6 +477,9 @@ class _Printer:
         raise CodegenError(f"{v} is read before its reduction over "
                            f"{self.acc_loop[v].node.loop} is complete")
       return t
+    if v in self.inputs and self.lazy_loads:
+      self.emit_load(v)
+      return self.lookup(v)
     op = self.ops.get(v)
     if isinstance(op, (ir.Elementwise, ir.Iota)):
       self.emit_compute(v)
@@ -980,58 +1004,57 @@ class _Printer:
       self.emit_stmt(s)
 
   # ---------------------------------------------------------------- split
-  def scratch_layout(self, lp: _Open):
-    """Scratch buffers for the partial accumulators of the split loop."""
+  def scratch_layout(self, lp: _Open) -> list["_Partial"]:
+    """fp32 scratch for the split loop's partial accumulators, indexed by
+    part and by the global indices of the value's loops (each padded to
+    whole tiles of the main kernel), so that the combine pass can tile the
+    outputs differently from the main kernel. Programs that differ only in
+    a grid loop the value does not vary along write the same values to
+    the same place."""
     specs = []
-    nprog = math.prod(self.grid_counts[l] for l in self.grid_loops) if self.grid_loops else 1
     parts = self.split[1]
     for v in lp.accs:
-      t = self.acc_tile[v]
-      numel = math.prod(self.T[l] for l in t.order) if t.order else 1
-      specs.append((v, numel, ScratchSpec(f"part_{self._sanitize(v)}", parts * nprog * numel)))
-    return specs, nprog
+      dims = tuple(l for l in self.order if l in self.vm[v].loops)
+      strides: dict[str, int] = {}
+      size = 1
+      for l in reversed(dims):
+        strides[l] = size
+        size *= _cdiv(self.ext[l], self.T[l]) * self.T[l]
+      if parts * size >= 2 ** 31:
+        raise CodegenError(f"split scratch of {v} has {parts * size} elements (int32 offsets)")
+      specs.append(_Partial(v, dims, strides, size,
+                            ScratchSpec(f"part_{self._sanitize(v)}", parts * size)))
+    return specs
 
-  def pid_linear(self) -> str:
-    if not self.grid_loops:
-      return "0"
-    expr = ""
-    for l in self.grid_loops:   # outermost first
-      c = self.grid_counts[l]
-      expr = f"pid_{l}" if not expr else f"({expr}) * {c} + pid_{l}"
-    return expr
+  def partial_address(self, spec: "_Partial", order: Sequence[str]) -> str:
+    """Offsets of this program's tile of ``spec`` in its scratch, as a tile
+    with dims ``order`` (the accumulator's), under the current tiling."""
+    terms = [f"part * {spec.part_size}"]
+    for l in spec.dims:
+      e = self.expand(f"offs_{l}", (l,), order) if self.T[l] > 1 else f"i_{l}"
+      st = spec.strides[l]
+      terms.append(e if st == 1 else f"{e} * {st}")
+    return " + ".join(terms)
 
-  def local_offsets(self, order: Sequence[str]) -> str:
-    if not order:
-      return "0"
-    terms = []
-    stride = 1
-    for l in reversed(order):
-      terms.append(self.expand(f"tl.arange(0, {self.BLK[l]})", (l,), order)
-                   + ("" if stride == 1 else f" * {stride}"))
-      stride *= self.T[l]
-    return " + ".join(reversed(terms))
-
-  def emit_partial_stores(self, lp: _Open, specs, nprog) -> None:
+  def emit_partial_stores(self, specs: Sequence["_Partial"]) -> None:
     self.emit("# partial results of this part of the split loop, in fp32 scratch")
-    for v, numel, sp in specs:
-      t = self.acc_tile[v]
-      base = f"(part * {nprog} + {self.pid_linear()}) * {numel}"
-      self.emit(f"tl.store({sp.name}_ptr + {base} + {self.local_offsets(t.order)}, {t.var})")
+    for spec in specs:
+      t = self.acc_tile[spec.value]
+      self.emit(f"tl.store({spec.scratch.name}_ptr + {self.partial_address(spec, t.order)}, {t.var})")
 
-  def emit_combine(self, lp: _Open, specs, nprog) -> None:
+  def emit_combine(self, lp: _Open, specs: Sequence["_Partial"]) -> None:
     """Second pass: combine the parts' partial accumulators, then finish the loop."""
     parts = self.split[1]
     st = lp.stream
     self.emit(f"# combine the {parts} partial results of split loop {lp.node.loop}")
     for v in lp.accs:
       self.emit_acc_init(v, lp)
-    info = {v: (numel, sp) for v, numel, sp in specs}
+    info = {spec.value: spec for spec in specs}
 
     def load(v):
-      numel, sp = info[v]
+      spec = info[v]
       t = self.acc_tile[v]
-      base = f"(part * {nprog} + {self.pid_linear()}) * {numel}"
-      return f"tl.load({sp.name}_ptr + {base} + {self.local_offsets(t.order)})"
+      return f"tl.load({spec.scratch.name}_ptr + {self.partial_address(spec, t.order)})"
 
     maxes = [v for v in lp.accs if isinstance(self.ops[v], ir.Reduction) and self.ops[v].kind == "max"]
     if maxes:
@@ -1090,26 +1113,17 @@ class _Printer:
     combine_lines: list[str] = []
     combine_name = None
     combine_grid = None
+    combine_constexprs: tuple[tuple[str, int], ...] = ()
     if self.split:
-      specs, nprog = self.scratch_layout(self.split_loop)
-      scratch = tuple(sp for _, _, sp in specs)
+      specs = self.scratch_layout(self.split_loop)
+      scratch = tuple(spec.scratch for spec in specs)
       # Partial stores go at the end of the main kernel.
       self.lines = []
       self.ind = 1
-      self.emit_partial_stores(self.split_loop, specs, nprog)
+      self.emit_partial_stores(specs)
       main_lines += self.lines
-      # Combine kernel: same program ids without the split axis.
-      self.in_split_kernel = False
-      saved_split = self.split
-      self.split = None
-      c_axes, c_sizes = self.grid_axes()
-      self.split = saved_split
-      self.lines = []
-      self.ind = 1
-      self._reset_state()
-      combine_lines = self._combine_body(c_axes, body, specs, nprog)
+      combine_lines, combine_grid, combine_constexprs = self._print_combine(body, specs)
       combine_name = self.name + "_combine"
-      combine_grid = c_sizes
       # Restore grid counts including the split axis for the main grid.
       self.grid_axes()
     src = list(header)
@@ -1126,7 +1140,8 @@ class _Printer:
     return PrintedKernel(source="\n".join(src) + "\n", kernel_name=self.name, grid=sizes,
                          constexprs=self.constexprs(), num_warps=int(self.plan.num_warps),
                          num_stages=int(self.plan.num_stages), combine_name=combine_name,
-                         combine_grid=combine_grid, scratch=scratch)
+                         combine_grid=combine_grid, scratch=scratch,
+                         combine_constexprs=combine_constexprs)
 
   def _split_signature(self, extra) -> str:
     # The main kernel of a split plan writes only scratch: inputs + scratch.
@@ -1157,17 +1172,95 @@ class _Printer:
       self.emit("pass")
     return self.lines
 
-  def _combine_body(self, axes, body, specs, nprog) -> list[str]:
+  def _split_index(self, body) -> int:
+    return next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == self.split[0])
+
+  def _combine_tiles(self, body, specs: Sequence["_Partial"]) -> dict[str, int]:
+    """Tiles of the combine pass: the main kernel's, with the largest output
+    tiles halved (down to ``COMBINE_MIN_TILE``) until there are
+    ``COMBINE_MIN_PROGRAMS`` programs or tiles of ``COMBINE_MAX_TILE_ELEMS``
+    elements. Loops that an op after the split loop reduces or contracts
+    keep their tiles."""
+    idx = self._split_index(body)
+    post = [s.value for n in body[idx + 1:] for s in _stmts(n) if s.kind == "C"]
+    post += [s.value for s in self.split_loop.after if s.kind == "C"]
+    fixed: set[str] = set()
+    for v in post:
+      op = self.ops.get(v)
+      if isinstance(op, ir.Contraction):
+        fixed |= set(self.r.op_loops(op))
+      elif isinstance(op, ir.Reduction):
+        fixed.add(op.loop)
+    out_loops: set[str] = set()
+    for spec in specs:
+      out_loops |= set(spec.dims)
+    for b in self.r.outputs:
+      out_loops |= set(self.vm[b.value].loops)
+    T = dict(self.T)
+    elig = [l for l in self.order
+            if l in out_loops and l not in fixed and self.kind[l] in ("grid", "single")]
+
+    def programs() -> int:
+      return math.prod(_cdiv(self.ext[l], T[l]) for l in self.order
+                       if self.kind[l] == "grid" or (l in elig and T[l] < self.ext[l]))
+
+    def elems() -> int:
+      return math.prod(T[l] for l in out_loops if T[l] > 1)
+
+    while programs() < COMBINE_MIN_PROGRAMS and elems() > COMBINE_MAX_TILE_ELEMS:
+      cand = [l for l in elig if T[l] > COMBINE_MIN_TILE]
+      if not cand:
+        break
+      T[max(cand, key=lambda l: (T[l], -self.order.index(l)))] //= 2
+    return T
+
+  def _use_tiles(self, tiles: dict[str, int]) -> None:
+    for l in self.order:
+      if self.kind[l] == "single" and tiles[l] < self.ext[l]:
+        self.kind[l] = "grid"
+    self.T = dict(tiles)
+    self.grid_loops = tuple(l for l in self.order if self.kind[l] == "grid")
+
+  def _print_combine(self, body, specs: Sequence["_Partial"]):
+    """The combine kernel's lines, grid and constexprs: re-tiled
+    (``_combine_tiles``), loading inputs only where the rest of the plan
+    needs them; if that cannot be printed, with the main kernel's tiles and
+    its statements before the split loop (the compiler drops unused ones)."""
+    saved = (dict(self.T), dict(self.kind), self.grid_loops)
+    split = self.split
+    for retile in (True, False):
+      try:
+        if retile:
+          self._use_tiles(self._combine_tiles(body, specs))
+        self.split = None
+        axes, sizes = self.grid_axes()
+        self.split = split
+        self.lines = []
+        self.ind = 1
+        self._reset_state()
+        self.in_split_kernel = False
+        self.lazy_loads = retile
+        lines = self._combine_body(axes, body, specs, walk_prefix=not retile)
+        return lines, sizes, self.constexprs()
+      except CodegenError:
+        if not retile:
+          raise
+      finally:
+        self.split = split
+        self.T, self.kind, self.grid_loops = dict(saved[0]), dict(saved[1]), saved[2]
+        self.lazy_loads = False
+    raise AssertionError("unreachable")
+
+  def _combine_body(self, axes, body, specs, walk_prefix: bool) -> list[str]:
     self.emit_program_ids(axes, False)
     self.emit_loop_indices()
     sl = self.split[0]
-    idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == sl)
-    # Statements before the split loop (loads/computes the rest may read; the
-    # compiler drops the unused ones).
-    self.walk(body[:idx])
+    idx = self._split_index(body)
+    if walk_prefix:
+      self.walk(body[:idx])
     lp = _Open(body[idx], list(self.split_loop.accs), list(self.split_loop.after),
                self.info.streamed.get(sl))
-    self.emit_combine(lp, specs, nprog)
+    self.emit_combine(lp, specs)
     self.walk(body[idx + 1:])
     return self.lines
 

@@ -34,8 +34,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # 2: the per-program cost model (plans cached by 1 were ranked by alpha);
 # 3: its L2 and co-residency terms; 4: the nested-loop refill term;
 # 5: the 192-register budget of 128-row tiles; 6: the overlap terms;
-# 7: predictions carry the pipelined shared-memory request.
-FORMAT_VERSION = 7
+# 7: predictions carry the pipelined shared-memory request; 8: split
+# reductions on by default (the key also carries ``config.allow_split``).
+FORMAT_VERSION = 8
 
 
 def _version() -> str:
@@ -52,8 +53,11 @@ def _cache_dir() -> str:
 
 
 def plan_key(region: ir.Region, device: DeviceSpec) -> str:
+  from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
+  # The planner's options change its space, so they key the cache too.
   text = "|".join([region.signature(), device.name, str(device.sm_count),
-                   str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION)])
+                   str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION),
+                   f"split={bool(config.allow_split)}"])
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -81,29 +81,32 @@ class SearchResult:
 def splittable_loops(region: ir.Region) -> tuple[str, ...]:
   """Reduction loops whose reducing ops are contractions producing region
   outputs (possibly through a final convert): partial sums over parts of
-  such a loop combine by addition in a second pass."""
+  such a loop combine by addition in a second pass.
+
+  The code generator can also split a streamed (online-softmax) loop, the
+  combine pass rescaling each part by its running max as flash-decoding
+  does; the planner does not offer it: on the H100 (2026-11-21) the one
+  attention it chose it for, S9, ran 5.7 us in two kernels against 5.1 us
+  unsplit, the combine alone taking 2.8 us (benchmarks/RESULTS.md, ninth
+  session)."""
   out = []
   outs = set(region.output_names)
-  red = region.reduced_loops()
-  for l in red:
+  for l in region.reduced_loops():
     reducers = [op for op in region.ops if l in tiling.reduced_by(op)]
-    ok = bool(reducers)
-    for op in reducers:
-      if not isinstance(op, ir.Contraction):
-        ok = False
-        break
-      tgt = op.out
-      cons = region.consumers(tgt)
-      if tgt in outs and not cons:
-        continue
-      if (len(cons) == 1 and isinstance(cons[0], ir.Elementwise) and cons[0].fn == "convert"
-          and cons[0].out in outs and not region.consumers(cons[0].out)):
-        continue
-      ok = False
-    if ok:
+    if reducers and all(_sums_to_output(region, op, outs) for op in reducers):
       out.append(l)
   order = [x.name for x in region.loops]
   return tuple(sorted(out, key=order.index))
+
+
+def _sums_to_output(region: ir.Region, op, outs: set) -> bool:
+  if not isinstance(op, ir.Contraction):
+    return False
+  cons = region.consumers(op.out)
+  if op.out in outs and not cons:
+    return True
+  return (len(cons) == 1 and isinstance(cons[0], ir.Elementwise) and cons[0].fn == "convert"
+          and cons[0].out in outs and not region.consumers(cons[0].out))
 
 
 def build_space(region: ir.Region, device: DeviceSpec, *,
@@ -132,10 +135,10 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
   splits: list[Optional[tuple[str, int]]] = [None]
   from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
-  # Split reductions are opt-in: on an H200 (2026-11-21) every split plan
-  # the model chose for MCFuser G4-G12 lost to XLA, up to 2x (two launches
-  # and the fp32 partials cost more than alpha credits them); without them
-  # 6 of those 9 cases got faster (benchmarks/RESULTS.md).
+  # Split reductions (config.allow_split, on by default): since the combine
+  # pass re-tiles its outputs (1.4-2.0 us instead of up to 10 us), the split
+  # plans the model picks for MCFuser G4-G7 and G10 beat both the unsplit
+  # plans and XLA on the H100 (benchmarks/RESULTS.md, ninth session).
   for l in (splittable_loops(region) if config.allow_split else ()):
     for p in (2, 4, 8, 16):
       if math.ceil(region.extent(l) / 16) >= p:

@@ -146,7 +146,7 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> li
       kernel.fn[kernel.grid](*ins, *outs, **kernel.constexprs)
     else:
       kernel.fn[kernel.grid](*ins, *scratch, **kernel.constexprs)
-      kernel.combine_fn[kernel.combine_grid](*ins, *scratch, *outs, **kernel.constexprs)
+      kernel.combine_fn[kernel.combine_grid](*ins, *scratch, *outs, **kernel.combine_constexprs)
   return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, r.outputs)]
 
 
@@ -226,16 +226,18 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   jt = triton_call.jax_triton_module()
   kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages,
-            custom_call_target_name=triton_call.call_target(jt), **kernel.constexprs)
+            custom_call_target_name=triton_call.call_target(jt))
   outs = _out_shapes(kernel.region)
   if kernel.combine_fn is None:
-    res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw)
+    res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw,
+                         **kernel.constexprs)
     return list(res) if isinstance(res, (list, tuple)) else [res]
   scratch_shapes = [jax.ShapeDtypeStruct((max(s.numel, 1),), jnp.float32) for s in kernel.scratch]
-  scratch = jt.triton_call(*args, kernel=kernel.fn, out_shape=scratch_shapes, grid=kernel.grid, **kw)
+  scratch = jt.triton_call(*args, kernel=kernel.fn, out_shape=scratch_shapes, grid=kernel.grid,
+                           **kw, **kernel.constexprs)
   scratch = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
   res = jt.triton_call(*args, *scratch, kernel=kernel.combine_fn, out_shape=outs,
-                       grid=kernel.combine_grid, **kw)
+                       grid=kernel.combine_grid, **kw, **kernel.combine_constexprs)
   return list(res) if isinstance(res, (list, tuple)) else [res]
 
 

@@ -162,6 +162,21 @@ def test_split_combine_pass_retiles_small_grids():
   assert "a_ptr +" not in combine and "bb_ptr +" not in combine
 
 
+def test_split_combine_falls_back_to_main_tiles(monkeypatch):
+  """When the re-tiled combine cannot be printed, the combine pass keeps
+  the main kernel's tiles and statements, and still matches the IR."""
+  from jaxfuse.codegen import triton_printer
+
+  def fail(self, body, specs):
+    raise CodegenError("forced")
+  monkeypatch.setattr(triton_printer._Printer, "_combine_tiles", fail)
+  r = T.gemm_chain(M=77, N=200, K=24, H=80, B=1)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=64, n=16), split=("n", 3))
+  k = run_and_check(r, plan)
+  assert k.combine_constexprs == k.constexprs
+  assert _programs(k.combine_grid) == _programs(k.grid) // 3
+
+
 def test_split_attention_combine_retiles_with_deferred_division():
   r = T.attention(M=100, N=72, D=40, B=2, heads=2)
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=64, n=16), split=("n", 2))

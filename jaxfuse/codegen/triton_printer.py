@@ -375,7 +375,7 @@ class _Printer:
     self.grid_counts = counts
     return axes, sizes
 
-  def emit_program_ids(self, axes: list[list[str]], with_split: bool) -> None:
+  def emit_program_ids(self, axes: list[list[str]]) -> None:
     counts = self.grid_counts
     for i, ax in enumerate(axes):
       if len(ax) == 1:
@@ -391,8 +391,6 @@ class _Printer:
         else:
           self.emit(f"{nm} = {rem} % {counts[l]}")
           self.emit(f"{rem} = {rem} // {counts[l]}")
-    if not with_split and self.split and any("__split__" in ax for ax in axes):
-      pass
 
   def emit_loop_indices(self) -> None:
     for l in self.order:
@@ -1102,7 +1100,7 @@ class _Printer:
       sl = self.split[0]
       if not any(isinstance(n, LoopNode) and n.loop == sl for n in body):
         raise CodegenError(f"split loop {sl} must be a top-level loop of the plan's expression")
-      idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == sl)
+      idx = self._split_index(body)
       for n in body[:idx + 1]:
         if any(s.kind == "S" for s in _stmts(n)):
           raise CodegenError("a split plan cannot store outputs before or inside the split loop")
@@ -1160,12 +1158,11 @@ class _Printer:
 
   def _kernel_body(self, axes, body, with_split: bool) -> list[str]:
     self._reset_state()
-    self.emit_program_ids(axes, with_split)
+    self.emit_program_ids(axes)
     self.emit_loop_indices()
     n0 = len(self.lines)
     if with_split:
-      idx = next(i for i, n in enumerate(body) if isinstance(n, LoopNode) and n.loop == self.split[0])
-      self.walk(body[:idx + 1])    # the rest runs in the combine kernel
+      self.walk(body[:self._split_index(body) + 1])    # the rest runs in the combine kernel
     else:
       self.walk(body)
     if len(self.lines) == n0:
@@ -1252,7 +1249,7 @@ class _Printer:
     raise AssertionError("unreachable")
 
   def _combine_body(self, axes, body, specs, walk_prefix: bool) -> list[str]:
-    self.emit_program_ids(axes, False)
+    self.emit_program_ids(axes)
     self.emit_loop_indices()
     sl = self.split[0]
     idx = self._split_index(body)

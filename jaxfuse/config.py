@@ -52,10 +52,13 @@ class Config:
   allow_split: let the planner split a reduction loop across programs (a
     second pass combines the partials) for grids too small for the GPU;
     the model picks such a plan only when it predicts it faster.
-  launch: how a Triton kernel is called on the GPU. ``ffi``: jaxlib's typed
-    FFI target ``triton_kernel_call_ffi``; ``legacy``: jax-triton's own
-    ``triton_kernel_call`` custom call. ``ffi`` falls back to ``legacy``
-    when the installed jaxlib lacks the target.
+  launch: how a Triton kernel is called on the GPU. ``direct``: jaxfuse's
+    own FFI target (``jaxfuse.runtime.direct_launch``, built with the
+    system C compiler on first use); ``ffi``: jaxlib's typed FFI target
+    ``triton_kernel_call_ffi``; ``legacy``: jax-triton's own
+    ``triton_kernel_call`` custom call. ``direct`` falls back to ``ffi``
+    where it cannot be built or cannot take a kernel, ``ffi`` to
+    ``legacy`` where the installed jaxlib lacks the target.
   """
   disable: bool = False
   backend: str = "auto"
@@ -64,7 +67,7 @@ class Config:
   tune: str = "model"
   tune_budget_s: float = 4.0
   allow_split: bool = True
-  launch: str = "ffi"
+  launch: str = "direct"
 
   @classmethod
   def from_env(cls) -> "Config":
@@ -87,8 +90,8 @@ class Config:
     if self.tune not in ("model", "measure"):
       raise ValueError(f"jaxfuse config 'tune' must be 'model' or 'measure', "
                        f"got {self.tune!r}")
-    if self.launch not in ("ffi", "legacy"):
-      raise ValueError(f"jaxfuse config 'launch' must be 'ffi' or 'legacy', "
+    if self.launch not in ("direct", "ffi", "legacy"):
+      raise ValueError(f"jaxfuse config 'launch' must be 'direct', 'ffi' or 'legacy', "
                        f"got {self.launch!r}")
     if self.tune_budget_s < 0:
       raise ValueError("jaxfuse config 'tune_budget_s' must be >= 0")

@@ -104,7 +104,7 @@ def test_config_launch_is_checked():
   from jaxfuse.config import config
   with pytest.raises(ValueError, match="launch"):
     config.update("launch", "cuda")
-  assert config.launch in ("ffi", "legacy")
+  assert config.launch in ("direct", "ffi", "legacy")
 
 
 def test_slope_takes_fixed_costs_out(monkeypatch):

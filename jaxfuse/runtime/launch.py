@@ -4,9 +4,9 @@
 given), generates the kernel and runs it:
 
 * ``backend='triton'``: ``jax_triton.triton_call`` (imported lazily) with the
-  plan's grid, ``num_warps`` and ``num_stages``, lowered to jaxlib's typed
-  FFI Triton target (``config.launch``) with a slimmed serialized kernel
-  (``jaxfuse.runtime.triton_call``); usable inside a lowering
+  plan's grid, ``num_warps`` and ``num_stages``, lowered to jaxfuse's own
+  FFI launcher (``jaxfuse.runtime.direct_launch``) or jaxlib's typed FFI
+  Triton target (``config.launch``; ``jaxfuse.runtime.triton_call``); usable inside a lowering
   (``mlir.lower_fun``) and inside ``jax.jit``.
 * ``backend='interpret'``: ``jax.pure_callback`` that runs the same kernel in
   Triton's interpreter on torch CPU tensors.

@@ -5,10 +5,12 @@ jax-triton compiles the kernel and serializes the call (a zlib-compressed
 module changes two things about the custom call it emits for jaxfuse's
 kernels, and nothing for other jax-triton users:
 
-* Form: jaxlib's typed-FFI target ``triton_kernel_call_ffi`` instead of
-  jax-triton's legacy ``triton_kernel_call`` (``config.launch``). A legacy
-  call cannot join XLA's command buffers; the typed one saved 1-1.7 us per
-  call on small GEMM chains (H200, fourth session).
+* Form (``config.launch``): jaxfuse's own FFI target (``direct``, see
+  ``direct_launch``: the call decoded once into attributes, no per-call
+  lookup), else jaxlib's typed-FFI target ``triton_kernel_call_ffi``
+  instead of jax-triton's legacy ``triton_kernel_call``. A legacy call
+  cannot join XLA's command buffers; the typed one saved 1-1.7 us per call
+  on small GEMM chains (H200, fourth session).
 * Size: the serialized kernel is slimmed (``slim_kernel_call``): no line
   info in the PTX, no comment lines, no TTIR. jaxlib's FFI handler rebuilds
   the kernel from its serialized state on every execution (it copies the
@@ -33,14 +35,18 @@ import threading
 import zlib
 from typing import Iterator, Optional
 
+from absl import logging
+
 __all__ = ["jax_triton_module", "call_target", "ffi_available", "as_typed_ffi",
            "slim_kernel_call", "strip_ptx_comments", "FFI_TARGET", "LEGACY_TARGET"]
 
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"
+DIRECT = "direct"   # jaxfuse's own FFI target (direct_launch)
 # Target names jax-triton is handed for jaxfuse's kernels; only the lowering
 # below understands them (it substitutes the real target).
-_SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LEGACY_TARGET}
+_SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LEGACY_TARGET,
+             "jaxfuse." + DIRECT: DIRECT}
 _lock = threading.Lock()
 _registered = False
 
@@ -61,8 +67,11 @@ def call_target(jt) -> str:
   """The ``custom_call_target_name`` to hand ``jt.triton_call`` for a
   jaxfuse kernel (registers the lowering that understands it)."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   _register_lowering(jt)
-  target = FFI_TARGET if config.launch == "ffi" and ffi_available() else LEGACY_TARGET
+  if config.launch == DIRECT and direct_launch.available():
+    return "jaxfuse." + DIRECT
+  target = FFI_TARGET if config.launch in ("ffi", DIRECT) and ffi_available() else LEGACY_TARGET
   return "jaxfuse." + target
 
 
@@ -214,6 +223,20 @@ def _op(results):
   return getattr(op, "operation", op)
 
 
+def _direct(results) -> bool:
+  """Rewrites the call for jaxfuse's direct launcher; False (with one log
+  line) where the launcher does not take it, leaving the op unchanged."""
+  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  opaque = mlir_ir.StringAttr(_op(results).attributes["backend_config"]).value_bytes
+  try:
+    direct_launch.rewrite_call(results, opaque)
+  except direct_launch.UnsupportedCall as e:
+    logging.info("jaxfuse: kernel launched through jaxlib, not directly: %s", e)
+    return False
+  return True
+
+
 def _register_lowering(jt) -> None:
   """Lowers jax-triton calls that name a jaxfuse sentinel target: jax-triton
   compiles and serializes the kernel (without line info), then the custom
@@ -234,8 +257,13 @@ def _register_lowering(jt) -> None:
                       custom_call_target_name=custom_call_target_name, **params)
       with _without_line_info():
         results = legacy(tl.get_cuda_backend, ctx, *args,
-                         custom_call_target_name=target, **params)
+                         custom_call_target_name=LEGACY_TARGET if target == DIRECT else target,
+                         **params)
       slim_backend_config(results)
+      if target == DIRECT:
+        if _direct(results):
+          return results
+        target = FFI_TARGET if ffi_available() else LEGACY_TARGET
       if target == FFI_TARGET:
         as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
       return results

@@ -1,0 +1,408 @@
+/* jaxfuse's XLA FFI handler: launches one compiled Triton kernel.
+ *
+ * Why: jaxlib's Triton custom call looks its kernel up by hashing the
+ * serialized call and re-checks module and context caches under locks on
+ * every execution; on an H100 host that made a fused call cost 4.3 us of
+ * host time against 0.7 us per kernel XLA launches itself (benchmarks/
+ * RESULTS.md, eighth session). Here every attribute is decoded by XLA once,
+ * the kernel is found by a 64-bit id in a small table, and an execution is
+ * one cuLaunchKernel.
+ *
+ * Plain C against XLA's FFI C API (jax.ffi.include_dir()); the CUDA driver
+ * is opened with dlopen, so building needs no CUDA headers or toolkit.
+ *
+ * Attributes (jaxfuse/runtime/direct_launch.py writes them):
+ *   kid    i64   id of (image, name, shared memory); the table key
+ *   image  str   cubin, base64 ("image_kind" 1) or PTX text (0)
+ *   image_kind i64
+ *   name   str   kernel symbol
+ *   grid   i64[3], block i64 (threads), smem i64 (bytes of shared memory)
+ *   kinds  i64[n] per kernel parameter: 0 buffer (the next operand, then
+ *                 result), 1 i32, 2 u32, 3 i64, 4 u64, 5 f32, 6 f64, 7 bool
+ *   values i64[n] a scalar's bits; for a buffer, bytes to zero first
+ * Triton kernels take two hidden pointers after their parameters (global
+ * and profile scratch); jaxfuse's kernels use neither, so both are null.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "xla/ffi/api/c_api.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void* CUcontext;
+typedef void* CUmodule;
+typedef void* CUfunction;
+typedef void* CUstream;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+  kFuncAttrSharedSizeBytes = 1,          /* CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES */
+  kFuncAttrMaxDynamicShared = 8,         /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
+  kDevAttrMaxSharedPerBlockOptin = 97,   /* CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN */
+  kCaptureStatusActive = 1,              /* CU_STREAM_CAPTURE_STATUS_ACTIVE */
+  kStaticSharedLimit = 49152,
+  kMaxParams = 128,
+  kTableSize = 1024,
+};
+
+static struct {
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, unsigned, CUstream, void**, void**);
+  CUresult (*ModuleLoadData)(CUmodule*, const void*);
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*StreamGetCtx)(CUstream, CUcontext*);
+  CUresult (*StreamIsCapturing)(CUstream, int*);
+  CUresult (*CtxGetCurrent)(CUcontext*);
+  CUresult (*CtxPushCurrent)(CUcontext);
+  CUresult (*CtxPopCurrent)(CUcontext*);
+  CUresult (*CtxGetDevice)(CUdevice*);
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*FuncGetAttribute)(int*, int, CUfunction);
+  CUresult (*FuncSetAttribute)(CUfunction, int, int);
+  CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*GetErrorString)(CUresult, const char**);
+  int loaded;
+} cu;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef struct {
+  int64_t kid;
+  CUcontext ctx;
+  CUfunction fn;
+} Entry;
+static Entry g_table[kTableSize];
+static int g_entries;
+
+static XLA_FFI_Error* make_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code,
+                                 const char* msg) {
+  XLA_FFI_Error_Create_Args a;
+  memset(&a, 0, sizeof(a));
+  a.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  a.message = msg;
+  a.errc = code;
+  return api->XLA_FFI_Error_Create(&a);
+}
+
+static XLA_FFI_Error* cu_error(const XLA_FFI_Api* api, const char* what, CUresult r) {
+  char msg[256];
+  const char* s = NULL;
+  if (cu.GetErrorString) cu.GetErrorString(r, &s);
+  snprintf(msg, sizeof(msg), "jaxfuse direct launch: %s failed: %s (CUresult %d)", what,
+           s ? s : "unknown error", r);
+  return make_error(api, XLA_FFI_Error_Code_INTERNAL, msg);
+}
+
+#define LOAD(field, sym)                                 \
+  do {                                                   \
+    *(void**)(&cu.field) = dlsym(lib, sym);              \
+    if (!cu.field) return "missing driver symbol " sym;  \
+  } while (0)
+
+/* Opens the CUDA driver; NULL on success, else what went wrong. Called
+ * with g_lock held. */
+static const char* load_driver(void) {
+  if (cu.loaded) return NULL;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) return "cannot open libcuda.so.1";
+  LOAD(LaunchKernel, "cuLaunchKernel");
+  LOAD(ModuleLoadData, "cuModuleLoadData");
+  LOAD(ModuleGetFunction, "cuModuleGetFunction");
+  LOAD(StreamGetCtx, "cuStreamGetCtx");
+  LOAD(StreamIsCapturing, "cuStreamIsCapturing");
+  LOAD(CtxGetCurrent, "cuCtxGetCurrent");
+  LOAD(CtxPushCurrent, "cuCtxPushCurrent_v2");
+  LOAD(CtxPopCurrent, "cuCtxPopCurrent_v2");
+  LOAD(CtxGetDevice, "cuCtxGetDevice");
+  LOAD(DeviceGetAttribute, "cuDeviceGetAttribute");
+  LOAD(FuncGetAttribute, "cuFuncGetAttribute");
+  LOAD(FuncSetAttribute, "cuFuncSetAttribute");
+  LOAD(MemsetD8Async, "cuMemsetD8Async");
+  LOAD(GetErrorString, "cuGetErrorString");
+  cu.loaded = 1;
+  return NULL;
+}
+
+/* ------------------------------------------------------------ attributes */
+
+typedef struct {
+  int64_t kid, image_kind, block, smem;
+  const int64_t* grid;
+  const int64_t* kinds;
+  const int64_t* values;
+  int64_t n_grid, n_kinds, n_values;
+  XLA_FFI_ByteSpan image, name;
+  int seen;
+} Attrs;
+
+static int name_is(const XLA_FFI_ByteSpan* n, const char* s) {
+  size_t len = strlen(s);
+  return n->len == len && memcmp(n->ptr, s, len) == 0;
+}
+
+/* 0 on success; otherwise writes a message into err. */
+static int decode_attrs(const XLA_FFI_Attrs* attrs, Attrs* out, char* err, size_t err_len) {
+  memset(out, 0, sizeof(*out));
+  for (int64_t i = 0; i < attrs->size; ++i) {
+    const XLA_FFI_ByteSpan* n = attrs->names[i];
+    XLA_FFI_AttrType t = attrs->types[i];
+    if (t == XLA_FFI_AttrType_SCALAR) {
+      const XLA_FFI_Scalar* s = (const XLA_FFI_Scalar*)attrs->attrs[i];
+      if (s->dtype != XLA_FFI_DataType_S64) {
+        snprintf(err, err_len, "attribute %.*s must be a 64-bit integer", (int)n->len, n->ptr);
+        return 1;
+      }
+      int64_t v = *(const int64_t*)s->value;
+      if (name_is(n, "kid")) { out->kid = v; out->seen |= 1; }
+      else if (name_is(n, "image_kind")) { out->image_kind = v; out->seen |= 2; }
+      else if (name_is(n, "block")) { out->block = v; out->seen |= 4; }
+      else if (name_is(n, "smem")) { out->smem = v; out->seen |= 8; }
+    } else if (t == XLA_FFI_AttrType_ARRAY) {
+      const XLA_FFI_Array* a = (const XLA_FFI_Array*)attrs->attrs[i];
+      if (a->dtype != XLA_FFI_DataType_S64) {
+        snprintf(err, err_len, "attribute %.*s must be an array of 64-bit integers",
+                 (int)n->len, n->ptr);
+        return 1;
+      }
+      if (name_is(n, "grid")) { out->grid = a->data; out->n_grid = a->size; out->seen |= 16; }
+      else if (name_is(n, "kinds")) { out->kinds = a->data; out->n_kinds = a->size; out->seen |= 32; }
+      else if (name_is(n, "values")) { out->values = a->data; out->n_values = a->size; out->seen |= 64; }
+    } else if (t == XLA_FFI_AttrType_STRING) {
+      const XLA_FFI_ByteSpan* s = (const XLA_FFI_ByteSpan*)attrs->attrs[i];
+      if (name_is(n, "image")) { out->image = *s; out->seen |= 128; }
+      else if (name_is(n, "name")) { out->name = *s; out->seen |= 256; }
+    }
+  }
+  if (out->seen != 511) {
+    snprintf(err, err_len, "missing attributes (have mask %d of 511)", out->seen);
+    return 1;
+  }
+  if (out->n_grid != 3 || out->n_kinds != out->n_values || out->n_kinds > kMaxParams) {
+    snprintf(err, err_len, "bad grid (%lld) or parameter lists (%lld kinds, %lld values)",
+             (long long)out->n_grid, (long long)out->n_kinds, (long long)out->n_values);
+    return 1;
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------ kernels */
+
+static int b64_value(unsigned char c) {
+  if (c >= 'A' && c <= 'Z') return c - 'A';
+  if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+  if (c >= '0' && c <= '9') return c - '0' + 52;
+  if (c == '+') return 62;
+  if (c == '/') return 63;
+  return -1;
+}
+
+/* Decoded bytes (malloc'd; caller frees) or NULL on malformed input. */
+static unsigned char* b64_decode(const char* s, size_t len, size_t* out_len) {
+  unsigned char* out = (unsigned char*)malloc(len / 4 * 3 + 4);
+  size_t o = 0;
+  unsigned acc = 0;
+  int bits = 0;
+  if (!out) return NULL;
+  for (size_t i = 0; i < len; ++i) {
+    if (s[i] == '=') break;
+    int v = b64_value((unsigned char)s[i]);
+    if (v < 0) { free(out); return NULL; }
+    acc = (acc << 6) | (unsigned)v;
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out[o++] = (unsigned char)((acc >> bits) & 0xFF);
+    }
+  }
+  *out_len = o;
+  return out;
+}
+
+/* Loads the kernel into ctx (first use only). Called with g_lock held. */
+static XLA_FFI_Error* load_kernel(const XLA_FFI_Api* api, const Attrs* at, CUcontext ctx,
+                                  CUfunction* fn) {
+  char name[256];
+  CUmodule mod;
+  CUresult r;
+  void* image;
+  unsigned char* decoded = NULL;
+  if (at->name.len >= sizeof(name))
+    return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "kernel name too long");
+  memcpy(name, at->name.ptr, at->name.len);
+  name[at->name.len] = 0;
+  if (at->image_kind == 1) {
+    size_t n;
+    decoded = b64_decode(at->image.ptr, at->image.len, &n);
+    if (!decoded)
+      return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, "malformed cubin attribute");
+    image = decoded;
+  } else {
+    /* PTX must be NUL-terminated for the driver. */
+    decoded = (unsigned char*)malloc(at->image.len + 1);
+    if (!decoded) return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED, "out of memory");
+    memcpy(decoded, at->image.ptr, at->image.len);
+    decoded[at->image.len] = 0;
+    image = decoded;
+  }
+  if ((r = cu.CtxPushCurrent(ctx)) != 0) { free(decoded); return cu_error(api, "cuCtxPushCurrent", r); }
+  r = cu.ModuleLoadData(&mod, image);
+  free(decoded);
+  XLA_FFI_Error* err = NULL;
+  if (r != 0) err = cu_error(api, "cuModuleLoadData", r);
+  if (!err && (r = cu.ModuleGetFunction(fn, mod, name)) != 0)
+    err = cu_error(api, "cuModuleGetFunction", r);
+  if (!err && at->smem > kStaticSharedLimit) {
+    /* Over 48 KiB of shared memory must be opted into per function. */
+    CUdevice dev;
+    int optin = 0, fixed = 0;
+    if ((r = cu.CtxGetDevice(&dev)) != 0) err = cu_error(api, "cuCtxGetDevice", r);
+    else if ((r = cu.DeviceGetAttribute(&optin, kDevAttrMaxSharedPerBlockOptin, dev)) != 0)
+      err = cu_error(api, "cuDeviceGetAttribute", r);
+    else if (at->smem > optin)
+      err = make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                       "kernel needs more shared memory than the device has");
+    else if ((r = cu.FuncGetAttribute(&fixed, kFuncAttrSharedSizeBytes, *fn)) != 0)
+      err = cu_error(api, "cuFuncGetAttribute", r);
+    else if ((r = cu.FuncSetAttribute(*fn, kFuncAttrMaxDynamicShared, optin - fixed)) != 0)
+      err = cu_error(api, "cuFuncSetAttribute", r);
+  }
+  CUcontext popped;
+  cu.CtxPopCurrent(&popped);
+  return err;
+}
+
+static XLA_FFI_Error* find_kernel(const XLA_FFI_Api* api, const Attrs* at, CUcontext ctx,
+                                  CUfunction* fn) {
+  pthread_mutex_lock(&g_lock);
+  const char* drv = load_driver();
+  if (drv) {
+    pthread_mutex_unlock(&g_lock);
+    return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
+  }
+  unsigned h = (unsigned)(((uint64_t)at->kid ^ (uint64_t)(uintptr_t)ctx) * 0x9E3779B97F4A7C15ull >> 54);
+  for (int probe = 0; probe < kTableSize; ++probe) {
+    Entry* e = &g_table[(h + probe) % kTableSize];
+    if (e->fn && e->kid == at->kid && e->ctx == ctx) {
+      *fn = e->fn;
+      pthread_mutex_unlock(&g_lock);
+      return NULL;
+    }
+    if (!e->fn) {
+      if (g_entries >= kTableSize * 3 / 4) break;
+      XLA_FFI_Error* err = load_kernel(api, at, ctx, fn);
+      if (!err) {
+        e->kid = at->kid;
+        e->ctx = ctx;
+        e->fn = *fn;
+        ++g_entries;
+      }
+      pthread_mutex_unlock(&g_lock);
+      return err;
+    }
+  }
+  pthread_mutex_unlock(&g_lock);
+  return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
+                    "jaxfuse direct launch: kernel table full");
+}
+
+/* ------------------------------------------------------------ handler */
+
+/* Handler traits XLA is told (registration and metadata query agree). */
+static uint32_t g_traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+
+void jaxfuse_direct_launch_set_traits(uint32_t traits) { g_traits = traits; }
+
+static XLA_FFI_Error* answer_metadata(XLA_FFI_CallFrame* frame) {
+  XLA_FFI_Metadata_Extension* ext = (XLA_FFI_Metadata_Extension*)frame->extension_start;
+  XLA_FFI_Metadata* md = ext->metadata;
+  md->api_version.major_version = XLA_FFI_API_MAJOR;
+  md->api_version.minor_version = XLA_FFI_API_MINOR;
+  md->traits = g_traits;
+  return NULL;
+}
+
+XLA_FFI_Error* jaxfuse_direct_launch(XLA_FFI_CallFrame* frame) {
+  if (frame->extension_start && frame->extension_start->type == XLA_FFI_Extension_Metadata)
+    return answer_metadata(frame);
+  const XLA_FFI_Api* api = frame->api;
+  if (frame->stage != XLA_FFI_ExecutionStage_EXECUTE) return NULL;
+
+  Attrs at;
+  char err[256];
+  if (decode_attrs(&frame->attrs, &at, err, sizeof(err))) {
+    char msg[300];
+    snprintf(msg, sizeof(msg), "jaxfuse direct launch: %s", err);
+    return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT, msg);
+  }
+
+  /* Parameter storage: a pointer slot per buffer, the scalar's bits for
+   * the rest; params[] points into it. */
+  void* params[kMaxParams + 2];
+  uint64_t slots[kMaxParams + 2];
+  int64_t n_buffers = frame->args.size + frame->rets.size, b = 0;
+  for (int64_t i = 0; i < at.n_kinds; ++i) {
+    int64_t kind = at.kinds[i];
+    if (kind == 0) {
+      if (b >= n_buffers)
+        return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                          "jaxfuse direct launch: more buffer parameters than buffers");
+      XLA_FFI_Buffer* buf = (XLA_FFI_Buffer*)(b < frame->args.size
+                                                  ? frame->args.args[b]
+                                                  : frame->rets.rets[b - frame->args.size]);
+      ++b;
+      slots[i] = (uint64_t)(uintptr_t)buf->data;
+    } else {
+      slots[i] = (uint64_t)at.values[i];
+    }
+    params[i] = &slots[i];
+  }
+  if (b != n_buffers)
+    return make_error(api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                      "jaxfuse direct launch: fewer buffer parameters than buffers");
+  slots[at.n_kinds] = 0;
+  slots[at.n_kinds + 1] = 0;
+  params[at.n_kinds] = &slots[at.n_kinds];
+  params[at.n_kinds + 1] = &slots[at.n_kinds + 1];
+
+  XLA_FFI_Stream_Get_Args sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.struct_size = XLA_FFI_Stream_Get_Args_STRUCT_SIZE;
+  sa.ctx = frame->ctx;
+  XLA_FFI_Error* e = api->XLA_FFI_Stream_Get(&sa);
+  if (e) return e;
+  CUstream stream = (CUstream)sa.stream;
+
+  if (!cu.loaded) {
+    pthread_mutex_lock(&g_lock);
+    const char* drv = load_driver();
+    pthread_mutex_unlock(&g_lock);
+    if (drv) return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
+  }
+  CUcontext ctx;
+  int capturing = 0;
+  CUresult r = cu.StreamIsCapturing(stream, &capturing);
+  if (r != 0) return cu_error(api, "cuStreamIsCapturing", r);
+  /* cuStreamGetCtx is not allowed while a stream is being captured. */
+  r = capturing == kCaptureStatusActive ? cu.CtxGetCurrent(&ctx) : cu.StreamGetCtx(stream, &ctx);
+  if (r != 0) return cu_error(api, "getting the stream's context", r);
+
+  CUfunction fn;
+  if ((e = find_kernel(api, &at, ctx, &fn))) return e;
+
+  for (int64_t i = 0; i < at.n_kinds; ++i) {
+    if (at.kinds[i] == 0 && at.values[i] > 0) {
+      r = cu.MemsetD8Async((CUdeviceptr)slots[i], 0, (size_t)at.values[i], stream);
+      if (r != 0) return cu_error(api, "cuMemsetD8Async", r);
+    }
+  }
+  r = cu.LaunchKernel(fn, (unsigned)at.grid[0], (unsigned)at.grid[1], (unsigned)at.grid[2],
+                      (unsigned)at.block, 1, 1, (unsigned)at.smem, stream, params, NULL);
+  if (r != 0) return cu_error(api, "cuLaunchKernel", r);
+  return NULL;
+}

@@ -1,0 +1,249 @@
+"""jaxfuse's own XLA FFI target for launching a compiled Triton kernel.
+
+jax-triton compiles and serializes each kernel call; jaxlib's handler for
+that call finds the kernel again on every execution (it hashes the
+serialized call, then checks module and context caches under locks). On an
+H100 host a fused call cost 4.3 us of host time that way, against 0.7 us for
+each kernel XLA launches itself (benchmarks/RESULTS.md, eighth session),
+which made small fused calls no faster per call than XLA's 2-3 kernels.
+
+This module keeps jax-triton's compilation and replaces the call: the
+serialized call is decoded once, at lowering, into plain FFI attributes
+(``kernel_attributes``) of the target ``jaxfuse_direct_launch``, whose
+handler (``direct_launch.c``, built here with the system C compiler and
+cached) finds the kernel by a 64-bit id and launches it.
+
+Example (what ``triton_call``'s lowering does with ``config.launch ==
+"direct"``)::
+
+    if direct_launch.available():
+      direct_launch.rewrite_call(results, opaque)   # the custom call, in place
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+import zlib
+from typing import Any, Callable, Optional
+
+from absl import logging
+
+__all__ = ["TARGET", "SOURCE", "available", "build", "kernel_attributes", "rewrite_call",
+           "UnsupportedCall"]
+
+TARGET = "jaxfuse_direct_launch"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "direct_launch.c")
+
+# Parameter kinds of the handler's ``kinds`` attribute (direct_launch.c).
+BUFFER, I32, U32, I64, U64, F32, F64, BOOL = range(8)
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+class UnsupportedCall(ValueError):
+  """A serialized call this launcher does not take (autotuned, clusters)."""
+
+
+# ------------------------------------------------------------------ build
+def _compiler() -> Optional[str]:
+  cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+  return cc or None
+
+
+def build(cache_dir: Optional[str] = None) -> str:
+  """Compiles ``direct_launch.c`` into a shared library (once per source,
+  FFI header and compiler) and returns its path. Raises RuntimeError when
+  there is no C compiler or the compile fails."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  cc = _compiler()
+  if cc is None:
+    raise RuntimeError("no C compiler (set CC or install cc)")
+  include = jax.ffi.include_dir()
+  header = os.path.join(include, "xla", "ffi", "api", "c_api.h")
+  h = hashlib.sha256()
+  for path in (SOURCE, header):
+    with open(path, "rb") as f:
+      h.update(f.read())
+  h.update(cc.encode())
+  out_dir = os.path.join(cache_dir or config.cache_dir, "direct_launch")
+  lib = os.path.join(out_dir, f"jaxfuse_direct_launch_{h.hexdigest()[:16]}.so")
+  if os.path.exists(lib):
+    return lib
+  os.makedirs(out_dir, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+  os.close(fd)
+  cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE", "-I", include, SOURCE,
+         "-o", tmp, "-ldl", "-lpthread"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    os.unlink(tmp)
+    raise RuntimeError(f"compiling {os.path.basename(SOURCE)} failed: {proc.stderr.strip()[-800:]}")
+  os.replace(tmp, lib)   # atomic: concurrent builders agree on the result
+  return lib
+
+
+def available() -> bool:
+  """Whether the target is registered with XLA for CUDA (builds and
+  registers it on first use; on failure logs one line and returns False,
+  so that callers keep jaxlib's launcher)."""
+  with _lock:
+    if "ok" in _state:
+      return _state["ok"]
+    try:
+      import jax  # pylint: disable=g-import-not-at-top
+      from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
+      lib = ctypes.CDLL(build())
+      # A launch is a pure function of the attributes and buffers, so XLA
+      # may record it into its command buffers (CUDA graphs). Without this
+      # trait every call split the graph and cost more host time than
+      # jaxlib's call (H100, 2026-11-21).
+      traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+      lib.jaxfuse_direct_launch_set_traits(ctypes.c_uint32(int(traits)))
+      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxfuse_direct_launch),
+                                  platform="CUDA", traits=traits)
+      _state["lib"] = lib   # keeps the library loaded for XLA
+      _state["ok"] = True
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("jaxfuse: direct kernel launch unavailable (%s); using jaxlib's "
+                      "Triton call", e)
+      _state["ok"] = False
+    return _state["ok"]
+
+
+# --------------------------------------------------------------- attributes
+def _fields(buf: bytes) -> dict[int, list[bytes]]:
+  from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
+  out: dict[int, list[bytes]] = {}
+  for number, _, payload in triton_call._decode(buf):  # pylint: disable=protected-access
+    out.setdefault(number, []).append(payload)
+  return out
+
+
+def _uint(fields: dict[int, list[bytes]], number: int, default: int = 0) -> int:
+  from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
+  if number not in fields:
+    return default
+  return triton_call._varint(fields[number][-1], 0)[0]  # pylint: disable=protected-access
+
+
+def _signed(v: int, bits: int) -> int:
+  return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+def _parameter(buf: bytes) -> tuple[int, int]:
+  """(kind, value) of a ``TritonKernelCall.Parameter`` (jaxlib/gpu/
+  triton.proto): for an array the bytes to zero, for a scalar its bits as
+  a signed 64-bit integer (the handler reads the low bytes)."""
+  f = _fields(buf)
+  if 1 in f:
+    return BUFFER, _uint(_fields(f[1][-1]), 1)
+  if 2 in f:
+    return BOOL, _uint(f, 2) & 1
+  if 3 in f:
+    return I32, _signed(_uint(f, 3) & 0xFFFFFFFF, 32)
+  if 4 in f:
+    return U32, _uint(f, 4) & 0xFFFFFFFF
+  if 5 in f:
+    return I64, _signed(_uint(f, 5), 64)
+  if 6 in f:
+    return U64, _signed(_uint(f, 6), 64)
+  if 7 in f:
+    return F32, struct.unpack("<i", f[7][-1])[0]
+  if 8 in f:
+    return F64, struct.unpack("<q", f[8][-1])[0]
+  raise UnsupportedCall("kernel parameter of unknown type")
+
+
+def kernel_attributes(opaque: bytes, n_buffers: int,
+                      cubin: Optional[Callable[[str, int, int], bytes]] = None) -> dict:
+  """The handler's attributes for a serialized jax-triton call (zlib of a
+  ``TritonAnyKernelCall``). ``n_buffers``: operands plus results of the
+  custom call, which the kernel's pointer parameters take in order.
+  ``cubin(ptx, compute_capability, num_warps)`` compiles the PTX ahead of
+  time; without it (or when it fails) the driver compiles the PTX on first
+  launch. Raises UnsupportedCall for what the handler cannot launch."""
+  try:
+    any_call = _fields(zlib.decompress(opaque))
+  except (zlib.error, ValueError) as e:
+    raise UnsupportedCall(f"unreadable kernel call: {e}") from e
+  if 1 not in any_call:
+    raise UnsupportedCall("not a single kernel call (autotuned?)")
+  call = _fields(any_call[1][-1])
+  kernel = _fields(call[1][-1]) if 1 in call else {}
+  if 1 not in kernel or 4 not in kernel:
+    raise UnsupportedCall("kernel call without a kernel name or PTX")
+  if _uint(kernel, 10, 1) != 1:
+    raise UnsupportedCall("kernels on thread-block clusters are launched by jaxlib")
+  name = kernel[1][-1].decode()
+  ptx = kernel[4][-1].decode()
+  num_warps = _uint(kernel, 2)
+  smem = _uint(kernel, 3)
+  cc = _uint(kernel, 6)
+  params = [_parameter(p) for p in call.get(5, [])]
+  if sum(1 for k, _ in params if k == BUFFER) != n_buffers:
+    raise UnsupportedCall(f"{sum(1 for k, _ in params if k == BUFFER)} pointer parameters "
+                          f"for {n_buffers} buffers (aliased outputs?)")
+  if len(params) > 128:
+    raise UnsupportedCall("more than 128 kernel parameters")
+  image, image_kind = ptx, 0
+  if cubin is not None:
+    try:
+      image, image_kind = base64.b64encode(cubin(ptx, cc, num_warps)).decode("ascii"), 1
+    except Exception as e:  # pylint: disable=broad-except
+      logging.info("jaxfuse: ahead-of-time cubin failed (%s); the driver compiles the PTX", e)
+  kid = hashlib.blake2b(f"{name}\0{smem}\0{image_kind}\0".encode() + image.encode(),
+                        digest_size=8).digest()
+  return {
+      "kid": int.from_bytes(kid, "little") & ((1 << 63) - 1),
+      "image": image,
+      "image_kind": image_kind,
+      "name": name,
+      "grid": [_uint(call, 2, 1) or 1, _uint(call, 3, 1) or 1, _uint(call, 4, 1) or 1],
+      "block": 32 * num_warps,
+      "smem": smem,
+      "kinds": [k for k, _ in params],
+      "values": [v for _, v in params],
+  }
+
+
+def triton_cubin(ptx: str, compute_capability: int, num_warps: int) -> bytes:
+  """PTX to cubin with Triton's own ``ptxas`` (the step Triton itself runs
+  after PTX), so the kernel is the one Triton would launch."""
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from triton.backends.nvidia.compiler import CUDABackend  # pylint: disable=g-import-not-at-top
+  backend = CUDABackend(GPUTarget("cuda", compute_capability, 32))
+  opt = backend.parse_options({"num_warps": num_warps})
+  return backend.make_cubin(ptx, {}, opt, compute_capability)
+
+
+def rewrite_call(results, opaque: bytes) -> None:
+  """Turns the jax-triton custom call producing ``results`` into a typed
+  FFI call of ``TARGET`` with ``kernel_attributes`` of ``opaque``, in
+  place. Raises UnsupportedCall (the op is left unchanged)."""
+  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+  op = results[0].owner
+  op = getattr(op, "operation", op)
+  n_buffers = len(op.operands) + len(op.results)
+  attrs = kernel_attributes(opaque, n_buffers, cubin=triton_cubin)
+  i64 = mlir_ir.IntegerType.get_signless(64)
+  config = {}
+  for k, v in attrs.items():
+    if isinstance(v, str):
+      config[k] = mlir_ir.StringAttr.get(v)
+    elif isinstance(v, list):
+      config[k] = mlir_ir.DenseI64ArrayAttr.get(v)
+    else:
+      config[k] = mlir_ir.IntegerAttr.get(i64, v)
+  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(TARGET)
+  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(mlir_ir.IntegerType.get_signless(32), 4)
+  op.attributes["backend_config"] = mlir_ir.DictAttr.get(config)

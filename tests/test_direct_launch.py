@@ -232,15 +232,15 @@ class Frame:
                         ctypes.addressof(self._keep((ctypes.POINTER(ByteSpan) * n)(*names))),
                         ctypes.addressof(self._keep((ctypes.c_void_p * n)(*values))))
     self.frame = CallFrame(struct_size=ctypes.sizeof(CallFrame), api=ctypes.pointer(self.api),
-                           stage=EXECUTE, args=self._list(n_args), rets=self._list(n_rets),
+                           stage=EXECUTE, args=self._list(n_args, 0x10000), rets=self._list(n_rets, 0x90000),
                            attrs=attr_struct)
 
   def _keep(self, x):
     self.keep.append(x)
     return x
 
-  def _list(self, n):
-    bufs = [self._keep(Buffer(data=0x1000 * (i + 1))) for i in range(n)]
+  def _list(self, n, base):
+    bufs = [self._keep(Buffer(data=base + 0x1000 * i)) for i in range(n)]
     ptrs = self._keep((ctypes.c_void_p * max(n, 1))(*[ctypes.addressof(b) for b in bufs]))
     types = self._keep((ctypes.c_int * max(n, 1))(*([1] * n)))
     return List(0, None, n, ctypes.addressof(types), ctypes.addressof(ptrs))
@@ -290,3 +290,106 @@ def test_handler_reaches_the_driver_with_a_well_formed_call(handler):
   assert f.streams == 1
   assert len(f.errors) == 1
   assert "libcuda" in f.errors[0][1] or "CUresult" in f.errors[0][1]
+
+
+# A stand-in for libcuda that records what the handler asks of it.
+FAKE_DRIVER = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+int loads, launches, memsets, shared_set;
+unsigned grid[3], block, smem;
+uint64_t params[5], memset_ptr, memset_bytes;
+char image[16], name[64];
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned sm, void* s, void** p, void** e) {
+  ++launches; grid[0] = gx; grid[1] = gy; grid[2] = gz; block = bx; smem = sm;
+  for (int i = 0; i < 5; ++i) params[i] = *(uint64_t*)p[i];   /* 3 parameters + 2 hidden */
+  return 0;
+}
+int cuModuleLoadData(void** m, const void* img) {
+  ++loads; *m = (void*)0x10; memcpy(image, img, 15); return 0;
+}
+int cuModuleGetFunction(void** f, void* m, const char* n) {
+  *f = (void*)(uintptr_t)(0x100 + loads); strncpy(name, n, 63); return 0;
+}
+int cuStreamGetCtx(void* s, void** c) { *c = (void*)0xC0; return 0; }
+int cuStreamIsCapturing(void* s, int* st) { *st = 0; return 0; }
+int cuCtxGetCurrent(void** c) { *c = (void*)0xC0; return 0; }
+int cuCtxPushCurrent_v2(void* c) { return 0; }
+int cuCtxPopCurrent_v2(void** c) { return 0; }
+int cuCtxGetDevice(int* d) { *d = 0; return 0; }
+int cuDeviceGetAttribute(int* v, int a, int d) { *v = 232448; return 0; }
+int cuFuncGetAttribute(int* v, int a, void* f) { *v = 1024; return 0; }
+int cuFuncSetAttribute(void* f, int a, int v) { shared_set = v; return 0; }
+int cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void* s) {
+  ++memsets; memset_ptr = p; memset_bytes = n; return 0;
+}
+int cuGetErrorString(int r, const char** s) { *s = "fake"; return 0; }
+"""
+
+
+@pytest.fixture()
+def fake_driver(tmp_path, monkeypatch):
+  """(handler, driver): a fresh copy of the handler whose CUDA driver is
+  FAKE_DRIVER."""
+  cc = shutil.which("cc") or shutil.which("gcc")
+  if cc is None:
+    pytest.skip("no C compiler")
+  import subprocess
+  src = tmp_path / "fake_cuda.c"
+  src.write_text(FAKE_DRIVER)
+  drv = tmp_path / "libfakecuda.so"
+  subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(drv)], check=True)
+  monkeypatch.setenv("JAXFUSE_CUDA_DRIVER", str(drv))
+  lib = ctypes.CDLL(dl.build(str(tmp_path / "h")))   # its own copy: the driver is per library
+  fn = lib.jaxfuse_direct_launch
+  fn.restype = ctypes.c_void_p
+  fn.argtypes = [ctypes.c_void_p]
+  return fn, ctypes.CDLL(str(drv))
+
+
+def _get(driver, name, ctype=ctypes.c_int):
+  return ctype.in_dll(driver, name).value
+
+
+def test_handler_launches_with_the_parameters_in_order(fake_driver):
+  handler, drv = fake_driver
+  f = Frame({**GOOD, "grid": [3, 2, 1], "image": "//ptx", "values": [0, -7, 0]})
+  assert f.call(handler) is None, f.errors
+  assert _get(drv, "loads") == 1 and _get(drv, "launches") == 1
+  assert list((ctypes.c_uint * 3).in_dll(drv, "grid")) == [3, 2, 1]
+  assert _get(drv, "block", ctypes.c_uint) == 128 and _get(drv, "smem", ctypes.c_uint) == 0
+  params = list((ctypes.c_uint64 * 5).in_dll(drv, "params"))
+  # operand, i32 -7 (low 4 bytes), result, then Triton's two hidden scratch pointers
+  assert params[0] == 0x10000 and params[1] & 0xFFFFFFFF == 2**32 - 7
+  assert params[2] == 0x90000 and params[3:5] == [0, 0]
+  assert bytes((ctypes.c_char * 16).in_dll(drv, "image"))[:5] == b"//ptx"
+  assert bytes((ctypes.c_char * 64).in_dll(drv, "name")).rstrip(b"\0") == b"kern"
+  assert _get(drv, "memsets") == 0
+  assert f.call(handler) is None                  # found in the table: no second load
+  assert _get(drv, "loads") == 1 and _get(drv, "launches") == 2
+
+
+def test_handler_zeroes_buffers_decodes_cubins_and_opts_into_shared_memory(fake_driver):
+  import base64
+  handler, drv = fake_driver
+  f = Frame({**GOOD, "kid": 8, "image": base64.b64encode(b"\x7fELFcubin").decode(),
+             "image_kind": 1, "smem": 100000, "values": [0, 3, 256]})
+  assert f.call(handler) is None, f.errors
+  assert bytes((ctypes.c_char * 16).in_dll(drv, "image"))[:9] == b"\x7fELFcubin"
+  assert _get(drv, "memsets") == 1 and _get(drv, "memset_bytes", ctypes.c_uint64) == 256
+  assert _get(drv, "memset_ptr", ctypes.c_uint64) == 0x90000      # the result buffer
+  assert _get(drv, "smem", ctypes.c_uint) == 100000
+  assert _get(drv, "shared_set") == 232448 - 1024                 # opt-in less static
+  bad = Frame({**GOOD, "kid": 9, "image": "not base64!", "image_kind": 1})
+  assert bad.call(handler) == 0xE44 and "malformed cubin" in bad.errors[0][1]
+
+
+def test_handler_table_grows_past_its_first_size(fake_driver):
+  handler, drv = fake_driver
+  for kid in range(600):
+    assert Frame({**GOOD, "kid": 1000 + kid}).call(handler) is None
+  for kid in (1000, 1299, 1599):
+    assert Frame({**GOOD, "kid": kid}).call(handler) is None
+  assert _get(drv, "loads") == 600 and _get(drv, "launches") == 603

@@ -47,7 +47,7 @@ enum {
   kCaptureStatusActive = 1,              /* CU_STREAM_CAPTURE_STATUS_ACTIVE */
   kStaticSharedLimit = 49152,
   kMaxParams = 128,
-  kTableSize = 1024,
+  kInitialTableSize = 256,
 };
 
 static struct {
@@ -76,8 +76,32 @@ typedef struct {
   CUcontext ctx;
   CUfunction fn;
 } Entry;
-static Entry g_table[kTableSize];
-static int g_entries;
+/* Open addressing on (kid, ctx); grows at 3/4 full. Kernels stay loaded for
+ * the life of the process, as in jaxlib. */
+static Entry* g_table;
+static size_t g_capacity, g_entries;
+
+static size_t slot_of(int64_t kid, CUcontext ctx, size_t capacity) {
+  return (size_t)((((uint64_t)kid ^ (uint64_t)(uintptr_t)ctx) * 0x9E3779B97F4A7C15ull) >> 32) &
+         (capacity - 1);
+}
+
+/* 0 on success. Called with g_lock held. */
+static int grow_table(void) {
+  size_t capacity = g_capacity ? 2 * g_capacity : kInitialTableSize;
+  Entry* table = (Entry*)calloc(capacity, sizeof(Entry));
+  if (!table) return 1;
+  for (size_t i = 0; i < g_capacity; ++i) {
+    if (!g_table[i].fn) continue;
+    size_t j = slot_of(g_table[i].kid, g_table[i].ctx, capacity);
+    while (table[j].fn) j = (j + 1) & (capacity - 1);
+    table[j] = g_table[i];
+  }
+  free(g_table);
+  g_table = table;
+  g_capacity = capacity;
+  return 0;
+}
 
 static XLA_FFI_Error* make_error(const XLA_FFI_Api* api, XLA_FFI_Error_Code code,
                                  const char* msg) {
@@ -108,9 +132,11 @@ static XLA_FFI_Error* cu_error(const XLA_FFI_Api* api, const char* what, CUresul
  * with g_lock held. */
 static const char* load_driver(void) {
   if (cu.loaded) return NULL;
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!lib) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
-  if (!lib) return "cannot open libcuda.so.1";
+  /* JAXFUSE_CUDA_DRIVER names another driver library (tests use a fake). */
+  const char* path = getenv("JAXFUSE_CUDA_DRIVER");
+  void* lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib && !(path && *path)) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) return "cannot open the CUDA driver (libcuda.so.1)";
   LOAD(LaunchKernel, "cuLaunchKernel");
   LOAD(ModuleLoadData, "cuModuleLoadData");
   LOAD(ModuleGetFunction, "cuModuleGetFunction");
@@ -279,36 +305,26 @@ static XLA_FFI_Error* load_kernel(const XLA_FFI_Api* api, const Attrs* at, CUcon
 
 static XLA_FFI_Error* find_kernel(const XLA_FFI_Api* api, const Attrs* at, CUcontext ctx,
                                   CUfunction* fn) {
+  XLA_FFI_Error* err = NULL;
   pthread_mutex_lock(&g_lock);
-  const char* drv = load_driver();
-  if (drv) {
+  if ((g_entries + 1) * 4 > g_capacity * 3 && grow_table()) {
     pthread_mutex_unlock(&g_lock);
-    return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
+    return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
+                      "jaxfuse direct launch: out of memory for the kernel table");
   }
-  unsigned h = (unsigned)(((uint64_t)at->kid ^ (uint64_t)(uintptr_t)ctx) * 0x9E3779B97F4A7C15ull >> 54);
-  for (int probe = 0; probe < kTableSize; ++probe) {
-    Entry* e = &g_table[(h + probe) % kTableSize];
-    if (e->fn && e->kid == at->kid && e->ctx == ctx) {
-      *fn = e->fn;
-      pthread_mutex_unlock(&g_lock);
-      return NULL;
-    }
-    if (!e->fn) {
-      if (g_entries >= kTableSize * 3 / 4) break;
-      XLA_FFI_Error* err = load_kernel(api, at, ctx, fn);
-      if (!err) {
-        e->kid = at->kid;
-        e->ctx = ctx;
-        e->fn = *fn;
-        ++g_entries;
-      }
-      pthread_mutex_unlock(&g_lock);
-      return err;
-    }
+  size_t i = slot_of(at->kid, ctx, g_capacity);
+  while (g_table[i].fn && !(g_table[i].kid == at->kid && g_table[i].ctx == ctx))
+    i = (i + 1) & (g_capacity - 1);
+  if (g_table[i].fn) {
+    *fn = g_table[i].fn;
+  } else if (!(err = load_kernel(api, at, ctx, fn))) {
+    g_table[i].kid = at->kid;
+    g_table[i].ctx = ctx;
+    g_table[i].fn = *fn;
+    ++g_entries;
   }
   pthread_mutex_unlock(&g_lock);
-  return make_error(api, XLA_FFI_Error_Code_RESOURCE_EXHAUSTED,
-                    "jaxfuse direct launch: kernel table full");
+  return err;
 }
 
 /* ------------------------------------------------------------ handler */
@@ -378,12 +394,12 @@ XLA_FFI_Error* jaxfuse_direct_launch(XLA_FFI_CallFrame* frame) {
   if (e) return e;
   CUstream stream = (CUstream)sa.stream;
 
-  if (!cu.loaded) {
-    pthread_mutex_lock(&g_lock);
-    const char* drv = load_driver();
-    pthread_mutex_unlock(&g_lock);
-    if (drv) return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
-  }
+  /* Under the lock: the driver's entry points are written once, by
+   * whichever call comes first. */
+  pthread_mutex_lock(&g_lock);
+  const char* drv = load_driver();
+  pthread_mutex_unlock(&g_lock);
+  if (drv) return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
   CUcontext ctx;
   int capturing = 0;
   CUresult r = cu.StreamIsCapturing(stream, &capturing);

@@ -62,6 +62,7 @@ def test_kernel_attributes_scalars_and_zeroed_buffers():
     (zlib.compress(_ld(1, _ld(1, KERNEL.replace(b"\x50\x01", b"\x50\x02")) + CALL[len(_ld(1, KERNEL)):])),
      "cluster"),
     (b"not zlib", "unreadable"),
+    (zlib.compress(_ld(1, CALL.replace(b"\x18\x01", b""))), "empty grid"),   # grid_1 = 0
 ])
 def test_kernel_attributes_refuse_what_jaxlib_must_launch(opaque, why):
   with pytest.raises(dl.UnsupportedCall, match=why):

@@ -66,8 +66,9 @@ static struct {
   CUresult (*FuncSetAttribute)(CUfunction, int, int);
   CUresult (*MemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
   CUresult (*GetErrorString)(CUresult, const char**);
-  int loaded;
 } cu;
+static pthread_once_t g_driver_once = PTHREAD_ONCE_INIT;
+static const char* g_driver_error;   /* NULL once the driver is open */
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -128,10 +129,8 @@ static XLA_FFI_Error* cu_error(const XLA_FFI_Api* api, const char* what, CUresul
     if (!cu.field) return "missing driver symbol " sym;  \
   } while (0)
 
-/* Opens the CUDA driver; NULL on success, else what went wrong. Called
- * with g_lock held. */
-static const char* load_driver(void) {
-  if (cu.loaded) return NULL;
+/* Opens the CUDA driver; NULL on success, else what went wrong. */
+static const char* open_driver(void) {
   /* JAXFUSE_CUDA_DRIVER names another driver library (tests use a fake). */
   const char* path = getenv("JAXFUSE_CUDA_DRIVER");
   void* lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -151,9 +150,10 @@ static const char* load_driver(void) {
   LOAD(FuncSetAttribute, "cuFuncSetAttribute");
   LOAD(MemsetD8Async, "cuMemsetD8Async");
   LOAD(GetErrorString, "cuGetErrorString");
-  cu.loaded = 1;
   return NULL;
 }
+
+static void open_driver_once(void) { g_driver_error = open_driver(); }
 
 /* ------------------------------------------------------------ attributes */
 
@@ -394,12 +394,10 @@ XLA_FFI_Error* jaxfuse_direct_launch(XLA_FFI_CallFrame* frame) {
   if (e) return e;
   CUstream stream = (CUstream)sa.stream;
 
-  /* Under the lock: the driver's entry points are written once, by
-   * whichever call comes first. */
-  pthread_mutex_lock(&g_lock);
-  const char* drv = load_driver();
-  pthread_mutex_unlock(&g_lock);
-  if (drv) return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, drv);
+  /* The driver's entry points are written once, by the first call. */
+  pthread_once(&g_driver_once, open_driver_once);
+  if (g_driver_error)
+    return make_error(api, XLA_FFI_Error_Code_FAILED_PRECONDITION, g_driver_error);
   CUcontext ctx;
   int capturing = 0;
   CUresult r = cu.StreamIsCapturing(stream, &capturing);

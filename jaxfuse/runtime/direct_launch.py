@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 
+from jaxfuse.runtime import triton_call as _wire
+
 __all__ = ["TARGET", "SOURCE", "available", "build", "kernel_attributes", "rewrite_call",
            "UnsupportedCall"]
 
@@ -122,18 +124,16 @@ def available() -> bool:
 
 # --------------------------------------------------------------- attributes
 def _fields(buf: bytes) -> dict[int, list[bytes]]:
-  from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
   out: dict[int, list[bytes]] = {}
-  for number, _, payload in triton_call._decode(buf):  # pylint: disable=protected-access
+  for number, _, payload in _wire._decode(buf):  # pylint: disable=protected-access
     out.setdefault(number, []).append(payload)
   return out
 
 
 def _uint(fields: dict[int, list[bytes]], number: int, default: int = 0) -> int:
-  from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
   if number not in fields:
     return default
-  return triton_call._varint(fields[number][-1], 0)[0]  # pylint: disable=protected-access
+  return _wire._varint(fields[number][-1], 0)[0]  # pylint: disable=protected-access
 
 
 def _signed(v: int, bits: int) -> int:
@@ -189,6 +189,9 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
   num_warps = _uint(kernel, 2)
   smem = _uint(kernel, 3)
   cc = _uint(kernel, 6)
+  grid = [_uint(call, n) for n in (2, 3, 4)]
+  if 0 in grid:
+    raise UnsupportedCall(f"empty grid {grid}")
   params = [_parameter(p) for p in call.get(5, [])]
   if sum(1 for k, _ in params if k == BUFFER) != n_buffers:
     raise UnsupportedCall(f"{sum(1 for k, _ in params if k == BUFFER)} pointer parameters "
@@ -208,7 +211,7 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
       "image": image,
       "image_kind": image_kind,
       "name": name,
-      "grid": [_uint(call, 2, 1) or 1, _uint(call, 3, 1) or 1, _uint(call, 4, 1) or 1],
+      "grid": grid,
       "block": 32 * num_warps,
       "smem": smem,
       "kinds": [k for k, _ in params],
@@ -231,10 +234,8 @@ def rewrite_call(results, opaque: bytes) -> None:
   FFI call of ``TARGET`` with ``kernel_attributes`` of ``opaque``, in
   place. Raises UnsupportedCall (the op is left unchanged)."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
-  op = results[0].owner
-  op = getattr(op, "operation", op)
-  n_buffers = len(op.operands) + len(op.results)
-  attrs = kernel_attributes(opaque, n_buffers, cubin=triton_cubin)
+  op = _wire._op(results)  # pylint: disable=protected-access
+  attrs = kernel_attributes(opaque, len(op.operands) + len(op.results), cubin=triton_cubin)
   i64 = mlir_ir.IntegerType.get_signless(64)
   config = {}
   for k, v in attrs.items():
@@ -244,6 +245,4 @@ def rewrite_call(results, opaque: bytes) -> None:
       config[k] = mlir_ir.DenseI64ArrayAttr.get(v)
     else:
       config[k] = mlir_ir.IntegerAttr.get(i64, v)
-  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(TARGET)
-  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(mlir_ir.IntegerType.get_signless(32), 4)
-  op.attributes["backend_config"] = mlir_ir.DictAttr.get(config)
+  _wire.set_typed_ffi(results, TARGET, config)

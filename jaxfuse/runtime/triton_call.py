@@ -37,7 +37,7 @@ from typing import Iterator, Optional
 
 from absl import logging
 
-__all__ = ["jax_triton_module", "call_target", "ffi_available", "as_typed_ffi",
+__all__ = ["jax_triton_module", "call_target", "ffi_available", "as_typed_ffi", "set_typed_ffi",
            "slim_kernel_call", "strip_ptx_comments", "FFI_TARGET", "LEGACY_TARGET"]
 
 FFI_TARGET = "triton_kernel_call_ffi"
@@ -195,18 +195,25 @@ def _without_line_info() -> Iterator[None]:
     yield
 
 
+def set_typed_ffi(results, target: str, backend_config: dict) -> None:
+  """Makes the custom call producing ``results`` a typed-FFI call
+  (api_version 4) of ``target`` with ``backend_config`` (name -> MLIR
+  attribute) as its attributes, in place."""
+  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+  op = _op(results)
+  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(target)
+  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(
+      mlir_ir.IntegerType.get_signless(32), 4)
+  op.attributes["backend_config"] = mlir_ir.DictAttr.get(backend_config)
+
+
 def as_typed_ffi(results, target: str, name: str) -> None:
   """Turns the legacy custom call producing ``results`` (its opaque string
   in ``backend_config``) into a typed-FFI call of ``target`` whose backend
   config is ``{name, opaque}``, in place."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
-  op = _op(results)
-  opaque = op.attributes["backend_config"]
-  op.attributes["call_target_name"] = mlir_ir.StringAttr.get(target)
-  op.attributes["api_version"] = mlir_ir.IntegerAttr.get(
-      mlir_ir.IntegerType.get_signless(32), 4)
-  op.attributes["backend_config"] = mlir_ir.DictAttr.get({
-      "name": mlir_ir.StringAttr.get(name), "opaque": opaque})
+  set_typed_ffi(results, target, {"name": mlir_ir.StringAttr.get(name),
+                                  "opaque": _op(results).attributes["backend_config"]})
 
 
 def slim_backend_config(results) -> None:
@@ -259,11 +266,13 @@ def _register_lowering(jt) -> None:
         results = legacy(tl.get_cuda_backend, ctx, *args,
                          custom_call_target_name=LEGACY_TARGET if target == DIRECT else target,
                          **params)
-      slim_backend_config(results)
+      # The direct launcher reads the call once, at lowering: only the
+      # calls left to jaxlib are slimmed.
       if target == DIRECT:
         if _direct(results):
           return results
         target = FFI_TARGET if ffi_available() else LEGACY_TARGET
+      slim_backend_config(results)
       if target == FFI_TARGET:
         as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
       return results

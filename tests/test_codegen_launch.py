@@ -265,3 +265,23 @@ def test_make_measure_marks_unmeasured_plans(monkeypatch):
   assert m(["a", "b", "c"]) == [1e-6, float("inf"), None]
   spent = launch.make_measure(r, budget_s=0.0)
   assert spent(["a", "b"]) == [None, None]
+
+
+def test_measurer_launches_split_plans_in_one_timed_call():
+  """Measured tuning times a split plan's main kernel and combine pass
+  together (both launches in the timed call), on buffers that give the
+  region's outputs: interpreted here, on CPU tensors."""
+  r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64), split=("n", 3))
+  k = generate(r, plan, interpret=True)
+  m = launch._TorchMeasurer(r, seed=3, device="cpu")
+  launches = m._launches(k)
+  assert [f for f, *_ in launches] == [k.fn, k.combine_fn]
+  for o in m.outs:
+    o.fill_(float("nan"))
+  with launch.interpret_env(True):
+    for f, grid, args, kw in launches:
+      kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
+      f[grid](*args, **kw)
+  got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
+  assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)

@@ -480,9 +480,9 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
 
   With torch CUDA: the kernels compile in parallel threads, each is checked
   against one float32 reference of the region and timed from a short
-  CUDA graph (``timing.graph_time``). Otherwise (or for split plans, which
-  launch twice): the self-check and wall time of the jitted jax-triton
-  call, one plan at a time.
+  CUDA graph (``timing.graph_time``; a split plan's two launches together).
+  Otherwise: the self-check and wall time of the jitted jax-triton call,
+  one plan at a time.
   """
   if budget_s is None:
     from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
@@ -547,25 +547,37 @@ def _device_reference(region: ir.Region, seed: int,
 
 class _TorchMeasurer:
   """Compiles, checks and times a batch of plans' kernels through Triton's
-  own launcher on torch CUDA tensors (no XLA compile per candidate)."""
+  own launcher on torch CUDA tensors (no XLA compile per candidate).
+  ``device``: where its tensors live (``cpu`` for interpreted kernels in
+  tests)."""
 
-  def __init__(self, region: ir.Region, seed: int):
+  def __init__(self, region: ir.Region, seed: int, device: str = "cuda"):
     import torch  # pylint: disable=g-import-not-at-top
     _ensure_triton_cache_dir()
     self.region = region
     self.seed = seed
+    self.device = device
     xs = random_inputs(region, seed)
-    self.ins = [_to_torch(x).cuda() for x in xs]
+    self.ins = [_to_torch(x).to(device) for x in xs]
     vm = region.value_map
-    self.outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device="cuda")
+    self.outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device=device)
                  for b in region.outputs]
     self.xs = xs
     self._refs: Optional[list[np.ndarray]] = None
     self.ref_s = 0.0
 
-  def _args(self, k: GeneratedKernel) -> tuple[list, dict]:
-    return [*self.ins, *self.outs], dict(num_warps=k.num_warps, num_stages=k.num_stages,
-                                         **k.constexprs)
+  def _launches(self, k: GeneratedKernel) -> list[tuple[Any, tuple, list, dict]]:
+    """``(fn, grid, args, kwargs)`` of each launch of ``k``: one, or for a
+    split plan the main kernel into fp32 scratch and then its combine pass."""
+    import torch  # pylint: disable=g-import-not-at-top
+    kw = dict(num_warps=k.num_warps, num_stages=k.num_stages)
+    if k.combine_fn is None:
+      return [(k.fn, k.grid, [*self.ins, *self.outs], {**kw, **k.constexprs})]
+    scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32, device=self.device)
+               for s in k.scratch]
+    return [(k.fn, k.grid, [*self.ins, *scratch], {**kw, **k.constexprs}),
+            (k.combine_fn, k.combine_grid, [*self.ins, *scratch, *self.outs],
+             {**kw, **k.combine_constexprs})]
 
   def prepare(self, plans: Sequence[Any], why: list, t_end: float) -> list:
     """Generated kernels (None where the slow path must take the plan, or
@@ -585,11 +597,11 @@ class _TorchMeasurer:
       except Exception as e:  # pylint: disable=broad-except
         why[i] = f"{type(e).__name__}: {e}"[:500]
         continue
-      kernels[i] = k if k.combine_fn is None else None
+      kernels[i] = k
 
     def warm(k: GeneratedKernel) -> None:
-      args, kw = self._args(k)
-      k.fn.warmup(*args, grid=k.grid, **kw)
+      for fn, grid, args, kw in self._launches(k):
+        fn.warmup(*args, grid=grid, **kw)
 
     # Triton's compiler (MLIR passes, LLVM, ptxas) mostly runs without the
     # GIL: 4 kernels compiled 1.6x faster on 2 threads than on one (2-core
@@ -621,8 +633,11 @@ class _TorchMeasurer:
     import torch  # pylint: disable=g-import-not-at-top
     import triton  # pylint: disable=g-import-not-at-top
     key = (self.region.signature(), str(k.plan), "triton")
-    args, kw = self._args(k)
-    fn = lambda: k.fn[k.grid](*args, **kw)
+    launches = self._launches(k)
+
+    def fn():
+      for f, grid, args, kw in launches:
+        f[grid](*args, **kw)
     # Run and synchronize before any graph capture: a plan that cannot
     # launch must fail here, as a failure under capture left the CUDA
     # context unusable for every later plan (model_fidelity, 2026-11-21).
@@ -705,8 +720,8 @@ def _ensure_triton_cache_dir() -> None:
 
 
 def _time_kernel(k: GeneratedKernel, xs: list, reps: int) -> float:
-  """Wall time of the jitted jax-triton call: the path for split plans (two
-  launches) and for machines without torch CUDA."""
+  """Wall time of the jitted jax-triton call: the path for machines without
+  torch CUDA."""
   import jax  # pylint: disable=g-import-not-at-top
   f = jax.jit(lambda *a: triton_launch(k, a))
   dev = [jax.device_put(x) for x in xs]

@@ -289,3 +289,28 @@ def test_batched_dot_and_broadcast_operand():
   run_and_check(r, T.simple_plan(r, ("h",), [], dict(h=1, m=16, n=16, d=16)))
   g = T.gemm_chain(M=40, N=48, K=40, H=24, B=3)
   run_and_check(g, T.simple_plan(g, ("m",), [("n", [])], dict(b=4, m=16, n=16, k=64)))
+
+
+# ------------------------------------------------- Triton miscompile guard
+def test_dot_hazard_matches_the_measured_miscompiles():
+  """The tiles Triton got wrong on the H100 (rows 128, reduction 256, 16 or
+  32 columns) are refused; the measured-correct neighbours are not."""
+  from jaxfuse.codegen.triton_printer import dot_hazard
+  r = T.gemm_chain(M=256, N=256, K=80, H=80, B=16)
+  bad = [dict(b=1, m=128, n=256, k=128, h=16), dict(b=1, m=128, n=256, k=128, h=32)]
+  good = [dict(b=1, m=128, n=256, k=128, h=64), dict(b=1, m=64, n=256, k=128, h=16),
+          dict(b=1, m=128, n=128, k=128, h=16), dict(b=1, m=256, n=64, k=128, h=16)]
+  for t in bad:
+    assert dot_hazard(r, t), t
+  for t in good:
+    assert dot_hazard(r, t) is None, t
+
+
+def test_hazardous_plan_is_refused_and_the_next_plan_runs():
+  r = T.gemm_chain(M=256, N=256, K=80, H=80, B=1)
+  bad = T.simple_plan(r, ("b", "m", "h"), [], dict(b=1, m=128, n=256, k=128, h=16))
+  good = T.simple_plan(r, ("b", "m", "h"), [], dict(b=1, m=128, n=256, k=128, h=64))
+  with pytest.raises(CodegenError, match="miscompiles"):
+    generate(r, bad, interpret=True)
+  k = launch.select_kernel(r, [bad, good], backend="interpret")
+  assert k.plan is good

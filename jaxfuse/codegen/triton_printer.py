@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import keyword
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from jaxfuse import ir
 from jaxfuse.codegen import rewrite, streaming
@@ -153,9 +153,10 @@ class _Partial:
 
 
 # Dots that Triton (3.6.0, H100, 2026-11-21) compiles into wrong results,
-# and once into an illegal memory access: a dot whose lhs is a tile computed
-# in registers (the first GEMM's result, converted) of >= 128 rows and a
-# reduction of >= 256, into fewer than 64 output columns. Measured on the
+# and once into an illegal memory access: a dot of a tile computed in
+# registers (the first GEMM's result, converted; measured as the lhs, refused
+# on either side) of >= 128 rows and a reduction of >= 256, into fewer than
+# 64 output columns. Measured on the
 # GEMM chain (b=16, M=N=256): rows 128, reduction 256 and 16 or 32 columns
 # returned errors of 1.3-1.6 (max error / max |ref|) at 4 or 8 warps, 2 or 3
 # stages, K = 64, 80 or 128; 64 columns, 64 rows, a 128-wide reduction or
@@ -189,7 +190,6 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
   return None
-
 
 
 class _Printer:

@@ -580,8 +580,8 @@ class _TorchMeasurer:
              {**kw, **k.combine_constexprs})]
 
   def prepare(self, plans: Sequence[Any], why: list, t_end: float) -> list:
-    """Generated kernels (None where the slow path must take the plan, or
-    where ``why`` now says why not), compiled in parallel."""
+    """Generated kernels, compiled in parallel (None where ``why`` now
+    says why not)."""
     import concurrent.futures  # pylint: disable=g-import-not-at-top
     import os  # pylint: disable=g-import-not-at-top
     sig = self.region.signature()

@@ -314,3 +314,16 @@ def test_hazardous_plan_is_refused_and_the_next_plan_runs():
     generate(r, bad, interpret=True)
   k = launch.select_kernel(r, [bad, good], backend="interpret")
   assert k.plan is good
+
+
+def test_planner_pick_with_padded_tiles_runs():
+  """Rule 3 keeps tiles that pad a non-power-of-two extent by up to a
+  quarter (64 on 208, 32 on 80): the planner's pick for Chimera G9's shapes
+  (one batch) uses them, with ragged last tiles on a grid axis (m) and a
+  loop axis (n), and matches."""
+  from jaxfuse.planner import examples, plan_region
+  r = examples.gemm_chain(1, 208, 208, 80, 80, dtype="float16")
+  best = plan_region(r, "h100", use_cache=False).best
+  t = best.tile_map
+  assert 208 % t["m"] and t["n"] < 208 and 208 % t["n"], best
+  run_and_check(r, best)

@@ -36,14 +36,19 @@ The search itself does not depend on the class representatives:
 tile size, and equal placed programs are evaluated once.
 
 Rule 3. Tiles are powers of two from 16 (``tl.dot``) to the next power of
-two above the extent. Power-of-two extents take no padding (tile <= extent);
-other extents keep tiles whose padding ratio is below 0.05. Because Triton
-blocks must be powers of two, an extent like 80 or 100 may have no exact
-tile: the padded single tile (next power of two) is always kept for
-non-power-of-two extents up to ``MAX_PADDED_SINGLE`` so the loop can still
-live in one masked tile (needed when it must be one tile, e.g. a
-non-streamable softmax row or a head dim), and when nothing at all passes,
-the least-padded tile is kept.
+two above the extent. Power-of-two extents take no padding (tile <= extent).
+MCFuser keeps other extents' tiles whose padding ratio is below 0.05, but
+its tiles are any multiple of 16, so 80 and 208 have exact tiles (80, 208,
+104...). Triton blocks are powers of two: the nearest equivalents of those
+tiles pad, and a 0.05 bound left 208 only 16 and 256 (Chimera G7-G9), so the
+kernel had either 13 latency-bound 16-row programs per batch or one program
+of 256 rows. Here non-power-of-two extents keep tiles padding at most
+``MAX_PADDING_RATIO`` (a quarter: 64 and 128 for 208, 32 for 80); the model
+prices the padded work (trip counts are rounded up). The padded single tile
+(next power of two) is always kept for non-power-of-two extents up to
+``MAX_PADDED_SINGLE`` so the loop can still live in one masked tile (needed
+when it must be one tile, e.g. a non-streamable softmax row or a head dim),
+and when nothing at all passes, the least-padded tile is kept.
 
 Rule 4. The shared-memory estimate (MCFuser eq. 1: sum of the tile
 footprints of the chain's tensors, in bytes) must not exceed 1.2 x the
@@ -64,10 +69,11 @@ from jaxfuse.planner import tiling
 
 __all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
            "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
-           "rule4_ok", "space_counts", "MAX_PADDED_SINGLE", "SMEM_SLACK"]
+           "rule4_ok", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO", "SMEM_SLACK"]
 
 SMEM_SLACK = 1.2
 MAX_PADDED_SINGLE = 256
+MAX_PADDING_RATIO = 0.25
 MIN_DOT_TILE = 16
 
 
@@ -91,7 +97,7 @@ def padding_ratio(extent: int, tile: int) -> float:
 def rule3_ok(extent: int, tile: int) -> bool:
   if _is_pow2(extent):
     return tile <= extent
-  return padding_ratio(extent, tile) < 0.05
+  return padding_ratio(extent, tile) <= MAX_PADDING_RATIO
 
 
 def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tuple[int, ...]:

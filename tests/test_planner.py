@@ -652,3 +652,24 @@ def test_search_reaches_the_model_optimum_of_the_space(name):
           best = min(best, p.predicted.time_s)
   got = search.search(r, H100, space=sp).ranked[0].predicted.time_s
   assert got == pytest.approx(best, rel=1e-9)
+
+
+def test_measured_search_measures_other_structures():
+  """With a measuring callback the search also measures the model's best
+  plan of each other structure, so a whole structure the model misprices
+  can win (here: 16-row tiles over the whole value width, measuring at
+  half their predicted time on MCFuser S9; the model ranks them far below
+  its 64-row pick and its top plans never include one)."""
+  r = dict(examples.paper_cases())["mcfuser/S9"]
+  assert search.search(r, H100).ranked[0].tile_map["m"] == 64
+
+  asked = []
+
+  def measure(plans):
+    asked.extend(plans)
+    return [p.predicted.time_s * (0.5 if (p.tile_map["m"], p.tile_map["e"]) == (16, 64) else 1.0)
+            for p in plans]
+  res = search.search(r, H100, measure=measure)
+  assert (res.ranked[0].tile_map["m"], res.ranked[0].tile_map["e"]) == (16, 64)
+  structures = {search._structure(r, p) for p in asked}  # pylint: disable=protected-access
+  assert len(structures) >= search.DIVERSE_N

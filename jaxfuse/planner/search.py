@@ -22,8 +22,10 @@ seed per skeleton), ranked by the model; the top n measured when a
 and mutating one loop's tile (or the grid/split/skeleton). Then a greedy
 descent from the model's best plans (``_refine``) settles on the local
 optimum around them. Deterministic for a given seed. With measurement,
-the best measured plan is finally measured with other
-``num_warps``/``num_stages`` (``LAUNCH_KNOBS``).
+the model's best plan of each structure not yet measured follows
+(``DIVERSE_N``; structure: grid, split, output tiles), and the best
+measured plan is finally measured with other ``num_warps``/``num_stages``
+(``LAUNCH_KNOBS``).
 
 Example::
 
@@ -332,6 +334,9 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     if not _measure_into(measure, [(c, p) for c, p in refined if c not in measured][:top_n],
                          measured):
       measure = None
+  if measure is not None:
+    if not _measure_into(measure, _class_leaders(region, memo, measured)[:DIVERSE_N], measured):
+      measure = None
 
   # Rank every valid plan seen: measured ones by measurement, unmeasured
   # ones by prediction scaled to this region's measurements (median
@@ -362,6 +367,39 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   entries.sort(key=key)
   ranked = [p for _, p in _distinct(entries)]
   return SearchResult(ranked, len(memo), it, rejected, space.counts)
+
+
+# Structural classes whose model-best plan is measured after the descent.
+# Why: the model's top plans are near-copies of one structure, so measuring
+# them cannot correct an error the model makes about a whole structure. On
+# the H100 (2026-11-21, benchmarks/RESULTS.md twelfth session) the best
+# plan of another class ran 6-12% faster than the model's pick on MCFuser
+# S9, S7, G7 and G8 (16-row attention tiles without a split value axis; an
+# unsplit G7), while ranking outside the model's top 8.
+DIVERSE_N = 8
+
+
+def _structure(region: ir.Region, p: Plan) -> tuple:
+  """A plan's structure: its grid (loops of more than one tile), split and
+  the tiles of the loops that index an output (rows and columns of what
+  each program writes)."""
+  out_loops = {l for b in region.outputs for l in region.value_map[b.value].loops}
+  tiles = dict(p.tiles)
+  grid = tuple(l for l in p.grid if region.extent(l) > tiles[l])
+  return (grid, p.split, tuple(sorted((l, t) for l, t in tiles.items() if l in out_loops)))
+
+
+def _class_leaders(region: ir.Region, memo: dict, measured: dict) -> list:
+  """(candidate, plan) of the model's best plan of each structure not yet
+  measured, best first; a structure with a measured plan is skipped."""
+  done = {_structure(region, p) for c, p in memo.items() if p is not None and c in measured}
+  out = []
+  for c, p in _best_first((c, p) for c, p in memo.items() if p is not None):
+    k = _structure(region, p)
+    if k not in done:
+      done.add(k)
+      out.append((c, p))
+  return out
 
 
 def _measure_into(measure, todo, measured: dict) -> bool:

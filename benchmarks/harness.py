@@ -886,6 +886,21 @@ def _derived(res: dict, case: Case, roof: Roof) -> None:
       res[f"{key}_floor_frac"] = floor / t
 
 
+def plans_run(case: Case, args: tuple) -> Optional[str]:
+  """The plans jaxfuse.jit compiled for ``case`` (read back from the plan
+  cache its compile filled): under ``--tune=measure`` they are the measured
+  choices, which can differ from the model's plans in ``plans``."""
+  api = jaxfuse_api()
+  if api.plan_region is None or api.find_regions is None:
+    return None
+  try:
+    caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+    best = [api.plan_region(cap.region).best for cap in caps]
+    return "; ".join(str(b) for b in best if b is not None) or None
+  except Exception as e:  # pylint: disable=broad-except
+    return f"unknown ({type(e).__name__}: {e})"
+
+
 def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
   """Regions, plans, predictions, planning and tuning time for one call."""
   api = jaxfuse_api()
@@ -1009,6 +1024,8 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         else:
           timed = runner
         impl.block(timed(prepared[:4 * k]))   # compile/warm 4K
+        if is_jaxfuse and settings.tune == "measure" and "jaxfuse" in res:
+          res["jaxfuse"]["plans_run"] = plans_run(case, sets[0])
         res.update(slope_time(timed, impl.block, prepared, k, settings.reps))
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         if settings.do_profile:

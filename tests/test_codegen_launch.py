@@ -285,3 +285,28 @@ def test_measurer_launches_split_plans_in_one_timed_call():
       f[grid](*args, **kw)
   got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
   assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)
+
+
+def test_measurer_rotates_input_copies_past_the_l2():
+  """Timed launches cycle through enough input copies to hold twice the L2
+  (small inputs: up to the copy cap; large: one set), and a launch on a
+  copy computes the same outputs."""
+  l2 = launch.ROTATE_L2_BYTES
+  assert launch.rotation_copies(2 * l2) == 1
+  assert launch.rotation_copies(l2 // 2) == 4
+  assert launch.rotation_copies(1000) == launch.ROTATE_MAX_COPIES
+  assert launch.rotation_copies(40 * 2**20) == 3         # 120 MB >= 2 x 50 MB
+  r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  k = generate(r, plan, interpret=True)
+  m = launch._TorchMeasurer(r, seed=3, device="cpu")
+  copy = [t.clone() for t in m.ins]
+  for o in m.outs:
+    o.fill_(float("nan"))
+  with launch.interpret_env(True):
+    for f, grid, args, kw in m._launches(k, copy):
+      assert args[0] is copy[0]
+      kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
+      f[grid](*args, **kw)
+  got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
+  assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)

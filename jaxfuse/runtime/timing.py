@@ -125,7 +125,13 @@ def graph_time(fn: Callable[[], None], *, window_s: float = 1e-3, reps: int = 5,
 
   def capture(n: int) -> "torch.cuda.CUDAGraph":
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
+    # thread_local: a CUDA call another thread makes meanwhile (XLA's
+    # runtime threads: this runs while jaxfuse.jit compiles, with the
+    # process's earlier work in flight) neither breaks this capture nor
+    # fails itself; under the default global mode one such call invalidated
+    # the capture and left JAX's stream in error (H100, 2026-11-21,
+    # cudaErrorStreamCaptureInvalidated during measured tuning of a batch).
+    with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
       for _ in range(n):
         fn()
     g.replay()

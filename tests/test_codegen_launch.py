@@ -310,3 +310,27 @@ def test_measurer_rotates_input_copies_past_the_l2():
       f[grid](*args, **kw)
   got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
   assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)
+
+
+def test_make_measure_skips_a_batch_the_budget_cannot_finish(monkeypatch):
+  """A batch is not started when the last batch's time, scaled to this
+  batch's size (at least half of it), exceeds what is left of the budget."""
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  clock = [100.0]
+  monkeypatch.setattr(launch.time, "perf_counter", lambda: clock[0])
+  calls = []
+
+  def fake(region, plans, *, budget_s=None, reps=20, errors=None):
+    calls.append(len(plans))
+    clock[0] += 3.0                      # this batch took 3 s
+    errors.extend([None] * len(plans))
+    return [1e-6] * len(plans)
+  monkeypatch.setattr(launch, "measure_plans", fake)
+  m = launch.make_measure(r, budget_s=4.0)
+  assert m(list("abcdefgh")) == [1e-6] * 8
+  # 1 s left; 2 plans at 3 s per 8, but at least half a batch: 1.5 s.
+  assert m(list("ab")) == [None, None] and calls == [8]
+  m = launch.make_measure(r, budget_s=6.0)
+  assert m(list("abcdefgh")) == [1e-6] * 8
+  assert m(list("ab")) == [1e-6] * 2 and calls == [8, 8, 2]   # 3 s left

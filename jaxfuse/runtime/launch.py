@@ -712,21 +712,29 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
   """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``.
 
   The budget (default ``config.tune_budget_s``) is for the whole search of
-  this region, not per call: the search calls ``measure`` once per
-  iteration, and once the budget is spent every later plan reads ``inf``
-  (the model alone ranks what is left).
+  this region, not per call: once it is spent, or when what is left is
+  shorter than the last batch's time scaled to this batch's size, every
+  later plan reads None (the model alone ranks what is left). Why the
+  estimate: a batch's kernels compile before any is timed and cannot be
+  cut short, and a launch-knob batch started with 0.5 s left took tuning
+  to 5.3-6.0 s per region (H100, 2026-11-21, twelfth session).
   """
   if budget_s is None:
     from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
     budget_s = config.tune_budget_s
   t_end = time.perf_counter() + budget_s
+  last: list[tuple[float, int]] = []   # (seconds, plans) of the last batch
 
   def measure(plans):
     left = t_end - time.perf_counter()
     if left <= 0:
       return [None] * len(plans)
+    if last and last[-1][0] * max(len(plans) / last[-1][1], 0.5) > left:
+      return [None] * len(plans)
     why: list = []
+    t0 = time.perf_counter()
     times = measure_plans(region, plans, budget_s=left, errors=why)
+    last.append((time.perf_counter() - t0, max(len(plans), 1)))
     # None = not measured (budget spent): the search ranks those by the model;
     # inf = failed (compile error, wrong answer).
     return [None if w == _BUDGET_SPENT else t for t, w in zip(times, why)]

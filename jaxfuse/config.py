@@ -46,8 +46,9 @@ class Config:
   cache_dir: where plans are cached.
   device: the device model the planner uses when no GPU is attached
     (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
-  tune: ``model`` (analytical model alone) or ``measure`` (time the top
-    candidates on the GPU, MCFuser Alg. 1).
+  tune: ``model`` (analytical model alone) or ``measure`` (time the
+    model's top candidates and its best plan of each other structure on
+    the GPU, MCFuser Alg. 1's measured step).
   tune_budget_s: seconds of measured tuning allowed per region.
   allow_split: let the planner split a reduction loop across programs (a
     second pass combines the partials) for grids too small for the GPU;

@@ -328,3 +328,19 @@ def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
   assert s["best_measured_s"] == pytest.approx(0.5 * p1)
   assert s["regret_top1"] == pytest.approx(p0 / (0.5 * p1) - 1.0)
   assert s["spearman"] is not None and "| G1 |" in mf.table(rows)
+
+
+def test_measured_runs_record_the_plans_jaxfuse_compiled(tmp_path):
+  """Under --tune=measure a row also records ``plans_run``, read back from
+  the plan cache that jaxfuse.jit's compile filled (on a CPU no tuning runs,
+  so it is the model's plan)."""
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  case = gemm_chain.make_case("a", 1, 32, 32, 16, 16, dtype="float32")
+  settings = harness.Settings(dtype="float32", reps=1, profile="off", tune="measure")
+  prefix = str(tmp_path / "m")
+  harness.main("gemm_chain", [case], gemm_chain.impls_for, settings, out=prefix,
+               do_plot=False, baselines="xla")
+  with open(prefix + ".json") as f:
+    row = json.load(f)["rows"][0]
+  info = row["impls"]["jaxfuse"]["jaxfuse"]
+  assert info["plans_run"] and info["plans_run"] == info["plans"]

@@ -584,8 +584,9 @@ class _TorchMeasurer:
     # Copies of the inputs that timed launches cycle through, enough to
     # hold twice the L2 cache: a fused call reads fresh activations, and
     # with one input set every launch found it in L2, which favoured plans
-    # that re-read their operands (Chimera G2/G3: picks measured faster than
-    # the model's plan ran 13-18% slower in the benchmark, H100 2026-11-21).
+    # that re-read their operands (Chimera G2/G3: picks measured that way
+    # ran 13-18% slower in the benchmark than the model's plan had; with the
+    # copies the picks ran 1-5% faster than it, H100 2026-11-21).
     nbytes = sum(int(t.numel()) * t.element_size() for t in self.ins)
     copies = 1 if device == "cpu" else rotation_copies(nbytes)
     self.in_sets = [self.ins] + [[t.clone() for t in self.ins] for _ in range(copies - 1)]

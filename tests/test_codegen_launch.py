@@ -275,7 +275,7 @@ def test_measurer_launches_split_plans_in_one_timed_call():
   plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64), split=("n", 3))
   k = generate(r, plan, interpret=True)
   m = launch._TorchMeasurer(r, seed=3, device="cpu")
-  launches = m._launches(k)
+  launches = m._launches(k)[0]
   assert [f for f, *_ in launches] == [k.fn, k.combine_fn]
   for o in m.outs:
     o.fill_(float("nan"))
@@ -290,22 +290,25 @@ def test_measurer_launches_split_plans_in_one_timed_call():
 def test_measurer_rotates_input_copies_past_the_l2():
   """Timed launches cycle through enough input copies to hold twice the L2
   (small inputs: up to the copy cap; large: one set), and a launch on a
-  copy computes the same outputs."""
+  copy computes the same outputs; a split plan's sets share one scratch."""
   l2 = launch.ROTATE_L2_BYTES
   assert launch.rotation_copies(2 * l2) == 1
   assert launch.rotation_copies(l2 // 2) == 4
   assert launch.rotation_copies(1000) == launch.ROTATE_MAX_COPIES
   assert launch.rotation_copies(40 * 2**20) == 3         # 120 MB >= 2 x 50 MB
   r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
-  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64), split=("n", 3))
   k = generate(r, plan, interpret=True)
   m = launch._TorchMeasurer(r, seed=3, device="cpu")
   copy = [t.clone() for t in m.ins]
+  first, second = m._launches(k, [m.ins, copy])
+  assert second[0][2][0] is copy[0] and first[0][2][0] is m.ins[0]
+  n = len(m.ins)
+  assert all(a is b for a, b in zip(first[0][2][n:], second[0][2][n:]))   # shared scratch
   for o in m.outs:
     o.fill_(float("nan"))
   with launch.interpret_env(True):
-    for f, grid, args, kw in m._launches(k, copy):
-      assert args[0] is copy[0]
+    for f, grid, args, kw in second:
       kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
       f[grid](*args, **kw)
   got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]

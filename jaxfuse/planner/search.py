@@ -331,12 +331,13 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   # the local optimum around them.
   starts = _best_first((c, p) for c, p in memo.items() if p is not None)[:REFINE_STARTS]
   _refine(space, evaluate, starts)
-  if measure is not None:
+  ranked = _best_first((c, p) for c, p in memo.items() if p is not None)
+  if measure is not None and ranked:
     # One batch, so that its kernels compile in parallel within the tuning
     # budget: the model's top_n, then its best plan of each other structure.
-    top = _best_first((c, p) for c, p in memo.items() if p is not None)[:top_n]
-    leaders = [(c, p) for c, p in _class_leaders(region, memo, {c for c, _ in top})
-               if top and p.predicted.time_s <= DIVERSE_MAX_RATIO * top[0][1].predicted.time_s]
+    top = ranked[:top_n]
+    leaders = [(c, p) for c, p in _class_leaders(region, ranked, top)
+               if p.predicted.time_s <= DIVERSE_MAX_RATIO * top[0][1].predicted.time_s]
     batch = top + leaders[:DIVERSE_N]
     if not _measure_into(measure, batch, measured):
       measure = None
@@ -397,12 +398,12 @@ def _structure(region: ir.Region, p: Plan) -> tuple:
   return (grid, p.split, tuple(sorted((l, t) for l, t in tiles.items() if l in out_loops)))
 
 
-def _class_leaders(region: ir.Region, memo: dict, taken) -> list:
-  """(candidate, plan) of the model's best plan of each structure, best
-  first, skipping structures of the candidates in ``taken``."""
-  done = {_structure(region, p) for c, p in memo.items() if p is not None and c in taken}
+def _class_leaders(region: ir.Region, ranked: list, taken: list) -> list:
+  """The first (candidate, plan) of each structure in ``ranked`` (the
+  model's best first), skipping the structures of the pairs in ``taken``."""
+  done = {_structure(region, p) for _, p in taken}
   out = []
-  for c, p in _best_first((c, p) for c, p in memo.items() if p is not None):
+  for c, p in ranked:
     k = _structure(region, p)
     if k not in done:
       done.add(k)
@@ -455,11 +456,10 @@ def _best_first(pairs) -> list:
   return _distinct(sorted(pairs, key=_by_model))
 
 
-def _refine(space: Space, evaluate, starts) -> list:
+def _refine(space: Space, evaluate, starts) -> None:
   """Greedy descent on the model from each of ``starts``: each step takes
-  the best of ``_neighbours`` while it improves. Returns the (candidate,
-  plan) pairs it ended on, best first."""
-  ends = []
+  the best of ``_neighbours`` while it improves. What it evaluates lands in
+  ``evaluate``'s memo, which the caller ranks."""
   for c, p in starts:
     for _ in range(REFINE_STEPS):
       step = min(((n, q) for n in _neighbours(space, c) if (q := evaluate(n)) is not None),
@@ -467,8 +467,6 @@ def _refine(space: Space, evaluate, starts) -> list:
       if step is None or _by_model(step) >= _by_model((c, p)):
         break
       c, p = step
-    ends.append((c, p))
-  return _best_first(ends)
 
 
 def _neighbours(space: Space, c: Candidate):

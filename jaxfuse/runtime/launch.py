@@ -591,21 +591,22 @@ class _TorchMeasurer:
     copies = 1 if device == "cpu" else rotation_copies(nbytes)
     self.in_sets = [self.ins] + [[t.clone() for t in self.ins] for _ in range(copies - 1)]
 
-  def _launches(self, k: GeneratedKernel, ins: Optional[list] = None
-                ) -> list[tuple[Any, tuple, list, dict]]:
-    """``(fn, grid, args, kwargs)`` of each launch of ``k`` on ``ins``
-    (default: the checked input set): one, or for a split plan the main
-    kernel into fp32 scratch and then its combine pass."""
+  def _launches(self, k: GeneratedKernel, in_sets: Optional[list] = None
+                ) -> list[list[tuple[Any, tuple, list, dict]]]:
+    """For each input set of ``in_sets`` (default: the checked one), the
+    ``(fn, grid, args, kwargs)`` of each launch of ``k``: one, or for a
+    split plan the main kernel into fp32 scratch and then its combine pass
+    (one scratch for all sets: their launches run one after another)."""
     import torch  # pylint: disable=g-import-not-at-top
-    ins = self.ins if ins is None else ins
+    in_sets = [self.ins] if in_sets is None else in_sets
     kw = dict(num_warps=k.num_warps, num_stages=k.num_stages)
     if k.combine_fn is None:
-      return [(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})]
+      return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]
     scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32, device=self.device)
                for s in k.scratch]
-    return [(k.fn, k.grid, [*ins, *scratch], {**kw, **k.constexprs}),
-            (k.combine_fn, k.combine_grid, [*ins, *scratch, *self.outs],
-             {**kw, **k.combine_constexprs})]
+    return [[(k.fn, k.grid, [*ins, *scratch], {**kw, **k.constexprs}),
+             (k.combine_fn, k.combine_grid, [*ins, *scratch, *self.outs],
+              {**kw, **k.combine_constexprs})] for ins in in_sets]
 
   def prepare(self, plans: Sequence[Any], why: list, t_end: float) -> list:
     """Generated kernels, compiled in parallel (None where ``why`` now
@@ -628,7 +629,7 @@ class _TorchMeasurer:
       kernels[i] = k
 
     def warm(k: GeneratedKernel) -> None:
-      for fn, grid, args, kw in self._launches(k):
+      for fn, grid, args, kw in self._launches(k)[0]:
         fn.warmup(*args, grid=grid, **kw)
 
     # Triton's compiler (MLIR passes, LLVM, ptxas) mostly runs without the
@@ -661,7 +662,8 @@ class _TorchMeasurer:
     import torch  # pylint: disable=g-import-not-at-top
     import triton  # pylint: disable=g-import-not-at-top
     key = (self.region.signature(), str(k.plan), "triton")
-    launches = self._launches(k)
+    rotation = self._launches(k, self.in_sets)
+    launches = rotation[0]
 
     def fn():
       for f, grid, args, kw in launches:
@@ -695,7 +697,6 @@ class _TorchMeasurer:
     # compiled program (XLA command buffers) the per-launch host cost of
     # Triton's Python launcher (~5 us, measured 2026-11-21 on an H200,
     # which flattened every small plan to the same time) is not paid.
-    rotation = [self._launches(k, ins) for ins in self.in_sets]
     turn = [0]
 
     def fn_rotating():

@@ -50,6 +50,9 @@ class Config:
     model's top candidates and its best plan of each other structure on
     the GPU, MCFuser Alg. 1's measured step).
   tune_budget_s: seconds of measured tuning allowed per region.
+  compile_workers: processes that compile measured tuning's candidate
+    kernels (``jaxfuse.runtime.compile_pool``); 0 compiles them in this
+    process, on threads. Default: the CPU count, at most 8.
   allow_split: let the planner split a reduction loop across programs (a
     second pass combines the partials) for grids too small for the GPU;
     the model picks such a plan only when it predicts it faster.
@@ -67,6 +70,7 @@ class Config:
   device: str = "auto"
   tune: str = "model"
   tune_budget_s: float = 4.0
+  compile_workers: int = min(8, os.cpu_count() or 1)
   allow_split: bool = True
   launch: str = "direct"
 
@@ -79,6 +83,7 @@ class Config:
     c.device = os.environ.get("JAXFUSE_DEVICE", c.device) or c.device
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
     c.tune_budget_s = _env_float("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
+    c.compile_workers = int(_env_float("JAXFUSE_COMPILE_WORKERS", c.compile_workers))
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch
     c._check()
@@ -96,6 +101,9 @@ class Config:
                        f"got {self.launch!r}")
     if self.tune_budget_s < 0:
       raise ValueError("jaxfuse config 'tune_budget_s' must be >= 0")
+    if not isinstance(self.compile_workers, int) or self.compile_workers < 0:
+      raise ValueError(f"jaxfuse config 'compile_workers' must be an int >= 0, "
+                       f"got {self.compile_workers!r}")
 
   def update(self, name: str, value: Any) -> None:
     """Sets one field, e.g. ``config.update("backend", "interpret")``."""

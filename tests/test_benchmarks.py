@@ -150,6 +150,18 @@ def test_model_fidelity_cpu_dry_run(tmp_path):
   assert "dry run" in out
 
 
+def test_plan_time_cpu(tmp_path):
+  out = _run(["benchmarks/plan_time.py", "--filter=mcfuser/G1", "--repeat=1"], tmp_path)
+  assert "| mcfuser/G1 |" in out and "grid(" in out
+  # Measured tuning needs the GPU, and says so instead of timing nothing.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAXFUSE_CACHE_DIR=str(tmp_path / "cache"))
+  p = subprocess.run([sys.executable, "benchmarks/plan_time.py", "--tune=measure",
+                      "--filter=mcfuser/G1"], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=240)
+  assert p.returncode != 0
+  assert "needs a CUDA GPU" in p.stdout + p.stderr
+
+
 def test_unknown_case_is_a_clear_error(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-m", "benchmarks.gemm_chain", "--cases=G99",

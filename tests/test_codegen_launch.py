@@ -211,6 +211,31 @@ def test_device_reference_is_cached_per_region_and_seed():
   assert launch.compare(r, b, ir.evaluate(r, launch.random_inputs(r, 4))) <= launch.tolerance(r)
 
 
+def test_reference_started_in_the_background_is_the_one_used(monkeypatch):
+  import jax
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 32, 16)
+  started = []
+
+  def f(x):   # measured tuning starts it while jaxfuse.jit traces
+    started.append(launch.start_reference(r, 5))
+    return x + 1
+  jax.jit(f)(1.0)
+  got = launch._device_reference(r, 5)
+  assert got is started[0].result()
+  assert launch.compare(r, got, ir.evaluate(r, launch.random_inputs(r, 5))) <= launch.tolerance(r)
+  # A reference that failed raises for its waiters, and the next request
+  # computes it again instead of repeating the failure.
+  real = launch._reference_on_gpu
+  monkeypatch.setattr(launch, "_reference_on_gpu",
+                      lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+  with pytest.raises(RuntimeError, match="device lost"):
+    launch._device_reference(r, 6)
+  monkeypatch.setattr(launch, "_reference_on_gpu", real)
+  again = launch._device_reference(r, 6)
+  assert launch.compare(r, again, ir.evaluate(r, launch.random_inputs(r, 6))) <= launch.tolerance(r)
+
+
 def test_model_leaves_predicted_losers_to_xla(monkeypatch):
   """tune='model': MCFuser G6 without split reductions (measured 1.6x
   slower fused on an H200) is left to XLA on the model's word; with them

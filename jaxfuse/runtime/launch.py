@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import threading
 import time
@@ -469,6 +470,7 @@ def _torch_cuda() -> bool:
 
 
 _BUDGET_SPENT = "measuring budget spent"
+MEASURE_SEED = 7   # random inputs of measured tuning's self-check
 
 
 def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
@@ -489,7 +491,7 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
     budget_s = config.tune_budget_s
   t_end = time.perf_counter() + budget_s
   plans = list(plans)
-  seed = 7
+  seed = MEASURE_SEED
   xs: Optional[list[np.ndarray]] = None   # made on first use by the slow path
   times: list[float] = [float("inf")] * len(plans)
   why: list[Optional[str]] = [None] * len(plans)
@@ -518,31 +520,59 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
       why[i] = f"{type(e).__name__}: {e}"[:500]
   if errors is not None:
     errors.extend(why)
-  logging.info("jaxfuse: measured %d of %d plans in %.2f s (parallel compile %.2f s, "
-               "reference %.2f s)", sum(math.isfinite(t) for t in times), len(plans),
-               time.perf_counter() - t0, t_compile, fast.ref_s if fast else 0.0)
+  logging.info("jaxfuse: measured %d of %d plans in %.2f s (compile %.2f s: %s; "
+               "reference wait %.2f s)", sum(math.isfinite(t) for t in times), len(plans),
+               time.perf_counter() - t0, t_compile,
+               ", ".join(f"{k} {v:.2f}" for k, v in (fast.phases if fast else {}).items()),
+               fast.ref_s if fast else 0.0)
   return times
 
 
-# The float32 device reference last computed, keyed by region signature and
-# input seed: the search measures one region in several batches (one per
-# iteration), and the self-check of the chosen kernel checks it again.
-_last_reference: dict[tuple[str, int], list[np.ndarray]] = {}
+# The float32 device reference last computed (or being computed), keyed by
+# region signature and input seed: the search measures one region in
+# several batches, and the self-check of the chosen kernel checks it again.
+_last_reference: dict[tuple[str, int], concurrent.futures.Future] = {}
 
 
 def _device_reference(region: ir.Region, seed: int,
                       xs: Optional[list[np.ndarray]] = None) -> list[np.ndarray]:
   """``_reference_on_gpu`` of ``random_inputs(region, seed)`` (pass them as
-  ``xs`` when already made), computed once per region and seed."""
+  ``xs`` when already made), computed once per region and seed; waits for
+  one that ``start_reference`` began."""
+  fut = start_reference(region, seed, xs, background=False)
+  return fut.result()
+
+
+def start_reference(region: ir.Region, seed: int, xs: Optional[list[np.ndarray]] = None, *,
+                    background: bool = True) -> concurrent.futures.Future:
+  """Starts (in a thread, or here when not ``background``) the reference
+  that ``_device_reference`` returns, unless it is already known or under
+  way. Why a thread: its XLA compile took 1.0-1.5 s per region, a quarter
+  of the tuning budget (H100, 2026-11-21); it runs without the GIL while
+  the model searches and the candidates compile."""
   key = (region.signature(), seed)
   with _lock:
-    hit = _last_reference.get(key)
-  if hit is None:
-    hit = _reference_on_gpu(region, random_inputs(region, seed) if xs is None else xs)
-    with _lock:
+    fut = _last_reference.get(key)
+    if fut is None or (fut.done() and fut.exception() is not None):
+      fut = concurrent.futures.Future()
       _last_reference.clear()   # one reference at a time: outputs can be large
-      _last_reference[key] = hit
-  return hit
+      _last_reference[key] = fut
+      mine = True
+    else:
+      mine = False
+  if not mine:
+    return fut
+
+  def compute():
+    try:
+      fut.set_result(_reference_on_gpu(region, random_inputs(region, seed) if xs is None else xs))
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised by result())
+      fut.set_exception(e)
+  if background:
+    threading.Thread(target=compute, name="jaxfuse-reference", daemon=True).start()
+  else:
+    compute()
+  return fut
 
 
 # Timed launches cycle through input copies filling ROTATE_L2_MULTIPLE x
@@ -580,7 +610,8 @@ class _TorchMeasurer:
                  for b in region.outputs]
     self.xs = xs
     self._refs: Optional[list[np.ndarray]] = None
-    self.ref_s = 0.0
+    self.ref_s = 0.0   # waiting for the reference
+    self.phases: dict[str, float] = {}   # seconds of prepare's steps
     # Copies of the inputs that timed launches cycle through, enough to
     # hold twice the L2 cache: a fused call reads fresh activations, and
     # with one input set every launch found it in L2, which favoured plans
@@ -611,8 +642,8 @@ class _TorchMeasurer:
   def prepare(self, plans: Sequence[Any], why: list, t_end: float) -> list:
     """Generated kernels, compiled in parallel (None where ``why`` now
     says why not)."""
-    import concurrent.futures  # pylint: disable=g-import-not-at-top
     import os  # pylint: disable=g-import-not-at-top
+    t0 = time.perf_counter()
     sig = self.region.signature()
     kernels: list = [None] * len(plans)
     for i, p in enumerate(plans):
@@ -632,14 +663,19 @@ class _TorchMeasurer:
       for fn, grid, args, kw in self._launches(k)[0]:
         fn.warmup(*args, grid=grid, **kw)
 
-    # Triton's compiler (MLIR passes, LLVM, ptxas) mostly runs without the
-    # GIL: 4 kernels compiled 1.6x faster on 2 threads than on one (2-core
-    # host, 2026-11-21). The same source imports as the same function, so
-    # each module is warmed once.
+    # The same source imports as the same function, so each module is
+    # warmed once.
     todo = {}
     for i, k in enumerate(kernels):
       if k is not None:
         todo.setdefault(k.module_path, (i, k))
+    t1 = time.perf_counter()
+    self._precompile([k for _, k in todo.values()], t_end)
+    t2 = time.perf_counter()
+    # What the workers compiled, the threads below load from Triton's cache;
+    # the rest they compile here (Triton's MLIR passes, LLVM and ptxas
+    # mostly run without the GIL: 4 kernels compiled 1.6x faster on 2
+    # threads than on one, 2-core host, 2026-11-21).
     workers = max(1, min(len(todo), os.cpu_count() or 1, 16))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
       futs = {ex.submit(warm, k): path for path, (i, k) in todo.items()}
@@ -656,7 +692,33 @@ class _TorchMeasurer:
           _kernels[(sig, str(k.plan), "triton")] = err
         why[i] = f"CodegenError: {err}"[:500]
         kernels[i] = None
+    self.phases = {"generate": t1 - t0, "workers": t2 - t1, "load": time.perf_counter() - t2}
     return kernels
+
+  def _precompile(self, kernels: Sequence[GeneratedKernel], t_end: float) -> None:
+    """Compiles ``kernels`` in the compile workers (``compile_pool``), which
+    leave them in Triton's cache; a failure here only means the kernel is
+    compiled in this process."""
+    from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
+    kernels = [k for k in kernels if not k.interpret]
+    if self.device == "cpu" or len(kernels) < 2:
+      return
+    pool = compile_pool.get()
+    if pool is None:
+      return
+    t0 = time.perf_counter()
+    try:
+      from triton.runtime.driver import driver  # pylint: disable=g-import-not-at-top
+      launches = [l for k in kernels for l in self._launches(k)[0]]
+      errors = pool.precompile(launches, driver.active.get_current_target(),
+                               timeout_s=max(5.0, t_end - time.perf_counter() + 60.0))
+    except Exception as e:  # pylint: disable=broad-except
+      logging.info("jaxfuse: compile workers failed (%s); compiling in-process", e)
+      return
+    failed = [e for e in errors if e is not None]
+    logging.info("jaxfuse: compile workers built %d of %d kernels in %.2f s%s",
+                 len(errors) - len(failed), len(errors), time.perf_counter() - t0,
+                 f" (first failure: {failed[0][:200]})" if failed else "")
 
   def check_and_time(self, k: GeneratedKernel, reps: int) -> float:
     import torch  # pylint: disable=g-import-not-at-top
@@ -726,6 +788,13 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
     budget_s = config.tune_budget_s
   t_end = time.perf_counter() + budget_s
   last: list[tuple[float, int]] = []   # (seconds, plans) of the last batch
+  if _torch_cuda():
+    # Start the compile workers and the reference now: both proceed while
+    # the model's search runs, before the first batch needs them.
+    from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
+    _ensure_triton_cache_dir()
+    compile_pool.get()
+    start_reference(region, MEASURE_SEED)
 
   def measure(plans):
     left = t_end - time.perf_counter()

@@ -1,0 +1,151 @@
+"""Compile workers for measured tuning (jaxfuse.runtime.compile_pool).
+
+These compile real kernels for an sm_90 target on the CPU (Triton's own
+LLVM and ptxas; no GPU): what a worker leaves in the Triton cache must be
+exactly what this process's own launch looks up.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import jaxfuse
+from jaxfuse import codegen
+from jaxfuse.planner import examples, plan_region
+from jaxfuse.runtime import compile_pool, compile_worker
+
+triton = pytest.importorskip("triton")
+from triton import knobs  # pylint: disable=g-import-not-at-top
+from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+from triton.runtime.driver import driver  # pylint: disable=g-import-not-at-top
+
+TARGET = GPUTarget("cuda", 90, 32)
+_fresh = itertools.count()
+
+
+@pytest.fixture
+def gpu_kernels(tmp_path, monkeypatch):
+  """Two distinct GPU (not interpreted) kernels of a small chain, their
+  launches on CPU tensors (specialization reads only dtypes and
+  alignment), a private Triton cache and a driver that answers sm_90.
+  Each use gets other shapes: Triton keeps compiled kernels in memory."""
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+  region = examples.gemm_chain(1, 64, 64, 32, 16 * (2 + next(_fresh)))
+  kernels = []
+  for p in plan_region(region, "h100", use_cache=False).ranked:
+    try:
+      k = codegen.generate(region, p, interpret=False)
+    except codegen.CodegenError:
+      continue
+    if all(k.module_path != q.module_path for q in kernels):
+      kernels.append(k)
+    if len(kernels) == 2:
+      break
+  assert len(kernels) == 2
+  vm = region.value_map
+  dt = {"float16": torch.float16}
+  ins = [torch.empty(b.shape, dtype=dt[vm[b.value].dtype]) for b in region.inputs]
+  outs = [torch.empty(b.shape, dtype=dt[vm[b.value].dtype]) for b in region.outputs]
+  launches = [(k.fn, k.grid, [*ins, *outs],
+               dict(num_warps=k.num_warps, num_stages=k.num_stages, **k.constexprs))
+              for k in kernels]
+  # Not set_active/reset_active: the reset would build Triton's default
+  # driver, which fails without a GPU.
+  monkeypatch.setattr(driver, "_active", compile_worker._CompileOnlyDriver(TARGET))
+  return launches, tmp_path / "triton"
+
+
+def _entries(cache) -> set:
+  return set(os.listdir(cache)) if os.path.isdir(cache) else set()
+
+
+def test_workers_compile_what_this_process_then_loads(gpu_kernels):
+  launches, cache = gpu_kernels
+  pool = compile_pool.CompilePool(2)
+  try:
+    assert pool.precompile(launches, TARGET) == [None, None]
+  finally:
+    pool.close()
+  built = _entries(cache)
+  assert len(built) >= 2
+  # This process's own launch now finds every kernel in the cache: it
+  # compiles nothing (no new cache entries) and gets the cubins.
+  for fn, grid, args, kw in launches:
+    compiled = fn.warmup(*args, grid=grid, **kw)
+    assert compiled.asm.get("cubin")
+  assert _entries(cache) == built
+
+
+def test_workers_follow_the_cache_dir_chosen_after_they_started(gpu_kernels, tmp_path,
+                                                                 monkeypatch):
+  # The pool starts before the measurer picks Triton's cache directory (the
+  # workers had compiled into ~/.triton while the launch looked elsewhere).
+  launches, _ = gpu_kernels
+  pool = compile_pool.CompilePool(1)
+  try:
+    later = tmp_path / "chosen_later"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(later))
+    assert pool.precompile(launches[:1], TARGET) == [None]
+  finally:
+    pool.close()
+  built = _entries(later)
+  assert built
+  fn, grid, args, kw = launches[0]
+  fn.warmup(*args, grid=grid, **kw)
+  assert _entries(later) == built
+
+
+def test_specializations_compile_nothing_and_restore_the_hook(gpu_kernels):
+  launches, cache = gpu_kernels
+  calls = []
+
+  def user_hook(*args, **kwargs):   # someone else's hook stays in place
+    calls.append(kwargs.get("key"))
+  old = knobs.runtime.jit_cache_hook
+  knobs.runtime.jit_cache_hook = user_hook
+  try:
+    specs = compile_pool.specializations(launches)
+    assert knobs.runtime.jit_cache_hook is user_hook
+  finally:
+    knobs.runtime.jit_cache_hook = old
+  assert len(specs) == 2 and all(isinstance(s, str) and s for s in specs)
+  assert specs[0] != specs[1]
+  assert not _entries(cache)
+  assert not calls   # our kernels' compiles were not handed to the user's hook
+
+
+def test_a_failed_job_is_reported_and_the_pool_recovers(gpu_kernels):
+  launches, cache = gpu_kernels
+  pool = compile_pool.CompilePool(1)
+  try:
+    err = pool._run({"path": "/nonexistent/k.py", "module": "nope", "target": ["cuda", 90, 32],
+                     "fns": [["fused_kernel", "{}"]]}, 60.0)
+    assert err and "nonexistent" in err
+    # The same (single) worker then compiles a real kernel.
+    assert pool.precompile(launches[:1], TARGET) == [None]
+  finally:
+    pool.close()
+  assert _entries(cache)
+
+
+def test_a_dead_worker_is_replaced(gpu_kernels):
+  launches, _ = gpu_kernels
+  pool = compile_pool.CompilePool(1)
+  try:
+    w = pool._idle.get()
+    w.kill()
+    pool._idle.put(w)
+    assert pool.precompile(launches[:1], TARGET) == [None]
+  finally:
+    pool.close()
+
+
+def test_config_compile_workers():
+  with pytest.raises(ValueError, match="compile_workers"):
+    jaxfuse.config.update("compile_workers", -1)
+  with jaxfuse.config.override(compile_workers=0):
+    assert compile_pool.get() is None
+  with pytest.raises(ValueError, match="size"):
+    compile_pool.CompilePool(0)

@@ -1363,7 +1363,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
                       if "fail_on_mismatch" in FLAGS and FLAGS.is_parsed() else True)
   roof = get_roof(settings.dtype)
   prefix = out or default_out(binary, settings.dtype)
-  note = jaxfuse_path_note()
+  with jaxfuse_settings(settings.tune, False):   # the note names this run's --tune
+    note = jaxfuse_path_note()
   meta = {
       "binary": binary, "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "device": _device_kind(), "backend": jax.default_backend(),

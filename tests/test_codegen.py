@@ -316,6 +316,28 @@ def test_hazardous_plan_is_refused_and_the_next_plan_runs():
   assert k.plan is good
 
 
+def test_planner_pick_with_a_batch_of_one_uses_tl_dot():
+  """BERT's FFN chain at batch 1: the activations carry a loop of extent 1
+  that the weights do not. Its tile is 1 (a scalar index); it was 16, which
+  ran 16x the work and turned both contractions into broadcast-and-sum code
+  that Triton refused to compile (a 2M-element product tensor)."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.planner import plan_region
+  x = jnp.zeros((1, 64, 32), jnp.float16)
+  w1 = jnp.zeros((32, 64), jnp.float16)
+  w2 = jnp.zeros((64, 32), jnp.float16)
+  [cap] = capture.find_regions(jax.make_jaxpr(lambda x, a, b: jnp.tanh(x @ a) @ b)(x, w1, w2))
+  r = cap.region
+  one = [l.name for l in r.loops if l.extent == 1]
+  assert one and not set(one) & set(tiling.batch_loops(r))
+  best = plan_region(r, "h100", use_cache=False).best
+  assert all(best.tile_map[l] == 1 for l in one), best
+  k = run_and_check(r, best)
+  assert k.source.count("tl.dot(") == 2
+
+
 def test_planner_pick_with_padded_tiles_runs():
   """Rule 3 keeps tiles that pad a non-power-of-two extent by up to a
   quarter (64 on 208, 32 on 80): the planner's pick for Chimera G9's shapes

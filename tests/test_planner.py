@@ -121,6 +121,16 @@ def test_rule3_tiles():
   assert pruning.tile_candidates(r, "m")[-1] == 1024
   assert pruning.rule3_ok(208, 64) and not pruning.rule3_ok(80, 64)
   assert pruning.tile_candidates(att, "b") == (1,)
+  # A loop of extent 1 that is not a batch loop (it indexes the activations,
+  # not the weights) is one scalar index, never a padded tile of 16.
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  x, a, b = (jnp.zeros(s, jnp.float16) for s in ((1, 64, 32), (32, 64), (64, 32)))
+  [cap] = capture.find_regions(jax.make_jaxpr(lambda x, a, b: (x @ a) @ b)(x, a, b))
+  [one] = [l.name for l in cap.region.loops if l.extent == 1]
+  assert one not in tiling.batch_loops(cap.region)
+  assert pruning.tile_candidates(cap.region, one) == (1,)
 
 
 def test_rule4_smem():

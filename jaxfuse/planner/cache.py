@@ -36,8 +36,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # 5: the 192-register budget of 128-row tiles; 6: the overlap terms;
 # 7: predictions carry the pipelined shared-memory request; 8: split
 # reductions on by default (the key also carries ``config.allow_split``);
-# 9: padded tiles up to a quarter (Rule 3), split moves in the descent.
-FORMAT_VERSION = 9
+# 9: padded tiles up to a quarter (Rule 3), split moves in the descent;
+# 10: tile 1 for every loop of extent 1.
+FORMAT_VERSION = 10
 
 
 def _version() -> str:

@@ -101,12 +101,15 @@ def rule3_ok(extent: int, tile: int) -> bool:
 
 
 def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tuple[int, ...]:
-  """Legal tiles for ``loop``: 1 for batch loops, powers of two >= 16 up to
+  """Legal tiles for ``loop``: 1 for batch loops and loops of extent 1, powers of two >= 16 up to
   the next power of two above the extent for ``tl.dot`` loops (>= 1 for
   others), filtered by Rule 3 (see the module docstring for the padded
   single tile kept for extents like 80)."""
   ext = region.extent(loop)
-  if loop in tiling.batch_loops(region):
+  # A loop of extent 1 (BERT's batch of one, indexing the activations but
+  # not the weights) is a scalar index, not a dot dim: a tile of 16 there
+  # ran 16x the work and pushed the contraction off tl.dot.
+  if ext == 1 or loop in tiling.batch_loops(region):
     return (1,)
   lo = MIN_DOT_TILE if loop in tiling.dot_loops(region) else 1
   hi = max(_next_pow2(ext), lo)

@@ -75,6 +75,17 @@ def test_plan_shows_up_in_source():
   assert k.grid == (3, 2) and k.constexprs["BLOCK_M"] == 16
 
 
+def test_broadcast_product_over_tritons_tensor_limit_is_refused():
+  # m=4 keeps the first contraction off tl.dot: its broadcast product is
+  # 4 x 512 x 1024 = 2M elements, which Triton cannot compile.
+  from jaxfuse.codegen import source
+  r = T.gemm_chain(M=64, N=512, K=1024, H=16, B=1)
+  plan = T.simple_plan(r, ("b", "m"), [], dict(b=1, m=4, n=512, k=1024, h=16))
+  with pytest.raises(CodegenError, match="exceeds Triton's tensor limit"):
+    source(r, plan)
+  source(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=4, n=128, k=1024, h=16)))
+
+
 def test_transposed_operands_and_unaligned_dims():
   r = T.gemm_chain(M=77, N=200, K=24, H=80, B=1, transpose_b=True, transpose_d=True)
   run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=32, n=64)))

@@ -166,6 +166,10 @@ class _Partial:
 HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 
 
+# Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
+MAX_TENSOR_NUMEL = 1 << 20
+
+
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
   (see ``HAZARD_ROWS``), or None. The printer refuses such plans
@@ -723,6 +727,11 @@ class _Printer:
       return f"tl.dot({ea}, {eb}{prec})", order
     # Broadcast multiply and sum (tiny tiles, several loops per role).
     U = tuple(l for l in self.order if l in A or l in B)
+    numel = math.prod(self.T[l] for l in U)
+    if numel > MAX_TENSOR_NUMEL:
+      # Refused here, before a compile that can only fail.
+      raise CodegenError(f"contraction {op.out}: a broadcast product of {numel} elements "
+                         f"exceeds Triton's tensor limit ({MAX_TENSOR_NUMEL})")
     fa = f"{xa}.to(tl.float32)" if a.dtype != "float32" else xa
     fb = f"{xb}.to(tl.float32)" if b.dtype != "float32" else xb
     expr = f"{self.expand(fa, a.order, U)} * {self.expand(fb, b.order, U)}"

@@ -7,6 +7,7 @@ exactly what this process's own launch looks up.
 
 import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -149,3 +150,17 @@ def test_config_compile_workers():
     assert compile_pool.get() is None
   with pytest.raises(ValueError, match="size"):
     compile_pool.CompilePool(0)
+
+
+def test_a_silent_worker_times_out_within_the_callers_deadline(tmp_path, monkeypatch):
+  script = tmp_path / "silent_worker.py"
+  script.write_text("import time\ntime.sleep(120)\n")
+  monkeypatch.setattr(compile_pool, "WORKER_SCRIPT", str(script))
+  pool = compile_pool.CompilePool(1)
+  try:
+    t0 = time.perf_counter()
+    err = pool._run({"path": "x", "module": "x", "target": ["cuda", 90, 32], "fns": []}, 1.0)
+    assert time.perf_counter() - t0 < 10.0
+    assert err and err.startswith("TimeoutError")
+  finally:
+    pool.close()

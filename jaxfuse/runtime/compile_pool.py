@@ -41,8 +41,9 @@ from absl import logging
 __all__ = ["CompilePool", "get", "shutdown", "specializations", "WORKER_SCRIPT"]
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_worker.py")
-# A worker answers within this many seconds of its start or of a job, else
-# it is killed (a compile that hangs must not hang the user's program).
+# A worker answers within this many seconds of its start or of a job (and
+# within the caller's deadline), else it is killed: a compile that hangs
+# must not hang the user's program.
 START_TIMEOUT_S = 60.0
 JOB_TIMEOUT_S = 120.0
 
@@ -98,12 +99,14 @@ class _Worker:
     return json.loads(line)
 
   def run(self, job: dict, timeout_s: float) -> dict:
+    """The worker's reply to ``job``, within ``timeout_s`` (its start included)."""
+    t_end = time.perf_counter() + timeout_s
     if not self.ready:
-      self._read(START_TIMEOUT_S)
+      self._read(min(START_TIMEOUT_S, timeout_s))
       self.ready = True
     self.proc.stdin.write((json.dumps(job) + "\n").encode())
     self.proc.stdin.flush()
-    return self._read(timeout_s)
+    return self._read(t_end - time.perf_counter())
 
   def alive(self) -> bool:
     return self.proc.poll() is None

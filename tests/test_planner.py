@@ -61,6 +61,35 @@ def test_place_flash_like_chain():
     tiling.place(r, "mkhn", {"m": 64, "n": 64, "k": 32, "h": 32}, grid=("m",))
 
 
+def test_place_keeps_a_deferred_softmax_denominator_before_the_store():
+  """Attention as jax.nn.softmax writes it divides before P.V; the kernel
+  defers that division to the end of the n loop, so the denominator must
+  exist there. With an h loop around n it was placed after h, past the
+  store of each h tile: plans the code generator could not print (9-11 of
+  the 64 sampled per attention case, H100 fidelity run 2026-11-21)."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.codegen import source
+  from jaxfuse.planner.plan import Plan
+
+  def att(q, k, v):
+    return jnp.einsum("bgmn,bgnh->bgmh", jax.nn.softmax(jnp.einsum("bgmk,bgnk->bgmn", q, k), -1), v)
+  x = jnp.zeros((1, 2, 128, 32), jnp.float16)
+  [cap] = capture.find_regions(jax.make_jaxpr(att)(x, x, x))
+  r = cap.region
+  loops = {l.name for l in r.loops}
+  assert {"m", "n", "h"} <= loops
+  t = {l: 1 for l in loops} | {"m": 64, "n": 64, "k": 32, "h": 16}
+  with pytest.raises(tiling.PlacementError, match="deferred factor"):
+    tiling.place(r, "mhnk", t, grid=("b", "g", "m"))
+  # Without an h loop the denominator follows the n loop and precedes the store.
+  e = tiling.place(r, "mnk", t | {"h": 32}, grid=("b", "g", "m"))
+  plan = Plan(expr=e, grid=("b", "g", "m"), tiles=tuple((l.name, t[l.name] if l.name != "h" else 32)
+                                                         for l in r.loops))
+  assert "fused_kernel" in source(r, plan)
+
+
 def test_hoisting_cuts_a_traffic_by_h_times_n():
   m, n, k, h = 256, 512, 64, 256
   r = chain4(m, n, k, h)

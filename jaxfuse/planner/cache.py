@@ -37,8 +37,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # 7: predictions carry the pipelined shared-memory request; 8: split
 # reductions on by default (the key also carries ``config.allow_split``);
 # 9: padded tiles up to a quarter (Rule 3), split moves in the descent;
-# 10: tile 1 for every loop of extent 1.
-FORMAT_VERSION = 10
+# 10: tile 1 for every loop of extent 1; 11: a deferred softmax denominator
+# precedes every reader of its accumulator (fewer, all printable, plans).
+FORMAT_VERSION = 11
 
 
 def _version() -> str:

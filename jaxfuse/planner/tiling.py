@@ -758,6 +758,16 @@ def _check_order(region, expr: TilingExpr,
   """Every statement's operands are produced earlier in program order
   (except factors the streaming analysis defers past their loop)."""
   inputs = set(region.input_names)
+  # A contraction of a deferred value (the softmax numerator feeding P.V)
+  # is final only once the deferred factors exist: the kernel divides its
+  # accumulator by them when the streamed loop closes. Nothing may read or
+  # store it before them (a denominator placed after an outer loop of
+  # output tiles, past the store, made plans no kernel could follow).
+  finals: dict[str, set[str]] = {}
+  for op in region.ops:
+    for v, f in deferred:
+      if v in op.inputs and v != op.out:
+        finals.setdefault(op.out, set()).add(f)
   seen: set[str] = set()
   loaded: set[str] = set()
   for st, _ in statement_contexts(expr):
@@ -770,6 +780,13 @@ def _check_order(region, expr: TilingExpr,
           raise PlacementError(f"C{st.value} before L{a}")
         if a not in inputs and a not in seen and (st.value, a) not in deferred:
           raise PlacementError(f"C{st.value} before C{a} in {expr}")
+        late = finals.get(a, set()) - seen
+        if late:
+          raise PlacementError(f"C{st.value} reads {a} before its deferred factor(s) "
+                               f"{sorted(late)} in {expr}")
       seen.add(st.value)
     elif st.value not in seen:
       raise PlacementError(f"S{st.value} before C{st.value}")
+    elif finals.get(st.value, set()) - seen:
+      raise PlacementError(f"S{st.value} before its deferred factor(s) "
+                           f"{sorted(finals[st.value] - seen)} in {expr}")

@@ -27,6 +27,7 @@ from typing import Mapping, Optional, Sequence
 from jaxfuse import ir
 from jaxfuse.codegen import rewrite, streaming
 from jaxfuse.planner.plan import Plan
+from jaxfuse.planner.pruning import dot_hazard  # the printer refuses what the planner prunes
 from jaxfuse.planner.tiling import LoopNode, Stmt
 
 __all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "dot_hazard", "print_kernel"]
@@ -152,48 +153,10 @@ class _Partial:
   scratch: ScratchSpec
 
 
-# Dots that Triton (3.6.0, H100, 2026-11-21) compiles into wrong results,
-# and once into an illegal memory access: a dot of a tile computed in
-# registers (the first GEMM's result, converted; measured as the lhs, refused
-# on either side) of >= 128 rows and a reduction of >= 256, into fewer than
-# 64 output columns. Measured on the
-# GEMM chain (b=16, M=N=256): rows 128, reduction 256 and 16 or 32 columns
-# returned errors of 1.3-1.6 (max error / max |ref|) at 4 or 8 warps, 2 or 3
-# stages, K = 64, 80 or 128; 64 columns, 64 rows, a 128-wide reduction or
-# rows 256 x reduction 64 were correct (benchmarks/RESULTS.md, eleventh
-# session). The interpreter runs them correctly, so only this rule keeps
-# them off the GPU.
-HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 
 
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
-
-
-def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
-  """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS``), or None. The printer refuses such plans
-  (``CodegenError``), so the launcher takes the planner's next plan and
-  measured tuning never launches them."""
-  vm = region.value_map
-  ext = region.loop_extents
-  produced = {op.out for op in region.ops}
-
-  def t(l):
-    return min(int(tiles[l]), _pow2(ext[l]))
-  for op in region.contractions:
-    for computed, other in ((op.lhs, op.rhs), (op.rhs, op.lhs)):
-      if computed not in produced:
-        continue
-      out = vm[op.out].loops
-      mine, theirs = set(vm[computed].loops), set(vm[other].loops)
-      rows = math.prod(t(l) for l in out if l in mine and l not in theirs)
-      cols = math.prod(t(l) for l in out if l in theirs and l not in mine)
-      red = math.prod(t(l) for l in op.reduce)
-      if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
-        return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
-                "which Triton miscompiles")
-  return None
 
 
 class _Printer:

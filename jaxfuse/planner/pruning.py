@@ -54,6 +54,9 @@ Rule 4. The shared-memory estimate (MCFuser eq. 1: sum of the tile
 footprints of the chain's tensors, in bytes) must not exceed 1.2 x the
 device's shared memory per block.
 
+Rule 5 (jaxfuse's, for its backend). No dot that Triton is known to
+miscompile (``dot_hazard``): the search never ranks such a plan.
+
 Example::
 
     counts = space_counts(region, get_device("h100"))
@@ -69,7 +72,8 @@ from jaxfuse.planner import tiling
 
 __all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
            "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
-           "rule4_ok", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO", "SMEM_SLACK"]
+           "rule4_ok", "dot_hazard", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
+           "SMEM_SLACK"]
 
 SMEM_SLACK = 1.2
 MAX_PADDED_SINGLE = 256
@@ -126,6 +130,47 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
   if not keep:
     keep = [min(cands, key=lambda t: (padding_ratio(ext, t), t))]
   return tuple(sorted(keep))
+
+
+# -- Rule 5: dots Triton miscompiles ---------------------------------------
+
+# Dots that Triton (3.6.0, H100, 2026-11-21) compiles into wrong results,
+# and once into an illegal memory access: a dot of a tile computed in
+# registers (the first GEMM's result, converted; measured as the lhs, refused
+# on either side) of >= 128 rows and a reduction of >= 256, into fewer than
+# 64 output columns. Measured on the
+# GEMM chain (b=16, M=N=256): rows 128, reduction 256 and 16 or 32 columns
+# returned errors of 1.3-1.6 (max error / max |ref|) at 4 or 8 warps, 2 or 3
+# stages, K = 64, 80 or 128; 64 columns, 64 rows, a 128-wide reduction or
+# rows 256 x reduction 64 were correct (benchmarks/RESULTS.md, eleventh
+# session). The interpreter runs them correctly, so only this rule keeps
+# them off the GPU (Rule 5: what the backend cannot compile correctly).
+HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
+
+
+def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
+  """Why a plan with these tiles would print a dot that Triton miscompiles
+  (see ``HAZARD_ROWS``), or None. The search drops such plans, and the
+  printer refuses them (``CodegenError``) should one be handed over."""
+  vm = region.value_map
+  ext = region.loop_extents
+  produced = {op.out for op in region.ops}
+
+  def t(l):
+    return min(int(tiles[l]), _next_pow2(ext[l]))
+  for op in region.contractions:
+    for computed, other in ((op.lhs, op.rhs), (op.rhs, op.lhs)):
+      if computed not in produced:
+        continue
+      out = vm[op.out].loops
+      mine, theirs = set(vm[computed].loops), set(vm[other].loops)
+      rows = math.prod(t(l) for l in out if l in mine and l not in theirs)
+      cols = math.prod(t(l) for l in out if l in theirs and l not in mine)
+      red = math.prod(t(l) for l in op.reduce)
+      if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
+        return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
+                "which Triton miscompiles")
+  return None
 
 
 # -- Rule 1 / Rule 2 --------------------------------------------------------

@@ -169,6 +169,9 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
         f"shared memory estimate "
         f"{pruning.smem_estimate(region, tiles, register_accumulators=True)} B exceeds "
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
+  hazard = pruning.dot_hazard(region, tiles)
+  if hazard:
+    raise tiling.PlacementError(f"{hazard} (Rule 5)")
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.accumulator_bytes(region, tiles)
   budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles))

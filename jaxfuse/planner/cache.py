@@ -38,7 +38,8 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # reductions on by default (the key also carries ``config.allow_split``);
 # 9: padded tiles up to a quarter (Rule 3), split moves in the descent;
 # 10: tile 1 for every loop of extent 1; 11: a deferred softmax denominator
-# precedes every reader of its accumulator (fewer, all printable, plans).
+# precedes every reader of its accumulator, and Rule 5 drops dots Triton
+# miscompiles (fewer plans, all printable).
 FORMAT_VERSION = 11
 
 

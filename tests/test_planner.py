@@ -513,6 +513,29 @@ def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
   assert not plan_region(r, "h100").from_cache
 
 
+def test_measure_begins_only_when_the_planner_searches(tmp_path, monkeypatch):
+  # Measured tuning's setup (compile workers, the reference) and its budget
+  # start at measure.begin(): not on a cache hit, where nothing is measured.
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = examples.gemm_chain(1, 512, 256, 64, 64)
+  begun = []
+
+  def measure(plans):
+    assert begun, "measured before begin()"
+    return [p.predicted.time_s for p in plans]
+  measure.begin = lambda: begun.append(1)
+  assert not plan_region(r, "h100", measure=measure).from_cache
+  assert begun == [1]
+  assert plan_region(r, "h100", measure=measure).from_cache
+  assert begun == [1]
+
+  def broken():
+    raise RuntimeError("no workers")
+  measure.begin = broken            # a failing begin() is logged, not raised
+  begun.append(1)
+  assert plan_region(r, "h100", measure=measure, use_cache=False).best is not None
+
+
 # -- compute-term refinements (tile efficiency, SFU, streamed rescale) ----------
 
 def test_dot_efficiency_rewards_wide_tiles_and_wgmma_rows():

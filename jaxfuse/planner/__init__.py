@@ -76,7 +76,8 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
 
   ``measure(plans) -> seconds per plan`` (``inf``: the plan failed; ``None``:
   not measured, e.g. the budget ran out) refines the model's top candidates
-  (MCFuser Alg. 1); without it the model decides. Results (model-only or
+  (MCFuser Alg. 1); without it the model decides. A ``measure.begin()``, if
+  present, is called once the search is about to run (not on a cache hit). Results (model-only or
   measured) are cached on disk unless ``use_cache=False``; a corrupt cache
   entry is logged and ignored. Never raises for a region it cannot plan:
   ``best`` is None and ``why_not`` explains.
@@ -110,6 +111,12 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   if not region.contractions:
     return PlanningResult(None, (), "region has no contraction", {},
                           time.perf_counter() - t0, dev.name)
+  begin = getattr(measure, "begin", None)
+  if callable(begin):
+    try:
+      begin()   # the measurer's budget and background setup start with the search
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("jaxfuse planner: measure.begin failed (%s)", e)
   try:
     res = search.search(region, dev, seed=seed, measure=measure)
   except Exception as e:  # pylint: disable=broad-except

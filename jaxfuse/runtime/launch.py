@@ -776,7 +776,8 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
   """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``.
 
   The budget (default ``config.tune_budget_s``) is for the whole search of
-  this region, not per call: once it is spent, or when what is left is
+  this region, from ``measure.begin()`` (which ``plan_region`` calls before
+  it searches; else the first measurement), not per call: once it is spent, or when what is left is
   shorter than the last batch's time scaled to this batch's size, every
   later plan reads None (the model alone ranks what is left). Why the
   estimate: a batch's kernels compile before any is timed and cannot be
@@ -786,18 +787,27 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
   if budget_s is None:
     from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
     budget_s = config.tune_budget_s
-  t_end = time.perf_counter() + budget_s
+  t_end = [time.perf_counter() + budget_s]
+  begun = [False]
   last: list[tuple[float, int]] = []   # (seconds, plans) of the last batch
-  if _torch_cuda():
-    # Start the compile workers and the reference now: both proceed while
-    # the model's search runs, before the first batch needs them.
-    from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
-    _ensure_triton_cache_dir()
-    compile_pool.get()
-    start_reference(region, MEASURE_SEED)
+
+  def begin():
+    """Called by ``plan_region`` when it will search (not on a cache hit):
+    the budget starts now, and the compile workers and the reference start
+    here, so that both proceed while the model's search runs."""
+    if begun[0]:
+      return
+    begun[0] = True
+    t_end[0] = time.perf_counter() + budget_s
+    if _torch_cuda():
+      from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
+      _ensure_triton_cache_dir()
+      compile_pool.get()
+      start_reference(region, MEASURE_SEED)
 
   def measure(plans):
-    left = t_end - time.perf_counter()
+    begin()
+    left = t_end[0] - time.perf_counter()
     if left <= 0:
       return [None] * len(plans)
     if last and last[-1][0] * max(len(plans) / last[-1][1], 0.5) > left:
@@ -809,6 +819,7 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
     # None = not measured (budget spent): the search ranks those by the model;
     # inf = failed (compile error, wrong answer).
     return [None if w == _BUDGET_SPENT else t for t, w in zip(times, why)]
+  measure.begin = begin
   return measure
 
 

@@ -43,6 +43,7 @@ def _recording(measure, seen: dict):
       if t is not None:
         seen[str(p)] = t
     return times
+  wrapped.begin = getattr(measure, "begin", None)   # plan_region starts it with the search
   return wrapped
 
 

@@ -164,3 +164,21 @@ def test_a_silent_worker_times_out_within_the_callers_deadline(tmp_path, monkeyp
     assert err and err.startswith("TimeoutError")
   finally:
     pool.close()
+
+
+def test_the_process_pool_is_shared_and_follows_the_config():
+  try:
+    with jaxfuse.config.override(compile_workers=1):
+      first = compile_pool.get()
+      assert first is not None and first.size == 1
+      assert compile_pool.get() is first          # one pool per process
+    with jaxfuse.config.override(compile_workers=2):
+      second = compile_pool.get()
+      assert second is not first and second.size == 2
+      assert first._closed                        # the old one's workers are gone
+  finally:
+    compile_pool.shutdown()
+  with jaxfuse.config.override(compile_workers=1):
+    third = compile_pool.get()
+  assert third is not second
+  compile_pool.shutdown()

@@ -49,6 +49,15 @@ def test_parse_print_round_trip(text):
   assert str(tiling.parse(text)) == text
 
 
+def test_rule5_drops_the_dots_triton_miscompiles():
+  # The eleventh session's miscompiles (b=16, M=N=256, K=H=80 on the H100):
+  # the search never ranks such a plan, and says how many it dropped.
+  r = examples.gemm_chain(16, 256, 256, 80, 80)
+  res = plan_region(r, "h100", use_cache=False, top=10000)
+  assert res.space["rejected"].get("Rule 5: a dot Triton miscompiles", 0) > 0
+  assert all(pruning.dot_hazard(r, p.tile_map) is None for p in res.ranked)
+
+
 def test_place_flash_like_chain():
   r = chain4(256, 256, 64, 64)
   e = tiling.place(r, "mhnk", {"m": 64, "n": 64, "k": 32, "h": 32}, grid=("m",))

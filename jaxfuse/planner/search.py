@@ -289,6 +289,8 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"
       if "register budget" in reason:
         key = "fp32 accumulators exceed the register budget"
+      elif "(Rule 5)" in reason:
+        key = "Rule 5: a dot Triton miscompiles"
       rejected[key] = rejected.get(key, 0) + 1
       p = None
     memo[c] = p

@@ -25,12 +25,13 @@ def _env_bool(name: str, default: bool) -> bool:
   return v.strip().lower() in ("1", "true", "yes", "on")
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_number(name: str, default, kind=float):
+  """``kind(os.environ[name])``, or ``default`` when unset."""
   v = os.environ.get(name)
   try:
-    return float(v) if v not in (None, "") else default
+    return kind(v) if v not in (None, "") else default
   except ValueError as e:
-    raise ValueError(f"{name}={v!r} is not a number") from e
+    raise ValueError(f"{name}={v!r} is not {'an integer' if kind is int else 'a number'}") from e
 
 
 @dataclasses.dataclass
@@ -82,8 +83,8 @@ class Config:
     c.cache_dir = os.environ.get("JAXFUSE_CACHE_DIR", c.cache_dir) or c.cache_dir
     c.device = os.environ.get("JAXFUSE_DEVICE", c.device) or c.device
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
-    c.tune_budget_s = _env_float("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
-    c.compile_workers = int(_env_float("JAXFUSE_COMPILE_WORKERS", c.compile_workers))
+    c.tune_budget_s = _env_number("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
+    c.compile_workers = _env_number("JAXFUSE_COMPILE_WORKERS", c.compile_workers, int)
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch
     c._check()

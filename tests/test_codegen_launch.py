@@ -292,6 +292,19 @@ def test_make_measure_marks_unmeasured_plans(monkeypatch):
   assert spent(["a", "b"]) == [None, None]
 
 
+def _run_and_compare(m, r, launches):
+  """Runs the measurer's ``launches`` interpreted and checks its outputs
+  against the IR evaluator on the measurer's inputs."""
+  for o in m.outs:
+    o.fill_(float("nan"))
+  with launch.interpret_env(True):
+    for f, grid, args, kw in launches:
+      kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
+      f[grid](*args, **kw)
+  got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
+  assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)
+
+
 def test_measurer_launches_split_plans_in_one_timed_call():
   """Measured tuning times a split plan's main kernel and combine pass
   together (both launches in the timed call), on buffers that give the
@@ -302,14 +315,7 @@ def test_measurer_launches_split_plans_in_one_timed_call():
   m = launch._TorchMeasurer(r, seed=3, device="cpu")
   launches = m._launches(k)[0]
   assert [f for f, *_ in launches] == [k.fn, k.combine_fn]
-  for o in m.outs:
-    o.fill_(float("nan"))
-  with launch.interpret_env(True):
-    for f, grid, args, kw in launches:
-      kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
-      f[grid](*args, **kw)
-  got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
-  assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)
+  _run_and_compare(m, r, launches)
 
 
 def test_measurer_rotates_input_copies_past_the_l2():
@@ -330,14 +336,7 @@ def test_measurer_rotates_input_copies_past_the_l2():
   assert second[0][2][0] is copy[0] and first[0][2][0] is m.ins[0]
   n = len(m.ins)
   assert all(a is b for a, b in zip(first[0][2][n:], second[0][2][n:]))   # shared scratch
-  for o in m.outs:
-    o.fill_(float("nan"))
-  with launch.interpret_env(True):
-    for f, grid, args, kw in second:
-      kw = {n: v for n, v in kw.items() if n not in ("num_warps", "num_stages")}
-      f[grid](*args, **kw)
-  got = [launch._from_torch(o, r.value_map[b.value].dtype) for o, b in zip(m.outs, r.outputs)]
-  assert launch.compare(r, got, ir.evaluate(r, m.xs)) <= launch.tolerance(r)
+  _run_and_compare(m, r, second)
 
 
 def test_make_measure_skips_a_batch_the_budget_cannot_finish(monkeypatch):

@@ -143,9 +143,14 @@ def test_a_dead_worker_is_replaced(gpu_kernels):
     pool.close()
 
 
-def test_config_compile_workers():
+def test_config_compile_workers(monkeypatch):
   with pytest.raises(ValueError, match="compile_workers"):
     jaxfuse.config.update("compile_workers", -1)
+  monkeypatch.setenv("JAXFUSE_COMPILE_WORKERS", "3")
+  assert type(jaxfuse.config).from_env().compile_workers == 3
+  monkeypatch.setenv("JAXFUSE_COMPILE_WORKERS", "2.5")
+  with pytest.raises(ValueError, match="JAXFUSE_COMPILE_WORKERS"):
+    type(jaxfuse.config).from_env()
   with jaxfuse.config.override(compile_workers=0):
     assert compile_pool.get() is None
   with pytest.raises(ValueError, match="size"):

@@ -86,7 +86,7 @@ class _Worker:
   def __init__(self):
     self.proc = subprocess.Popen(
         [sys.executable, WORKER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, env=dict(os.environ), close_fds=True)
+        stderr=subprocess.DEVNULL, close_fds=True)
     self.ready = False
 
   def _read(self, timeout_s: float) -> dict:
@@ -127,7 +127,6 @@ class CompilePool:
       raise ValueError(f"size must be >= 1, got {size}")
     self.size = size
     self._idle: "queue.Queue[_Worker]" = queue.Queue()
-    self._lock = threading.Lock()
     self._closed = False
     for _ in range(size):
       self._idle.put(_Worker())

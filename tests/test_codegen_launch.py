@@ -339,6 +339,54 @@ def test_measurer_rotates_input_copies_past_the_l2():
   _run_and_compare(m, r, second)
 
 
+def test_compare_tensors_matches_the_numpy_compare():
+  """The measurer's self-check compares on the tensors' own device; it reads
+  what ``compare`` reads: the worst error over the reference's largest
+  finite value, inf for NaNs in different places, a shape mismatch or an
+  infinity the reference does not have."""
+  torch = pytest.importorskip("torch")
+  r = T.gemm_chain(M=8, N=8, K=8, H=8)
+  rng = np.random.default_rng(0)
+  ref = rng.standard_normal((6, 5)).astype(np.float32)
+  ref[1, 2] = np.nan
+  out = (ref + rng.standard_normal(ref.shape).astype(np.float32) * 1e-2).astype(np.float16)
+  t = lambda a: torch.from_numpy(np.asarray(a))
+  want = launch.compare(r, [out], [ref])
+  assert 1e-3 < want < 1e-1
+  assert abs(launch.compare_tensors([t(out)], [t(ref)]) - want) <= 1e-6 * max(want, 1)
+  moved = out.copy()
+  moved[1, 2], moved[0, 0] = 0.0, np.nan
+  assert launch.compare_tensors([t(moved)], [t(ref)]) == float("inf")
+  assert launch.compare_tensors([t(out[:3])], [t(ref)]) == float("inf")
+  inf_ref = ref.copy()
+  inf_ref[0, 0] = np.inf
+  for got, err in ((inf_ref, 0.0), (-inf_ref, float("inf")),      # same / opposite infinity
+                   (np.where(np.arange(30).reshape(6, 5) == 8, 9.0, inf_ref), None)):
+    e_np = launch.compare(r, [got], [inf_ref])
+    e_t = launch.compare_tensors([t(got.astype(np.float32))], [t(inf_ref)])
+    if err is None:   # one wrong finite value: the inf does not scale it away
+      assert e_np > 1.0 and abs(e_t - e_np) <= 1e-6 * e_np
+    else:
+      assert e_np == err and e_t == err
+
+
+def test_measurer_self_check_rejects_a_wrong_reference_match(monkeypatch):
+  """check_and_time checks each new kernel against the region's reference
+  before timing it: outputs that miss it raise, and the failure is
+  remembered for that plan."""
+  r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  k = generate(r, plan, interpret=True)
+  m = launch._TorchMeasurer(r, seed=3, device="cpu")
+  right = ir.evaluate(r, m.xs)
+  monkeypatch.setattr(launch, "_device_reference",
+                      lambda region, seed, xs=None: [o + 1.0 for o in right])
+  with launch.interpret_env(True), pytest.raises(launch.CodegenError, match="self-check"):
+    m.check_and_time(k, reps=3)
+  assert isinstance(launch._kernels[(r.signature(), str(k.plan), "triton")],
+                    launch.CodegenError)
+
+
 def test_make_measure_skips_a_batch_the_budget_cannot_finish(monkeypatch):
   """A batch is not started when the last batch's time, scaled to this
   batch's size (at least half of it), exceeds what is left of the budget."""

@@ -374,6 +374,7 @@ def test_measurer_self_check_rejects_a_wrong_reference_match(monkeypatch):
   """check_and_time checks each new kernel against the region's reference
   before timing it: outputs that miss it raise, and the failure is
   remembered for that plan."""
+  monkeypatch.setattr(launch, "_kernels", {})   # no checked kernels from other tests
   r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
   plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
   k = generate(r, plan, interpret=True)

@@ -185,6 +185,21 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   return out
 
 
+def _worst_error(o, r, xp) -> float:
+  """``compare``'s error of one output ``o`` against its reference ``r``:
+  float arrays of the array module ``xp`` (NumPy or torch), same shape."""
+  nan = xp.isnan(r)
+  if bool((xp.isnan(o) != nan).any()):
+    return float("inf")
+  ok = ~nan
+  if not bool(ok.any()):
+    return 0.0
+  with np.errstate(invalid="ignore"):   # inf - inf where both are inf: masked
+    scale = float(xp.where(ok & xp.isfinite(r), abs(r), 0.0).max())
+    diff = float(xp.where(ok & (o != r), abs(o - r), 0.0).max())
+  return diff / max(scale, 1e-6)
+
+
 def compare(region: ir.Region, outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> float:
   """Largest error over the outputs, relative to the reference's largest
   finite magnitude (inf when NaNs differ). Equal values (same-sign infinities
@@ -195,18 +210,9 @@ def compare(region: ir.Region, outs: Sequence[np.ndarray], refs: Sequence[np.nda
   for o, r in zip(outs, refs):
     o = np.asarray(o).astype(np.float64)
     r = np.asarray(r).astype(np.float64)
-    if o.shape != r.shape or (np.isnan(o) != np.isnan(r)).any():
+    if o.shape != r.shape:
       return float("inf")
-    ok = ~np.isnan(r)
-    if not ok.any():
-      continue
-    fin = ok & np.isfinite(r)
-    scale = max(float(np.abs(r[fin]).max()) if fin.any() else 0.0, 1e-6)
-    differ = ok & (o != r)
-    if differ.any():
-      with np.errstate(invalid="ignore"):
-        diff = float(np.abs(o[differ] - r[differ]).max())
-      worst = max(worst, diff / scale)
+    worst = max(worst, _worst_error(o, r, np))
   return worst
 
 
@@ -223,19 +229,7 @@ def compare_tensors(outs: Sequence[Any], refs: Sequence[Any]) -> float:
   for o, r in zip(outs, refs):
     if tuple(o.shape) != tuple(r.shape):
       return float("inf")
-    o, r = o.float(), r.float()
-    nan = torch.isnan(r)
-    if bool((torch.isnan(o) != nan).any()):
-      return float("inf")
-    ok = ~nan
-    if not bool(ok.any()):
-      continue
-    zero = torch.zeros((), dtype=torch.float32, device=r.device)
-    fin = ok & torch.isfinite(r)
-    scale = max(float(torch.where(fin, r.abs(), zero).max()), 1e-6)
-    differ = ok & (o != r)
-    diff = float(torch.where(differ, (o - r).abs(), zero).max())
-    worst = max(worst, diff / scale)
+    worst = max(worst, _worst_error(o.float(), r.float(), torch))
   return worst
 
 

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxfuse import ir
 from jaxfuse.codegen import generate, testing as T
+from jaxfuse.planner import plan_region
 from jaxfuse.runtime import launch
 
 
@@ -234,6 +235,51 @@ def test_reference_started_in_the_background_is_the_one_used(monkeypatch):
   monkeypatch.setattr(launch, "_reference_on_gpu", real)
   again = launch._device_reference(r, 6)
   assert launch.compare(r, again, ir.evaluate(r, launch.random_inputs(r, 6))) <= launch.tolerance(r)
+
+
+def test_random_inputs_are_seeded_chunked_and_thread_independent(monkeypatch):
+  import os
+  from jaxfuse.planner import examples
+  r = examples.attention(1, 2, 40, 24, 8)
+  monkeypatch.setattr(launch, "_RANDOM_CHUNK", 100)   # several chunks per input, in threads
+  a = launch.random_inputs(r, 3)
+  monkeypatch.setattr(os, "cpu_count", lambda: 1)     # the same values made serially
+  b = launch.random_inputs(r, 3)
+  c = launch.random_inputs(r, 4)
+  for x, y, z, buf in zip(a, b, c, r.inputs):
+    assert x.shape == tuple(buf.shape) and x.dtype == np.float16
+    np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(x, z)
+  allv = np.concatenate([x.ravel().astype(np.float64) for x in a])
+  assert abs(allv.mean()) < 0.1 and 0.9 < allv.std() < 1.1
+  # Chunks are independent streams: no chunk repeats another.
+  q = a[0].ravel()
+  assert not np.array_equal(q[:100], q[100:200])
+
+
+def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
+  """The background reference, the measurer and the chosen kernel's
+  self-check use the same random arrays, made once (a large region's took
+  seconds each time)."""
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 32, 16)
+  made = []
+  real = launch.random_inputs
+  monkeypatch.setattr(launch, "random_inputs", lambda *a: made.append(a) or real(*a))
+  seen = []
+  monkeypatch.setattr(launch, "_reference_on_gpu", lambda region, xs: seen.append(xs) or [])
+  launch._last_inputs.clear()
+  launch._last_reference.clear()
+  launch.start_reference(r, launch.MEASURE_SEED).result()
+  m = launch._TorchMeasurer(r, launch.MEASURE_SEED, device="cpu")
+  assert m.xs is seen[0] and len(made) == 1
+  assert not m.xs[0].flags.writeable          # shared: nobody may write to them
+  runs = []
+  k = generate(r, plan_region(r, "h100").best, interpret=True)
+  launch.self_check(k, lambda kern, xs: runs.append(xs) or launch.run_interpreted(kern, xs))
+  assert runs[0] is m.xs and len(made) == 1
+  launch._last_inputs.clear()
+  launch._last_reference.clear()
 
 
 def test_model_leaves_predicted_losers_to_xla(monkeypatch):

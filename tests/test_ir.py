@@ -171,7 +171,11 @@ def test_jax_reference_matches_numpy_evaluator():
   import jax.numpy as jnp
   from jaxfuse.runtime import reference
   rng = np.random.default_rng(5)
-  for region in (_chain(), _attention(causal=True)):
+  r = _chain()
+  # The output stored transposed ([b, h, m]): the scatter path, not a reshape.
+  e_t = Buffer("E", (2, 4, 5), (("b", 20), ("m", 1), ("h", 5)))
+  transposed_out = Region(r.loops, r.values, r.inputs, (e_t,), r.ops)
+  for region in (r, transposed_out, _attention(causal=True)):
     xs = [rng.normal(size=b.shape).astype(np.float32) for b in region.inputs]
     want = ir.evaluate(region, xs)
     got = reference.evaluate(region, [jnp.asarray(x) for x in xs])

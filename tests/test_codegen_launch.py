@@ -449,11 +449,53 @@ def test_measurer_self_check_rejects_a_wrong_reference_match(monkeypatch):
   m = launch._TorchMeasurer(r, seed=3, device="cpu")
   right = ir.evaluate(r, m.xs)
   monkeypatch.setattr(launch, "_device_reference",
-                      lambda region, seed, xs=None: [o + 1.0 for o in right])
+                      lambda region, seed, xs=None, **kw: [o + 1.0 for o in right])
   with launch.interpret_env(True), pytest.raises(launch.CodegenError, match="self-check"):
     m.check_and_time(k, reps=3)
   assert isinstance(launch._kernels[(r.signature(), str(k.plan), "triton")],
                     launch.CodegenError)
+
+
+def test_measurer_stops_waiting_for_the_reference_at_the_deadline(monkeypatch):
+  """A reference still being computed when the budget ends makes the
+  measurement read 'budget spent' instead of overrunning the budget."""
+  import threading
+  import time
+  monkeypatch.setattr(launch, "_kernels", {})
+  r = T.gemm_chain(M=40, N=48, K=40, H=24, B=2)
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  k = generate(r, plan, interpret=True)
+  release = threading.Event()
+  monkeypatch.setattr(launch, "_reference_on_gpu",
+                      lambda region, xs: release.wait(30) and ir.evaluate(region, xs))
+  launch._last_reference.clear()
+  try:
+    launch.start_reference(r, 3)            # in the background, blocked
+    m = launch._TorchMeasurer(r, seed=3, device="cpu")
+    t0 = time.perf_counter()
+    with launch.interpret_env(True), pytest.raises(launch._BudgetSpent):
+      m.check_and_time(k, reps=3, deadline=t0 + 0.3)
+    assert time.perf_counter() - t0 < 5.0 and m.ref_s > 0
+  finally:
+    release.set()
+  # Once it is there, the same kernel passes its check (and is timed: a CPU
+  # stand-in for the CUDA-graph timer).
+  monkeypatch.setattr(launch.timing, "graph_time", lambda fn, reps: fn() or 1e-6)
+  with launch.interpret_env(True):
+    assert m.check_and_time(k, reps=3) == 1e-6
+  launch._last_reference.clear()
+
+
+def test_reference_reaches_the_measurer_as_float32_tensors():
+  """The device reference (jax arrays) becomes float32 torch tensors through
+  DLPack; NumPy references still work."""
+  torch = pytest.importorskip("torch")
+  import jax.numpy as jnp
+  x = jnp.arange(6, dtype=jnp.float16).reshape(2, 3)
+  for a in (x, np.asarray(x)):
+    t = launch._float_tensor(a, "cpu")
+    assert t.dtype == torch.float32 and t.shape == (2, 3)
+    np.testing.assert_array_equal(t.numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
 
 
 def test_make_measure_skips_a_batch_the_budget_cannot_finish(monkeypatch):

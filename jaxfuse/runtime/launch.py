@@ -379,24 +379,31 @@ def _run_on_gpu(kernel: GeneratedKernel, xs: list) -> list[np.ndarray]:
 
 
 # ------------------------------------------------------------ selection
-def _reference_on_gpu(region: ir.Region, xs: list) -> list[np.ndarray]:
+def _reference_on_gpu(region: ir.Region, xs: list) -> list[Any]:
   """The IR in float32 on the device (jaxfuse.runtime.reference): at full
-  size, NumPy's float64 evaluator would take seconds per candidate."""
+  size, NumPy's float64 evaluator would take seconds per candidate. Returns
+  the outputs as device arrays: the measurer compares on the device, and
+  a large attention's output took a host round trip per region before."""
   import jax  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import reference  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
   # Called while a region is being traced or lowered: make the inputs and
   # run eagerly on concrete arrays, not staged into the caller's trace.
   with jax.ensure_compile_time_eval():
     args = [jax.device_put(x) for x in xs]
     lowered = jax.jit(lambda *a: reference.evaluate(region, a)).lower(*args)
+    t1 = time.perf_counter()
     try:
       # GEMM autotuning took most of the 2-8 s this compile cost per region
       # on an H200 (2026-11-21); the reference needs no fast GEMMs.
       compiled = lowered.compile(compiler_options={"xla_gpu_autotune_level": 0})
     except Exception:  # pylint: disable=broad-except  (option unknown to this XLA)
       compiled = lowered.compile()
+    t2 = time.perf_counter()
     outs = jax.block_until_ready(compiled(*args))
-  return [np.asarray(o) for o in outs]
+  logging.info("jaxfuse: reference computed in %.2f s (inputs and lowering %.2f, compile %.2f, "
+               "run %.2f)", time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
+  return list(outs)
 
 
 def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> list:
@@ -598,6 +605,22 @@ def _torch_cuda() -> bool:
 _BUDGET_SPENT = "measuring budget spent"
 
 
+class _BudgetSpent(Exception):
+  """The budget ran out while a measurement waited (for the reference)."""
+
+
+def _float_tensor(a: Any, device: str):
+  """``a`` (a NumPy or device array) as a float32 torch tensor on ``device``;
+  a device array moves through DLPack, without a host round trip."""
+  import torch  # pylint: disable=g-import-not-at-top
+  if not isinstance(a, np.ndarray):
+    try:
+      return torch.from_dlpack(a).to(device=device, dtype=torch.float32)
+    except Exception:  # pylint: disable=broad-except  (no DLPack for this array)
+      pass
+  return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(device)
+
+
 def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional[float] = None,
                   reps: int = 20, errors: Optional[list] = None) -> list[float]:
   """Seconds per launch of each plan's kernel on the GPU (MCFuser Alg. 1's
@@ -635,11 +658,13 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
       continue
     try:
       if kernels[i] is not None:
-        times[i] = fast.check_and_time(kernels[i], reps)
+        times[i] = fast.check_and_time(kernels[i], reps, deadline=t_end)
       else:
         k = select_kernel(region, [p], backend="triton", check=True)
         xs = fast.xs if fast is not None else xs or shared_inputs(region, seed)
         times[i] = _time_kernel(k, xs, reps)
+    except _BudgetSpent:
+      why[i] = _BUDGET_SPENT
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: measuring %s failed: %s", p, e)
       why[i] = f"{type(e).__name__}: {e}"[:500]
@@ -659,13 +684,14 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
 _last_reference: dict[tuple[str, int], concurrent.futures.Future] = {}
 
 
-def _device_reference(region: ir.Region, seed: int,
-                      xs: Optional[list[np.ndarray]] = None) -> list[np.ndarray]:
+def _device_reference(region: ir.Region, seed: int, xs: Optional[list[np.ndarray]] = None,
+                      timeout: Optional[float] = None) -> list[Any]:
   """``_reference_on_gpu`` of ``random_inputs(region, seed)`` (pass them as
-  ``xs`` when already made), computed once per region and seed; waits for
-  one that ``start_reference`` began."""
+  ``xs`` when already made), computed once per region and seed; waits (at
+  most ``timeout`` seconds: ``concurrent.futures.TimeoutError``) for one
+  that ``start_reference`` began."""
   fut = start_reference(region, seed, xs, background=False)
-  return fut.result()
+  return fut.result(timeout=timeout)
 
 
 def start_reference(region: ir.Region, seed: int, xs: Optional[list[np.ndarray]] = None, *,
@@ -833,7 +859,10 @@ class _TorchMeasurer:
                  len(errors) - len(failed), len(errors), time.perf_counter() - t0,
                  f" (first failure: {failed[0][:200]})" if failed else "")
 
-  def check_and_time(self, k: GeneratedKernel, reps: int) -> float:
+  def check_and_time(self, k: GeneratedKernel, reps: int, deadline: Optional[float] = None) -> float:
+    """Seconds per launch of ``k`` (CUDA-graph replay), after its self-check
+    against the region's reference (waited for until ``deadline``, a
+    ``time.perf_counter()`` value: ``_BudgetSpent`` after it)."""
     import torch  # pylint: disable=g-import-not-at-top
     import triton  # pylint: disable=g-import-not-at-top
     key = (self.region.signature(), str(k.plan), "triton")
@@ -856,10 +885,14 @@ class _TorchMeasurer:
     if not checked:
       if self._refs is None:
         t0 = time.perf_counter()
-        refs = _device_reference(self.region, self.seed, self.xs)
-        self._refs = [torch.from_numpy(np.asarray(r, dtype=np.float32)).to(self.device)
-                      for r in refs]
-        self.ref_s = time.perf_counter() - t0
+        try:
+          refs = _device_reference(self.region, self.seed, self.xs,
+                                   timeout=None if deadline is None else max(0.0, deadline - t0))
+        except concurrent.futures.TimeoutError:
+          raise _BudgetSpent() from None
+        finally:
+          self.ref_s += time.perf_counter() - t0
+        self._refs = [_float_tensor(r, self.device) for r in refs]
       err = compare_tensors(self.outs, self._refs)
       tol = tolerance(self.region)
       if not err <= tol:

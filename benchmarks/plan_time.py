@@ -1,5 +1,5 @@
 """Planning (or tuning) time for every case of MCFuser Tables II/III and
-Chimera Table IV.
+Chimera Table IV (``--set=large``: the large attention cases; ``all``: both).
 
 Builds each region directly with the Chain IR (jaxfuse.planner.examples),
 plans it with no cache and prints one row per case: time, chosen plan,
@@ -30,6 +30,21 @@ _DEVICE = flags.DEFINE_string("device", "h100", "device model to plan for")
 _REPEAT = flags.DEFINE_integer("repeat", 3, "plans per case; the median is reported")
 _DTYPE = flags.DEFINE_string("dtype", "float16", "input dtype of the regions")
 _FILTER = flags.DEFINE_string("filter", "", "only cases whose name contains this")
+_SET = flags.DEFINE_enum("set", "paper", ["paper", "large", "all"],
+                         "paper: MCFuser II/III and Chimera IV; large: the attention "
+                         "benchmark's large cases (batch 8, 16 heads, 2048/4096 tokens, "
+                         "head dims 64/128); all: both")
+
+
+def _cases(dtype: str) -> list:
+  """(name, region) of the selected set, filtered by --filter."""
+  out = []
+  if _SET.value in ("paper", "all"):
+    out += examples.paper_cases(dtype)
+  if _SET.value in ("large", "all"):
+    out += [(f"large/L-T{t}-d{d}", examples.attention(8, 16, t, t, d, dtype=dtype))
+            for t in (2048, 4096) for d in (64, 128)]
+  return [(n, r) for n, r in out if not _FILTER.value or _FILTER.value in n]
 _TUNE = flags.DEFINE_enum("tune", "model", ["model", "measure"],
                           "model: planning time of the model alone; measure: "
                           "measured-tuning time (CUDA GPU with torch)")
@@ -62,9 +77,7 @@ def tune_rows(dev, out) -> list[float]:
   out.write("| case | tune time (s) | plans measured | best plan | predicted (us) | "
             "measured (us) |\n| --- | --- | --- | --- | --- | --- |\n")
   rows = []
-  for name, region in examples.paper_cases(_DTYPE.value):
-    if _FILTER.value and _FILTER.value not in name:
-      continue
+  for name, region in _cases(_DTYPE.value):
     seen: dict = {}
     t0 = time.perf_counter()
     res = plan_region(region, dev, measure=_recording(launch.make_measure(region), seen),
@@ -100,9 +113,7 @@ def main(argv):
             f"median of {_REPEAT.value}\n")
   out.write("| case | shape | plan time (ms) | evaluated | best plan | predicted (us) | programs |\n")
   out.write("| --- | --- | --- | --- | --- | --- | --- |\n")
-  for name, region in examples.paper_cases(_DTYPE.value):
-    if _FILTER.value and _FILTER.value not in name:
-      continue
+  for name, region in _cases(_DTYPE.value):
     times = []
     res = None
     for _ in range(max(1, _REPEAT.value)):

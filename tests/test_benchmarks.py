@@ -151,8 +151,12 @@ def test_model_fidelity_cpu_dry_run(tmp_path):
 
 
 def test_plan_time_cpu(tmp_path):
-  out = _run(["benchmarks/plan_time.py", "--filter=mcfuser/G1", "--repeat=1"], tmp_path)
-  assert "| mcfuser/G1 |" in out and "grid(" in out
+  out = _run(["benchmarks/plan_time.py", "--filter=G1", "--set=all", "--repeat=1"], tmp_path)
+  assert "| mcfuser/G1 |" in out and "| chimera/G1 |" in out and "grid(" in out
+  assert "large/" not in out
+  out = _run(["benchmarks/plan_time.py", "--filter=T2048-d64", "--set=large", "--repeat=1"],
+             tmp_path)
+  assert "| large/L-T2048-d64 | b=8,g=16,m=2048,n=2048,d=64,e=64 |" in out and "mcfuser" not in out
   # Measured tuning needs the GPU, and says so instead of timing nothing.
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAXFUSE_CACHE_DIR=str(tmp_path / "cache"))
   p = subprocess.run([sys.executable, "benchmarks/plan_time.py", "--tune=measure",

@@ -237,6 +237,22 @@ def test_reference_started_in_the_background_is_the_one_used(monkeypatch):
   assert launch.compare(r, again, ir.evaluate(r, launch.random_inputs(r, 6))) <= launch.tolerance(r)
 
 
+def test_fused_call_releases_the_check_data_of_its_region(monkeypatch):
+  """Once a region's kernel is chosen, its shared random inputs and
+  reference (hundreds of MB for a large attention) are let go."""
+  monkeypatch.setattr(launch, "_chosen", {})
+  monkeypatch.setattr(launch, "_kernels", {})
+  r = T.gemm_chain(M=16, N=16, K=16, H=16)
+  made = []
+  real = launch.random_inputs
+  xs = real(r, seed=2)
+  monkeypatch.setattr(launch, "random_inputs", lambda *a: made.append(a) or real(*a))
+  launch.fused_call(r, xs, backend="interpret")
+  assert made                     # the self-check made its inputs
+  assert not any(k[0] == r.signature() for k in launch._last_inputs)
+  assert not any(k[0] == r.signature() for k in launch._last_reference)
+
+
 def test_random_inputs_are_seeded_chunked_and_thread_independent(monkeypatch):
   import os
   from jaxfuse.planner import examples

@@ -237,6 +237,17 @@ def _settle(fut: concurrent.futures.Future, compute: Callable[[], Any]) -> None:
 _last_inputs: dict[tuple[str, int], concurrent.futures.Future] = {}
 
 
+def _release_check_data(region: ir.Region) -> None:
+  """Drops the region's shared inputs and reference once its kernel is
+  chosen: for a large attention they hold hundreds of MB of host and
+  device memory that nothing reads again."""
+  sig = region.signature()
+  with _lock:
+    for cache in (_last_inputs, _last_reference):
+      for key in [k for k in cache if k[0] == sig]:
+        del cache[key]
+
+
 def shared_inputs(region: ir.Region, seed: int) -> list[np.ndarray]:
   """``random_inputs(region, seed)``, made once for the last region asked
   about (waits for a caller in another thread that is making them). Callers
@@ -266,7 +277,7 @@ def _worst_error(o, r, xp) -> float:
   magnitude divided by ``OUTLIER_SLACK``, whichever is larger. Why not the
   elementwise error alone: both sides round to float16 and the kernel's
   softmax rounds its weights against a running maximum, so among 33M outputs
-  some elements differ by 2 ulps of the largest value; every plan of a
+  some elements differ by a few ulps of the largest value; every plan of a
   correct [8, 16, 2048, 128] attention read 2.15e-3 that way and was refused
   at 2e-3 (normwise: 3e-4; H100, 2026-11-22). A wrong tile, row or block
   still misses by far more: normwise for anything widespread, elementwise
@@ -571,12 +582,15 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
   with _lock:
     k = _chosen.get(key)
   if k is None:
-    k = select_kernel(region, _candidate_plans(region, plan, backend=backend),
-                      backend=backend, check=check)
-    if backend == "triton" and original is not None and plan is None:
-      from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-      if config.tune == "measure":
-        _keep_fused(k, original)
+    try:
+      k = select_kernel(region, _candidate_plans(region, plan, backend=backend),
+                        backend=backend, check=check)
+      if backend == "triton" and original is not None and plan is None:
+        from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+        if config.tune == "measure":
+          _keep_fused(k, original)
+    finally:
+      _release_check_data(region)
     with _lock:
       _chosen[key] = k
   if backend == "triton":

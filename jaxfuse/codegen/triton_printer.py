@@ -153,8 +153,6 @@ class _Partial:
   scratch: ScratchSpec
 
 
-
-
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
 

@@ -54,13 +54,12 @@ def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
   env = {}
   for buf, arr in zip(region.inputs, inputs):
     v = vm[buf.value]
-    present = [l for l in v.loops if l in buf.loops]
     if _dense(buf, ext) and set(buf.loops) <= set(v.loops):
-      view = jnp.reshape(arr, [ext[l] for l in buf.loops])
-      view = _align(view, buf.loops, present)
+      view = _align(jnp.reshape(arr, [ext[l] for l in buf.loops]), buf.loops, v.loops)
     else:
-      view = jnp.take(jnp.ravel(arr), _offsets(buf, present, ext))
-    full = jnp.broadcast_to(_align(view, present, v.loops), [ext[l] for l in v.loops])
+      present = [l for l in v.loops if l in buf.loops]
+      view = _align(jnp.take(jnp.ravel(arr), _offsets(buf, present, ext)), present, v.loops)
+    full = jnp.broadcast_to(view, [ext[l] for l in v.loops])
     env[v.name] = full.astype(_work_dtype(v.dtype))
   for op in region.ops:
     out = vm[op.out]

@@ -536,3 +536,46 @@ def test_make_measure_skips_a_batch_the_budget_cannot_finish(monkeypatch):
   m = launch.make_measure(r, budget_s=6.0)
   assert m(list("abcdefgh")) == [1e-6] * 8
   assert m(list("ab")) == [1e-6] * 2 and calls == [8, 8, 2]   # 3 s left
+
+
+def _causal_attention(q, k, v):
+  import jax.numpy as jnp
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+  m, n = s.shape[-2:]
+  keep = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0) >= jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), v)
+
+
+def test_measuring_programs_fold_no_constants(monkeypatch):
+  """The keep-or-drop timing and the device reference trace their programs
+  outside jax.ensure_compile_time_eval. Inside it, a causal mask's iotas and
+  their broadcast to the scores' shape became constants of the program
+  (12.9 GB for a large causal attention on the H100)."""
+  import warnings
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  if "jax_captured_constants_warn_bytes" not in jax.config.values:
+    pytest.skip("this jax does not report captured constants")
+  x = jnp.zeros((1, 2, 256, 32), jnp.float16)
+  (cap,) = capture.find_regions(jax.make_jaxpr(_causal_attention)(x, x, x))
+  r = cap.region
+  old = jax.config.values["jax_captured_constants_warn_bytes"]
+  jax.config.update("jax_captured_constants_warn_bytes", 32 * 1024)  # the scores: 256 KB
+  got = []
+
+  def lowering(y):   # they run while jaxfuse's region is lowered: inside a trace
+    got.append(launch._per_call_time(_causal_attention, r, lo=1, hi=2, reps=1)[0])
+    got.extend(launch._reference_on_gpu(r, launch.random_inputs(r, 3)))
+    return y + 1
+  try:
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      jax.jit(lowering)(1.0)
+  finally:
+    jax.config.update("jax_captured_constants_warn_bytes", old)
+  assert not [w for w in seen if "constants were captured" in str(w.message)]
+  t, ref = got
+  assert t > 0
+  xs = launch.random_inputs(r, 3)
+  want = _causal_attention(*[jnp.asarray(a, jnp.float32) for a in xs])
+  assert launch.compare(r, [np.asarray(ref)], [np.asarray(want)]) <= launch.tolerance(r)

@@ -484,6 +484,26 @@ def test_measured_search_tries_launch_knobs_on_the_best_plan():
              for p in model.ranked)
 
 
+def test_launch_knobs_that_overflow_shared_memory_are_not_measured():
+  """A d=128 attention plan at 4 stages needs 272 KB of pipelined buffers;
+  Triton refused to compile it on the H100 (2026-11-22)."""
+  r = examples.attention(1, 2, 2048, 2048, 128)
+  dev = get_device("h100")
+  batches = []
+
+  def measure(plans):
+    batches.append(list(plans))
+    return [(0.5 if (p.tile_map["n"], p.tile_map["e"]) == (128, 128) else 1.0)
+            / p.predicted.programs for p in plans]
+  best = plan_region(r, "h100", measure=measure, use_cache=False).best
+  need = {st: pruning.pipelined_smem_bytes(r, best.expr, best.tile_map, st)
+          for _, st in search.LAUNCH_KNOBS}
+  assert need[4] > dev.smem_per_block_bytes >= need[3]   # the case the rule is for
+  knobs = batches[-1]
+  assert knobs and {(p.num_warps, p.num_stages) for p in knobs} <= set(search.LAUNCH_KNOBS)
+  assert all(need[p.num_stages] <= dev.smem_per_block_bytes for p in knobs)
+
+
 # -- cache ----------------------------------------------------------------------
 
 def test_cache_key_carries_allow_split():

@@ -363,7 +363,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       by_plan[k] = min(by_plan.get(k, math.inf), measured[c])
   entries = [(by_plan.get(_launched_plan(p)), p) for c, p in memo.items() if p is not None]
   if measure is not None:
-    entries += _measure_launch_knobs(entries, measure)
+    entries += _measure_launch_knobs(region, device, entries, measure)
   ratios = sorted(m / p.predicted.time_s for m, p in entries
                   if m is not None and math.isfinite(m) and p.predicted.time_s > 0)
   scale = ratios[len(ratios) // 2] if ratios else 1.0
@@ -516,14 +516,22 @@ def _launched_plan(p: Plan) -> tuple:
 LAUNCH_KNOBS = ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4))
 
 
-def _measure_launch_knobs(entries, measure) -> list[tuple[float, Plan]]:
-  """The best measured plan again with the other ``LAUNCH_KNOBS``."""
+def _measure_launch_knobs(region: ir.Region, device: DeviceSpec, entries,
+                          measure) -> list[tuple[float, Plan]]:
+  """The best measured plan again with the other ``LAUNCH_KNOBS`` whose
+  pipelined buffers fit in shared memory (Rule 4 at that stage count: a
+  d=128 attention plan at 4 stages asked Triton for 272 KB and failed to
+  compile, H100, 2026-11-22)."""
   done = [(m, p) for m, p in entries if m is not None and math.isfinite(m)]
   if not done:
     return []
   _, best = min(done, key=lambda e: (e[0], str(e[1])))
   variants = [dataclasses.replace(best, num_warps=w, num_stages=st) for w, st in LAUNCH_KNOBS
-              if (w, st) != (best.num_warps, best.num_stages)]
+              if (w, st) != (best.num_warps, best.num_stages)
+              and pruning.pipelined_smem_bytes(region, best.expr, best.tile_map, st)
+              <= device.smem_per_block_bytes]
+  if not variants:
+    return []
   try:
     times = list(measure(variants))
   except Exception as e:  # pylint: disable=broad-except

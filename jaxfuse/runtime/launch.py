@@ -379,13 +379,36 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   return list(res) if isinstance(res, (list, tuple)) else [res]
 
 
+def _on_device(xs: Sequence[Any]) -> list[Any]:
+  """``xs`` as concrete device arrays. Measuring runs while a region is
+  being lowered, i.e. inside a trace: evaluate eagerly, not staged out."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with jax.ensure_compile_time_eval():
+    return [jax.device_put(x) for x in xs]
+
+
+def _compile(fn: Callable, args: Sequence[Any], **compiler_options) -> Any:
+  """``jax.jit(fn)`` lowered and compiled for ``args``, traced *outside*
+  ``jax.ensure_compile_time_eval``: that context folds every op whose inputs
+  are constants, so a causal mask's iotas and their broadcasts to the scores'
+  shape became constants of the program (12.9 GB for L-T2048-d64-causal; the
+  H100 ran out of memory, 2026-11-22). Run the result inside the context."""
+  import jax  # pylint: disable=g-import-not-at-top
+  lowered = jax.jit(fn).lower(*args)
+  if compiler_options:
+    try:
+      return lowered.compile(compiler_options=compiler_options)
+    except Exception:  # pylint: disable=broad-except  (an option unknown to this XLA)
+      pass
+  return lowered.compile()
+
+
 def _run_on_gpu(kernel: GeneratedKernel, xs: list) -> list[np.ndarray]:
   import jax  # pylint: disable=g-import-not-at-top
-  fn = jax.jit(lambda *a: triton_launch(kernel, a))
-  # The self-check runs while the region is being lowered, i.e. inside a
-  # trace: evaluate eagerly on concrete arrays instead of staging out.
+  args = _on_device(xs)
+  fn = _compile(lambda *a: triton_launch(kernel, a), args)
   with jax.ensure_compile_time_eval():
-    outs = jax.block_until_ready(fn(*[jax.device_put(x) for x in xs]))
+    outs = jax.block_until_ready(fn(*args))
   return [np.asarray(o) for o in outs]
 
 
@@ -398,21 +421,16 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[Any]:
   import jax  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import reference  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  # Called while a region is being traced or lowered: make the inputs and
-  # run eagerly on concrete arrays, not staged into the caller's trace.
+  args = _on_device(xs)
+  t1 = time.perf_counter()
+  # GEMM autotuning took most of the 2-8 s this compile cost per region on
+  # an H200 (2026-11-21); the reference needs no fast GEMMs.
+  compiled = _compile(lambda *a: reference.evaluate(region, a), args,
+                      xla_gpu_autotune_level=0)
+  t2 = time.perf_counter()
   with jax.ensure_compile_time_eval():
-    args = [jax.device_put(x) for x in xs]
-    lowered = jax.jit(lambda *a: reference.evaluate(region, a)).lower(*args)
-    t1 = time.perf_counter()
-    try:
-      # GEMM autotuning took most of the 2-8 s this compile cost per region
-      # on an H200 (2026-11-21); the reference needs no fast GEMMs.
-      compiled = lowered.compile(compiler_options={"xla_gpu_autotune_level": 0})
-    except Exception:  # pylint: disable=broad-except  (option unknown to this XLA)
-      compiled = lowered.compile()
-    t2 = time.perf_counter()
     outs = jax.block_until_ready(compiled(*args))
-  logging.info("jaxfuse: reference computed in %.2f s (inputs and lowering %.2f, compile %.2f, "
+  logging.info("jaxfuse: reference computed in %.2f s (inputs %.2f, lowering and compile %.2f, "
                "run %.2f)", time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
   return list(outs)
 
@@ -465,11 +483,10 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
   import jax  # pylint: disable=g-import-not-at-top
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
-  base = random_inputs(region, seed=7)
+  dev = _on_device(random_inputs(region, seed=7))
   with jax.ensure_compile_time_eval():
-    dev = [jax.device_put(x) for x in base]
     sets = [[_shifted(x, i) for x in dev] for i in range(hi)]
-  progs = {n: jax.jit(lambda s, n=n: timing.consume_outputs([fn(*a) for a in s[:n]]))
+  progs = {n: _compile(lambda s, n=n: timing.consume_outputs([fn(*a) for a in s[:n]]), [sets])
            for n in (lo, hi)}
   with jax.ensure_compile_time_eval():
     res = timing.slope(lambda n: progs[n](sets), jax.block_until_ready, lo=lo, hi=hi,

@@ -579,3 +579,25 @@ def test_measuring_programs_fold_no_constants(monkeypatch):
   xs = launch.random_inputs(r, 3)
   want = _causal_attention(*[jnp.asarray(a, jnp.float32) for a in xs])
   assert launch.compare(r, [np.asarray(ref)], [np.asarray(want)]) <= launch.tolerance(r)
+
+
+@pytest.mark.parametrize("cmp", ["ge", "gt", "le", "lt"])
+@pytest.mark.parametrize("M,N,tm,tn", [(64, 64, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16),
+                                       (40, 40, 1, 16), (96, 64, 32, 64)])
+def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn):
+  """Tiles of the key loop on which the mask ``cmp(iota(m), iota(n))`` is all
+  true run without the compare and select; the tiles it hides are skipped;
+  the longest programs are issued first. Checked against the float64
+  evaluator, rows the mask hides whole included."""
+  r = T.attention(M=M, N=N, D=16, causal=cmp)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn))
+  k = generate(r, plan, interpret=True)
+  src = k.source
+  whole, edge = src.index("# tiles the mask keeps whole"), src.index("# tiles on the mask's edge")
+  loop = src[whole:edge] if whole < edge else src[whole:src.index("\n  O = ")]
+  assert "tl.where(tri" not in loop and "tl.where(tri" in src[edge:], src
+  # keys up to the query (m >= n, m > n): later query blocks run longer and start first
+  assert (f"pid_m = {-(-M // tm) - 1} - tl.program_id(0)" in src) == (cmp in ("ge", "gt"))
+  xs = launch.random_inputs(r, seed=M + N)
+  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r), (err, k.source)

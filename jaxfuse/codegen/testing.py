@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
@@ -46,12 +46,13 @@ def gemm_chain(M: int = 64, N: int = 64, K: int = 32, H: int = 32, B: int = 1, *
 
 def attention(M: int = 64, N: int = 64, D: int = 32, Dv: Optional[int] = None, B: int = 1, *,
               dtype: str = "float32", scale: float = 0.125, bias: bool = False,
-              mask: bool = False, causal: bool = False, heads: int = 1) -> Region:
+              mask: bool = False, causal: Union[bool, str] = False, heads: int = 1) -> Region:
   """Softmax attention ``O = softmax(Q K^T * scale [+ bias] [masked]) V``.
 
   Q: ``[b,m,g,d]`` (g = heads, stored as [b,m,g,d] so heads are strided),
   K: ``[b,n,g,d]``, V: ``[b,n,g,e]``; bias ``[m,n]``; boolean mask ``[b,m,n]``;
-  causal: ``iota(m) >= iota(n)``.
+  causal: keep ``iota(m) >= iota(n)``, or ``cmp(iota(m), iota(n))`` for
+  ``causal=cmp`` in ('ge', 'gt', 'le', 'lt').
   """
   Dv = Dv or D
   ext = dict(b=B, g=heads, m=M, n=N, d=D, e=Dv)
@@ -76,7 +77,10 @@ def attention(M: int = 64, N: int = 64, D: int = 32, Dv: Optional[int] = None, B
   if causal:
     vals += [Value("im", ("m",), "int32"), Value("in_", ("n",), "int32"),
              Value("tri", ("m", "n"), "bool"), Value("tc", ("b", "g", "m", "n"), f32)]
-    ops += [Iota("im", "m"), Iota("in_", "n"), Elementwise("tri", "ge", ("im", "in_")),
+    cmp = "ge" if causal is True else causal
+    if cmp not in ("ge", "gt", "le", "lt"):
+      raise ValueError(f"causal must be a bool or one of ge, gt, le, lt; got {causal!r}")
+    ops += [Iota("im", "m"), Iota("in_", "n"), Elementwise("tri", cmp, ("im", "in_")),
             Elementwise("tc", "select", ("tri", Literal(float("-inf"), f32), cur))]
     cur = "tc"
   vals += [Value("mx", ("b", "g", "m"), f32), Value("z", ("b", "g", "m", "n"), f32),

@@ -584,11 +584,13 @@ def test_measuring_programs_fold_no_constants(monkeypatch):
 @pytest.mark.parametrize("cmp", ["ge", "gt", "le", "lt"])
 @pytest.mark.parametrize("M,N,tm,tn", [(64, 64, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16),
                                        (40, 40, 1, 16), (96, 64, 32, 64)])
-def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn):
+def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn, monkeypatch):
   """Tiles of the key loop on which the mask ``cmp(iota(m), iota(n))`` is all
   true run without the compare and select; the tiles it hides are skipped;
   the longest programs are issued first. Checked against the float64
   evaluator, rows the mask hides whole included."""
+  from jaxfuse.codegen import triton_printer
+  monkeypatch.setattr(triton_printer, "WHOLE_TILES_MIN_TRIPS", 1)   # small shapes, same code
   r = T.attention(M=M, N=N, D=16, causal=cmp)
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn))
   k = generate(r, plan, interpret=True)
@@ -601,3 +603,16 @@ def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm,
   xs = launch.random_inputs(r, seed=M + N)
   err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
   assert err <= launch.tolerance(r), (err, k.source)
+
+
+def test_short_masked_loops_stay_one_loop():
+  """Under ``WHOLE_TILES_MIN_TRIPS`` key tiles the loop keeps its one masked
+  loop; from there on it is split."""
+  from jaxfuse.codegen import triton_printer
+  trips = triton_printer.WHOLE_TILES_MIN_TRIPS
+  for n_tiles, split in ((trips - 1, False), (trips, True)):
+    r = T.attention(M=16 * n_tiles, N=16 * n_tiles, D=16, causal=True)
+    plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16))
+    src = generate(r, plan, interpret=True).source
+    assert ("# tiles the mask keeps whole" in src) == split
+    assert src.count("for start_n in range(") == (2 if split else 1)

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jaxfuse import ir
 from jaxfuse.codegen import generate, testing as T
 from jaxfuse.planner import plan_region
+from jaxfuse.planner.tiling import next_pow2
 from jaxfuse.runtime import launch
 
 
@@ -55,9 +56,9 @@ def test_gemm_chain_property(M, N, K, H, tm, tn, tk, order, dtype):
   # Loops left out of the tree must fit one tile.
   for l in ("n", "k"):
     if l not in order:
-      tiles[l] = T._next_pow2(r.extent(l))  # pylint: disable=protected-access
+      tiles[l] = next_pow2(r.extent(l))
   if order != "hn(k)":
-    tiles["h"] = T._next_pow2(H)  # pylint: disable=protected-access
+    tiles["h"] = next_pow2(H)
   k = generate(r, T.simple_plan(r, grid, tree, tiles), interpret=True)
   xs = launch.random_inputs(r, seed=M * 1000 + N)
   err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))

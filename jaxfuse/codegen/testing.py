@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 
 from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
+from jaxfuse.planner.tiling import next_pow2
 
 __all__ = ["gemm_chain", "attention", "mlp", "simple_plan"]
 
@@ -229,7 +230,7 @@ def simple_plan(region: Region, grid: Sequence[str], tree, tiles: dict, *, num_w
     items.sort(key=lambda x: x[0])
     return tuple(n for _, n in items)
 
-  tiles = tuple((l.name, int(tiles.get(l.name, _next_pow2(l.extent)))) for l in region.loops)
+  tiles = tuple((l.name, int(tiles.get(l.name, next_pow2(l.extent)))) for l in region.loops)
   return Plan(expr=TilingExpr(build(None)), grid=tuple(grid), tiles=tiles, num_warps=num_warps,
               num_stages=num_stages, split=split)
 
@@ -251,6 +252,3 @@ def _reduced_before(region: Region, v: str, loop: str) -> set:
     stack.extend(op.inputs)
   return set()
 
-
-def _next_pow2(x: int) -> int:
-  return 1 << max(int(x) - 1, 0).bit_length()

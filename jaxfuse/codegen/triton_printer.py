@@ -28,7 +28,7 @@ from jaxfuse import ir
 from jaxfuse.codegen import rewrite, streaming
 from jaxfuse.planner.plan import Plan
 from jaxfuse.planner.pruning import dot_hazard  # the printer refuses what the planner prunes
-from jaxfuse.planner.tiling import LoopNode, Stmt
+from jaxfuse.planner.tiling import LoopNode, Stmt, next_pow2
 
 __all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "dot_hazard", "print_kernel"]
 
@@ -106,10 +106,6 @@ _HELPERS = {
   r = tl.where(a < 0.0, tl.where(fb == b, tl.where(odd, -r, r), float("nan")), r)
   return tl.where(b == 0.0, 1.0, r)""",
 }
-
-
-def _pow2(x: int) -> int:
-  return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -234,9 +230,9 @@ class _Printer:
           raise CodegenError(f"loop {l} (extent {self.ext[l]}) has tile {t} but is neither "
                              "a program-id loop nor sequential")
         self.kind[l] = "single"
-      t = _pow2(t)
+      t = next_pow2(t)
       if self.kind[l] == "single":
-        t = min(t, _pow2(self.ext[l]))
+        t = min(t, next_pow2(self.ext[l]))
         if l in dot_dims and 1 < t < 16:
           t = 16   # tl.dot needs >= 16; the padding is masked
       self.T[l] = t
@@ -612,9 +608,6 @@ class _Printer:
       raise CodegenError(f"no Triton spelling for elementwise fn {fn!r}")
     if float_out:
       dt = "float32"
-      if fn in ("max", "min", "select") and all(k in ("bool", "int32", "int64") for k in kinds
-                                                 if k is not None) and False:
-        dt = out_dt
       # Literal-only or integer results used as floats: make the dtype explicit.
       if not dims and all(isinstance(a, ir.Literal) for a in op.args):
         expr = f"tl.full((), {expr}, tl.float32)"

@@ -85,10 +85,6 @@ def _is_pow2(x: int) -> bool:
   return x > 0 and (x & (x - 1)) == 0
 
 
-def _next_pow2(x: int) -> int:
-  return 1 << max(0, (int(x) - 1).bit_length())
-
-
 def raw_tile_options(extent: int) -> int:
   """MCFuser's raw count of tile sizes: multiples of 16 up to the extent."""
   return math.ceil(extent / MIN_DOT_TILE)
@@ -116,7 +112,7 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
   if ext == 1 or loop in tiling.batch_loops(region):
     return (1,)
   lo = MIN_DOT_TILE if loop in tiling.dot_loops(region) else 1
-  hi = max(_next_pow2(ext), lo)
+  hi = max(tiling.next_pow2(ext), lo)
   cands = []
   t = lo
   while t <= hi:
@@ -157,7 +153,7 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
   produced = {op.out for op in region.ops}
 
   def t(l):
-    return min(int(tiles[l]), _next_pow2(ext[l]))
+    return min(int(tiles[l]), tiling.next_pow2(ext[l]))
   for op in region.contractions:
     for computed, other in ((op.lhs, op.rhs), (op.rhs, op.lhs)):
       if computed not in produced:

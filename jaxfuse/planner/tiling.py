@@ -41,8 +41,14 @@ __all__ = [
     "Stmt", "LoopNode", "TilingExpr", "Node", "PlacementError", "parse",
     "batch_loops", "free_spatial_loops", "dot_loops", "tiled_loops",
     "default_grid", "enumerate_skeletons", "strip_loops", "place",
-    "streamable_loops", "statement_contexts", "reduced_by",
+    "streamable_loops", "statement_contexts", "reduced_by", "next_pow2",
 ]
+
+
+def next_pow2(x: int) -> int:
+  """The smallest power of two >= ``x`` (1 for x <= 1): Triton blocks are
+  powers of two, so every tile is one."""
+  return 1 << max(int(x) - 1, 0).bit_length()
 
 
 class PlacementError(ValueError):

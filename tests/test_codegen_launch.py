@@ -583,9 +583,11 @@ def test_measuring_programs_fold_no_constants(monkeypatch):
 
 
 @pytest.mark.parametrize("cmp", ["ge", "gt", "le", "lt"])
-@pytest.mark.parametrize("M,N,tm,tn", [(64, 64, 16, 16), (48, 80, 16, 32), (80, 48, 32, 16),
-                                       (40, 40, 1, 16), (96, 64, 32, 64)])
-def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn, monkeypatch):
+@pytest.mark.parametrize("M,N,tm,tn,split", [(64, 64, 16, 16, None), (48, 80, 16, 32, None),
+                                             (80, 48, 32, 16, None), (40, 40, 1, 16, None),
+                                             (96, 64, 32, 64, None), (64, 96, 16, 16, 2)])
+def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn, split,
+                                                                   monkeypatch):
   """Tiles of the key loop on which the mask ``cmp(iota(m), iota(n))`` is all
   true run without the compare and select; the tiles it hides are skipped;
   the longest programs are issued first. Checked against the float64
@@ -593,7 +595,8 @@ def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm,
   from jaxfuse.codegen import triton_printer
   monkeypatch.setattr(triton_printer, "WHOLE_TILES_MIN_TRIPS", 1)   # small shapes, same code
   r = T.attention(M=M, N=N, D=16, causal=cmp)
-  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn))
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn),
+                       split=("n", split) if split else None)
   k = generate(r, plan, interpret=True)
   src = k.source
   whole, edge = src.index("# tiles the mask keeps whole"), src.index("# tiles on the mask's edge")

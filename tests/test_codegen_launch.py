@@ -586,14 +586,11 @@ def test_measuring_programs_fold_no_constants(monkeypatch):
 @pytest.mark.parametrize("M,N,tm,tn,split", [(64, 64, 16, 16, None), (48, 80, 16, 32, None),
                                              (80, 48, 32, 16, None), (40, 40, 1, 16, None),
                                              (96, 64, 32, 64, None), (64, 96, 16, 16, 2)])
-def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn, split,
-                                                                   monkeypatch):
+def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm, tn, split):
   """Tiles of the key loop on which the mask ``cmp(iota(m), iota(n))`` is all
   true run without the compare and select; the tiles it hides are skipped;
   the longest programs are issued first. Checked against the float64
   evaluator, rows the mask hides whole included."""
-  from jaxfuse.codegen import triton_printer
-  monkeypatch.setattr(triton_printer, "WHOLE_TILES_MIN_TRIPS", 1)   # small shapes, same code
   r = T.attention(M=M, N=N, D=16, causal=cmp)
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=tm, n=tn),
                        split=("n", split) if split else None)
@@ -609,14 +606,20 @@ def test_triangular_mask_loops_print_whole_tiles_without_the_mask(cmp, M, N, tm,
   assert err <= launch.tolerance(r), (err, k.source)
 
 
-def test_short_masked_loops_stay_one_loop():
-  """Under ``WHOLE_TILES_MIN_TRIPS`` key tiles the loop keeps its one masked
-  loop; from there on it is split."""
+def test_causal_loops_of_one_wave_stay_one_loop():
+  """A plan the model runs in one wave of programs (latency-bound) keeps its
+  one masked loop; from ``WHOLE_TILES_MIN_WAVES`` waves on it is split."""
+  import dataclasses
   from jaxfuse.codegen import triton_printer
-  trips = triton_printer.WHOLE_TILES_MIN_TRIPS
-  for n_tiles, split in ((trips - 1, False), (trips, True)):
-    r = T.attention(M=16 * n_tiles, N=16 * n_tiles, D=16, causal=True)
-    plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16))
-    src = generate(r, plan, interpret=True).source
-    assert ("# tiles the mask keeps whole" in src) == split
-    assert src.count("for start_n in range(") == (2 if split else 1)
+  from jaxfuse.planner.plan import Prediction
+  r = T.attention(M=256, N=256, D=16, causal=True)
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16))
+  for waves in (1, triton_printer.WHOLE_TILES_MIN_WAVES):
+    pred = Prediction(time_s=1e-5, t_mem_s=0.0, t_comp_s=0.0, alpha=1.0, bytes_moved=0, flops=0,
+                      smem_bytes=0, programs=16, waves=waves)
+    k = generate(r, dataclasses.replace(plan, predicted=pred), interpret=True)
+    split = waves >= triton_printer.WHOLE_TILES_MIN_WAVES
+    assert ("# tiles the mask keeps whole" in k.source) == split
+    assert k.source.count("for start_n in range(") == (2 if split else 1)
+    xs = launch.random_inputs(r, seed=waves)
+    assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r)

@@ -72,11 +72,13 @@ _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
 _RESERVED = {"tl", "triton", "libdevice", "range", "float", "int", "min", "max", "len", "pid"}
 _MAX_AXIS12 = 65535
-# Loops of fewer tiles keep one masked loop. The split saved 9-18% of the
-# kernel time of causal attention at 32 tiles (T = 2048, 4096), but lost
-# 5-8% at 4-8 tiles (T = 256, 512), where a second pipeline's fill costs
-# more than the 2 ALU ops per score it saves (H100, 2026-11-22).
-WHOLE_TILES_MIN_TRIPS = 16
+# A causal loop is split into whole and edge tiles only when the model
+# predicts at least this many program waves. Same plans with and without
+# the split (H100, 2026-11-22): 8 x 16 heads at T = 512-2048, 2 or more
+# waves, 2% slower to 21% faster at 4-32 key tiles; S1 and S3 causal (one
+# wave of 128 programs, 4 key tiles) 6-8% slower, where each program's
+# latency is the kernel's and the second loop's pipeline fill adds to it.
+WHOLE_TILES_MIN_WAVES = 2
 
 
 # Math without libdevice, so that the interpreter (which has no libdevice)
@@ -976,11 +978,12 @@ class _Printer:
     they come first, those selects). Those tiles are printed without the
     compare and select: 2 of the 8-10 ALU ops per score of a causal softmax.
     Derived from the IR; None when there is none, the bound is not known, or
-    the loop is too short to pay for a second pipelined loop
-    (``WHOLE_TILES_MIN_TRIPS``)."""
+    the plan is predicted to run in fewer than ``WHOLE_TILES_MIN_WAVES``
+    waves (latency-bound: a second pipelined loop costs more than it saves)."""
     l = node.loop
     rel = self.mask_relation(node)
-    if rel is None or _cdiv(self.ext[l], self.T[l]) < WHOLE_TILES_MIN_TRIPS:
+    pred = self.plan.predicted
+    if rel is None or (pred is not None and pred.waves < WHOLE_TILES_MIN_WAVES):
       return None
     kind, other, sels = rel
     span = self.index_span(other)

@@ -576,7 +576,7 @@ def test_measuring_programs_fold_no_constants(monkeypatch):
     jax.config.update("jax_captured_constants_warn_bytes", old)
   assert not [w for w in seen if "constants were captured" in str(w.message)]
   t, ref = got
-  assert t > 0
+  assert np.isfinite(t)   # a time on a busy CPU, not checked against anything
   xs = launch.random_inputs(r, 3)
   want = _causal_attention(*[jnp.asarray(a, jnp.float32) for a in xs])
   assert launch.compare(r, [np.asarray(ref)], [np.asarray(want)]) <= launch.tolerance(r)

@@ -547,7 +547,7 @@ def _causal_attention(q, k, v):
   return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), v)
 
 
-def test_measuring_programs_fold_no_constants(monkeypatch):
+def test_measuring_programs_fold_no_constants():
   """The keep-or-drop timing and the device reference trace their programs
   outside jax.ensure_compile_time_eval. Inside it, a causal mask's iotas and
   their broadcast to the scores' shape became constants of the program

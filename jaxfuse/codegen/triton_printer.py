@@ -79,6 +79,8 @@ _MAX_AXIS12 = 65535
 # wave of 128 programs, 4 key tiles) 6-8% slower, where each program's
 # latency is the kernel's and the second loop's pipeline fill adds to it.
 WHOLE_TILES_MIN_WAVES = 2
+# a cmp b  <=>  b _FLIP[cmp] a
+_FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
 
 
 # Math without libdevice, so that the interpreter (which has no libdevice)
@@ -887,6 +889,23 @@ class _Printer:
         lo = f"tl.maximum({lo}, ({first} + 1) // {bl} * {bl})"
     return lo, hi
 
+  def iota_relation(self, pred, l: str) -> Optional[tuple[str, str]]:
+    """('le'|'lt'|'ge'|'gt', other loop) when ``pred`` is ``cmp(iota(a),
+    iota(b))`` relating loop ``l`` to another loop, normalized to ``l cmp
+    other``; None otherwise."""
+    cmp = self.ops.get(pred) if isinstance(pred, str) else None
+    if not (isinstance(cmp, ir.Elementwise) and cmp.fn in _FLIP
+            and all(isinstance(a, str) for a in cmp.args)):
+      return None
+    i0, i1 = (self.ops.get(a) for a in cmp.args)
+    if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
+      return None
+    if i1.loop == l and i0.loop != l:      # other (cmp) l  ->  l flip(cmp) other
+      return _FLIP[cmp.fn], i0.loop
+    if i0.loop == l and i1.loop != l:
+      return cmp.fn, i1.loop
+    return None
+
   def causal_skip(self, n: str, lp: _Open) -> Optional[tuple[str, str]]:
     """('le'|'lt'|'ge'|'gt', other loop) when every contribution of a tile of ``n``
     is masked out by ``select(cmp(iota(other), iota(n)), -inf, x)`` feeding a
@@ -910,19 +929,8 @@ class _Printer:
       for z, s in st.shifted:
         if s.max == mxv and self.ops[z].args[0] != mop.arg:
           return None
-      cmp = self.ops.get(sel.args[0])
-      if not (isinstance(cmp, ir.Elementwise) and cmp.fn in ("ge", "gt", "le", "lt")
-              and all(isinstance(a, str) for a in cmp.args)):
-        return None
-      i0, i1 = (self.ops.get(a) for a in cmp.args)
-      if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
-        return None
-      flip = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
-      if i1.loop == n and i0.loop != n:      # other (cmp) n  ->  n flip(cmp) other
-        r = (flip[cmp.fn], i0.loop)
-      elif i0.loop == n and i1.loop != n:
-        r = (cmp.fn, i1.loop)
-      else:
+      r = self.iota_relation(sel.args[0], n)
+      if r is None:
         return None
       if res is not None and res != r:
         return None
@@ -938,25 +946,14 @@ class _Printer:
     iota(l)), ...)``, says ``l cmp' other`` for the same cmp' and other loop
     (a causal mask); None when there is none or they disagree."""
     l = node.loop
-    flip = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
     rel = None
     sels = []
     for v in self.subtree_computes(node):
       op = self.ops.get(v)
-      if not (isinstance(op, ir.Elementwise) and op.fn == "select" and isinstance(op.args[0], str)):
+      if not (isinstance(op, ir.Elementwise) and op.fn == "select"):
         continue
-      cmp = self.ops.get(op.args[0])
-      if not (isinstance(cmp, ir.Elementwise) and cmp.fn in flip
-              and all(isinstance(a, str) for a in cmp.args)):
-        continue
-      i0, i1 = (self.ops.get(a) for a in cmp.args)
-      if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
-        continue
-      if i1.loop == l and i0.loop != l:
-        r = (flip[cmp.fn], i0.loop)
-      elif i0.loop == l and i1.loop != l:
-        r = (cmp.fn, i1.loop)
-      else:
+      r = self.iota_relation(op.args[0], l)
+      if r is None:
         continue
       kept = op.args[2]
       # Printed as its kept operand alone, which must already have the

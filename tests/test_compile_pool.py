@@ -8,11 +8,13 @@ exactly what this process's own launch looks up.
 import itertools
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
 import jaxfuse
-from jaxfuse import codegen
+from jaxfuse import capture, codegen
 from jaxfuse.planner import examples, plan_region
 from jaxfuse.runtime import compile_pool, compile_worker
 
@@ -49,7 +51,7 @@ def gpu_kernels(tmp_path, monkeypatch):
   ins = [torch.empty(b.shape, dtype=dt[vm[b.value].dtype]) for b in region.inputs]
   outs = [torch.empty(b.shape, dtype=dt[vm[b.value].dtype]) for b in region.outputs]
   launches = [(k.fn, k.grid, [*ins, *outs],
-               dict(num_warps=k.num_warps, num_stages=k.num_stages, **k.constexprs))
+               dict(k.launch_options, **k.constexprs))
               for k in kernels]
   # Not set_active/reset_active: the reset would build Triton's default
   # driver, which fails without a GPU.
@@ -186,3 +188,24 @@ def test_the_process_pool_is_shared_and_follows_the_config():
     third = compile_pool.get()
   assert third is not second
   compile_pool.shutdown()
+
+
+def test_kernels_compile_with_fp_fusion_whatever_tritons_default(tmp_path, monkeypatch):
+  # Printed kernels need mul+add contracted into FMAs (the softmax shift
+  # s*c - max, rescales, activations); Triton 3.9 warns its default turns
+  # that off in 3.10. With fusion off Triton prints fp32 mul/add as .rn,
+  # which ptxas does not contract.
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+  monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+  monkeypatch.setattr(driver, "_active", compile_worker._CompileOnlyDriver(TARGET))
+  m = 64 + 16 * next(_fresh)
+  x, w1, w2 = (jax.ShapeDtypeStruct(s, jnp.float16) for s in ((m, 64), (64, 64), (64, 32)))
+  region = capture.find_regions(jax.make_jaxpr(
+      lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2)(x, w1, w2))[0].region
+  k = codegen.generate(region, plan_region(region, "h100", use_cache=False).best,
+                       interpret=False)
+  assert k.launch_options["enable_fp_fusion"] is True
+  tensors = [torch.empty(b.shape, dtype=torch.float16) for b in (*region.inputs, *region.outputs)]
+  ptx = k.fn.warmup(*tensors, grid=k.grid, **k.launch_options, **k.constexprs).asm["ptx"]
+  assert "fma.rn.f32" in ptx
+  assert not any(f"{op}.rn.f32" in ptx for op in ("mul", "add", "sub"))

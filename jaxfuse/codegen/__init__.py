@@ -8,7 +8,7 @@ Example::
     from jaxfuse import codegen
     k = codegen.generate(region, plan)
     print(k.source)            # readable Triton
-    k.fn, k.grid, k.num_warps  # what the launcher needs
+    k.fn, k.grid, k.launch_options  # what the launcher needs
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ class GeneratedKernel:
   combine_grid: Optional[tuple[int, ...]] = None
   scratch: tuple[ScratchSpec, ...] = ()
   combine_constexprs: Optional[dict] = None
+
+  @property
+  def launch_options(self) -> dict:
+    """Triton's compile options for every launch of this kernel, by
+    jax-triton and by measured tuning alike, so that tuning times the kernel
+    that runs. FP fusion is asked for explicitly: the printed softmax shift
+    ``s*c - max`` and the rescales rely on mul+add contracting into one FMA,
+    and Triton 3.9 warns that its default turns it off from 3.10 on."""
+    return dict(num_warps=self.num_warps, num_stages=self.num_stages, enable_fp_fusion=True)
 
 
 def source(region: ir.Region, plan: Plan) -> str:

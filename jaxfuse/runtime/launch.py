@@ -363,8 +363,7 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   jt = triton_call.jax_triton_module()
-  kw = dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages,
-            custom_call_target_name=triton_call.call_target(jt))
+  kw = dict(kernel.launch_options, custom_call_target_name=triton_call.call_target(jt))
   outs = _out_shapes(kernel.region)
   if kernel.combine_fn is None:
     res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw,
@@ -800,7 +799,7 @@ class _TorchMeasurer:
     (one scratch for all sets: their launches run one after another)."""
     import torch  # pylint: disable=g-import-not-at-top
     in_sets = [self.ins] if in_sets is None else in_sets
-    kw = dict(num_warps=k.num_warps, num_stages=k.num_stages)
+    kw = k.launch_options
     if k.combine_fn is None:
       return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]
     scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32, device=self.device)

@@ -29,7 +29,7 @@ import numpy as np
 from jaxfuse import ir
 from jaxfuse.capture_flat import FVar, Item, is_lit
 
-__all__ = ["Reject", "build_region", "CONTRACTION_DTYPES", "PRIMITIVES",
+__all__ = ["Reject", "build_region", "dot_precision", "CONTRACTION_DTYPES", "PRIMITIVES",
            "LAYOUT_PRIMS", "POINTWISE_PRIMS", "REDUCE_PRIMS"]
 
 
@@ -59,6 +59,44 @@ LAYOUT_PRIMS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze",
                           "optimization_barrier_identity"})
 REDUCE_PRIMS = frozenset({"reduce_max", "reduce_sum", "reduce_min"})
 PRIMITIVES = POINTWISE_PRIMS | LAYOUT_PRIMS | REDUCE_PRIMS | {"iota", "dot_general"}
+
+
+# jax.lax.DotAlgorithmPreset names -> ir.PRECISIONS for float32 operands.
+# A preset asking less than TF32 (bfloat16 rounding, 16-bit accumulation)
+# gets TF32 with float32 accumulation: more accurate than asked, never less.
+_PRESET_PRECISION = {
+    "DEFAULT": "default", "TF32_TF32_F32": "default", "TF32_TF32_F32_X3": "tf32x3",
+    "F32_F32_F32": "ieee", "BF16_BF16_F32_X3": "tf32x3", "BF16_BF16_F32_X6": "ieee",
+    "BF16_BF16_F32_X9": "ieee", "F16_F16_F16": "default", "F16_F16_F32": "default",
+    "BF16_BF16_BF16": "default", "BF16_BF16_F32": "default",
+}
+_LEVELS = {"DEFAULT": 0, "HIGH": 1, "HIGHEST": 2}
+
+
+def dot_precision(precision: Any, operand_dtypes: Sequence[str]) -> str:
+  """``ir.PRECISIONS`` entry for a ``dot_general``'s ``precision`` param
+  (None, a pair of ``lax.Precision``, or a ``lax.DotAlgorithmPreset``).
+
+  jax's DEFAULT and HIGH multiply float32 operands in TF32 on NVIDIA GPUs
+  (jax's "Matmul precision" docs), HIGHEST in full float32; a mixed pair
+  takes the higher. 16-bit operands multiply exactly whatever is asked, so
+  they are always "default" (one plan-cache entry). Raises ``Reject`` for
+  algorithms a Triton dot does not compute (float64, float8, custom).
+  """
+  if precision is None:
+    level = "default"
+  elif isinstance(precision, (tuple, list)):
+    names = [getattr(p, "name", str(p)).upper() for p in precision if p is not None]
+    if any(n not in _LEVELS for n in names):
+      raise Reject(f"dot precision {precision}")
+    top = max((_LEVELS[n] for n in names), default=0)
+    level = "ieee" if top == 2 else "default"
+  else:
+    name = getattr(precision, "name", None)
+    if name not in _PRESET_PRECISION:
+      raise Reject(f"dot algorithm {precision}")
+    level = _PRESET_PRECISION[name]
+  return level if "float32" in operand_dtypes else "default"
 
 
 def _dtype_name(dt) -> str:
@@ -634,8 +672,10 @@ class _Builder:
     keep = union_loops - set(red)
     if not keep <= set(loops):
       raise Reject("contraction output loops do not match its view")
+    precision = dot_precision(it.params.get("precision"),
+                              [_dtype_name(a.aval.dtype) for a in (lhs, rhs)])
     name = self.fresh("c", [x for x in loops if x in keep], dt)
-    self.ops.append(ir.Contraction(name, l, r, tuple(red)))
+    self.ops.append(ir.Contraction(name, l, r, tuple(red), precision))
     self.val[o] = name
 
   def e_reduce(self, it: Item) -> None:

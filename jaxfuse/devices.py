@@ -16,13 +16,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Any, Mapping, Optional
 
 from absl import logging
 
 __all__ = ["DeviceSpec", "get_device", "register_device", "known_devices",
-           "ridge_point", "is_mbci", "region_dtype"]
+           "ridge_point", "is_mbci", "region_dtype", "contraction_dtype", "region_peak"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +71,17 @@ class DeviceSpec:
     if dtype in self.peak_flops:
       return float(self.peak_flops[dtype])
     return float(self.peak_flops.get("float16", max(self.peak_flops.values())))
+
+  def dot_peak(self, dtype: str, precision: str = "default") -> float:
+    """FLOP/s of a contraction whose widest input is ``dtype``, computed at
+    ``precision`` (``ir.PRECISIONS``): float32 operands run TF32 tensor
+    cores by default, three TF32 passes for "tf32x3", and fp32 FMAs (no
+    tensor cores) for "ieee". 16-bit operands ignore ``precision``."""
+    if dtype == "float32" and precision == "tf32x3":
+      return self.peak("float32") / 3.0
+    if dtype in ("float32", "float64") and precision == "ieee":
+      return float(self.vector_flops)
+    return self.peak(dtype)
 
   def replace(self, **changes: Any) -> "DeviceSpec":
     """A copy with some fields changed, e.g. ``spec.replace(sm_count=66)``."""
@@ -207,16 +219,33 @@ def get_device(name: Optional[str | DeviceSpec] = None, **overrides: Any) -> Dev
   return spec
 
 
+_WIDTH = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+def contraction_dtype(region, op) -> str:
+  """The dtype that sets a contraction's tensor-core rate: its widest input."""
+  dts = [region.value(v).dtype for v in (op.lhs, op.rhs)]
+  dts = [d for d in dts if d in _WIDTH]
+  return max(dts, key=_WIDTH.__getitem__) if dts else "float16"
+
+
 def region_dtype(region) -> str:
-  """The dtype that sets the tensor-core rate: the widest contraction input."""
-  order = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
-  best = None
+  """The widest contraction input of the region."""
+  dts = [contraction_dtype(region, op) for op in region.contractions]
+  return max(dts, key=_WIDTH.__getitem__) if dts else "float16"
+
+
+def region_peak(region, device: DeviceSpec | str | None) -> float:
+  """FLOP/s of the region's contractions together: each at its own dtype and
+  precision (``DeviceSpec.dot_peak``), weighted by its FLOPs."""
+  dev = get_device(device)
+  ext = region.loop_extents
+  flops, seconds = 0.0, 0.0
   for op in region.contractions:
-    for v in (op.lhs, op.rhs):
-      dt = region.value(v).dtype
-      if dt in order and (best is None or order[dt] > order[best]):
-        best = dt
-  return best or "float16"
+    f = 2.0 * math.prod(ext[l] for l in region.op_loops(op))
+    flops += f
+    seconds += f / dev.dot_peak(contraction_dtype(region, op), op.precision)
+  return flops / seconds if seconds > 0 else dev.peak(region_dtype(region))
 
 
 def ridge_point(device: DeviceSpec | str | None, dtype: str = "float16") -> float:
@@ -242,5 +271,5 @@ def is_mbci(region, device: DeviceSpec | str | None = None) -> tuple[bool, float
   """
   dev = get_device(device)
   phi = region.unfused_intensity()
-  ridge = ridge_point(dev, region_dtype(region))
+  ridge = region_peak(region, dev) / dev.mem_bandwidth_Bps
   return phi < ridge, phi, ridge

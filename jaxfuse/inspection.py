@@ -293,9 +293,9 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
       rr.ridge = float(ridge) if ridge is not None else rr.ridge
       bandwidth = float(spec.mem_bandwidth_Bps)
       # Roofline floor: the larger of compute at peak and traffic at full
-      # bandwidth (peak = ridge * bandwidth, the ridge's definition).
-      peak = (float(spec.peak(dtype)) if hasattr(spec, "peak")
-              else rr.ridge * bandwidth)
+      # bandwidth (peak = ridge * bandwidth, the ridge's definition; the
+      # region's peak weighs each contraction's dtype and precision).
+      peak = rr.ridge * bandwidth
       rr.floor_time_s = max(flops / peak if peak > 0 else 0.0,
                             min_bytes / bandwidth)
     except Exception as e:  # pylint: disable=broad-except

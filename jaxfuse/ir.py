@@ -38,7 +38,7 @@ from typing import Callable, Iterable, Mapping, Sequence, Union
 import numpy as np
 
 __all__ = [
-    "Loop", "Value", "Buffer", "Literal", "Contraction", "Elementwise",
+    "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
     "evaluate", "simplify", "contiguous_strides", "dtype_itemsize",
 ]
@@ -206,13 +206,22 @@ class Literal:
 Operand = Union[str, Literal]
 
 
+# How a contraction multiplies float32 operands (16-bit operands multiply
+# exactly either way): "default" as jax.lax's DEFAULT and HIGH precision do
+# on NVIDIA GPUs, TensorFloat-32 tensor cores; "tf32x3", three TF32 passes
+# (close to float32); "ieee", full float32 products (HIGHEST).
+PRECISIONS = ("default", "tf32x3", "ieee")
+
+
 @dataclasses.dataclass(frozen=True)
 class Contraction:
-  """``out[out loops] = sum_{reduce} lhs * rhs`` (fp32 accumulation)."""
+  """``out[out loops] = sum_{reduce} lhs * rhs`` (fp32 accumulation);
+  ``precision`` is one of ``PRECISIONS``."""
   out: str
   lhs: str
   rhs: str
   reduce: tuple[str, ...]
+  precision: str = "default"
 
   @property
   def inputs(self) -> tuple[str, ...]:
@@ -377,6 +386,9 @@ class Region:
                       f"{sorted(union - set(op.reduce))}")
       if not op.reduce:
         raise IRError(f"contraction {op.out} reduces nothing")
+      if op.precision not in PRECISIONS:
+        raise IRError(f"contraction {op.out}: precision {op.precision!r} is not one of "
+                      f"{PRECISIONS}")
     elif isinstance(op, Elementwise):
       if op.fn not in ELEMENTWISE_FNS:
         raise IRError(f"unknown elementwise fn {op.fn}")
@@ -522,7 +534,8 @@ class Region:
     ops = []
     for op in self.ops:
       if isinstance(op, Contraction):
-        ops.append(Contraction(vmap[op.out], vmap[op.lhs], vmap[op.rhs], rl(op.reduce)))
+        ops.append(dataclasses.replace(op, out=vmap[op.out], lhs=vmap[op.lhs],
+                                       rhs=vmap[op.rhs], reduce=rl(op.reduce)))
       elif isinstance(op, Elementwise):
         ops.append(Elementwise(vmap[op.out], op.fn, tuple(rv(a) for a in op.args)))
       elif isinstance(op, Reduction):
@@ -562,7 +575,8 @@ class Region:
       out = vm[op.out]
       lhs = f"  {idx(op.out)} {out.dtype} = "
       if isinstance(op, Contraction):
-        lines.append(lhs + f"sum_{''.join(op.reduce)} {idx(op.lhs)} * {idx(op.rhs)}")
+        prec = "" if op.precision == "default" else f"  precision={op.precision}"
+        lines.append(lhs + f"sum_{''.join(op.reduce)} {idx(op.lhs)} * {idx(op.rhs)}{prec}")
       elif isinstance(op, Elementwise):
         args = ", ".join(a if isinstance(a, str) else str(a) for a in op.args)
         lines.append(lhs + f"{op.fn}({args})")
@@ -639,7 +653,7 @@ def simplify(region: Region) -> Region:
     def a(x):
       return alias.get(x, x) if isinstance(x, str) else x
     if isinstance(op, Contraction):
-      op = Contraction(op.out, a(op.lhs), a(op.rhs), op.reduce)
+      op = dataclasses.replace(op, lhs=a(op.lhs), rhs=a(op.rhs))
     elif isinstance(op, Elementwise):
       op = Elementwise(op.out, op.fn, tuple(a(x) for x in op.args))
     elif isinstance(op, Reduction):

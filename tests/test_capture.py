@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -552,3 +553,61 @@ def test_transformer_layer_captures_attention_between_projections():
     got = ir.evaluate(r.region, xs)
     for g, w in zip(got, want):
       np.testing.assert_allclose(g, np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------
+# Dot precision (float32 operands)
+# --------------------------------------------------------------------------
+
+def _precisions(f, *args):
+  return [op.precision for op in one_region(f, *args).region.contractions]
+
+
+@pytest.mark.parametrize("precision, want", [
+    (None, "default"), ("default", "default"), ("high", "default"),
+    ("tensorfloat32", "default"), ("highest", "ieee"), ("float32", "ieee"),
+    ((jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT), "ieee"),
+    ("TF32_TF32_F32", "default"), ("TF32_TF32_F32_X3", "tf32x3"), ("F32_F32_F32", "ieee"),
+    ("BF16_BF16_F32", "default")])
+def test_float32_dot_precision_is_recorded(precision, want):
+  a, b, d = rand(2, 40, 24), rand(2, 24, 20), rand(2, 20, 16)
+  f = lambda a, b, d: jnp.matmul(jnp.matmul(a, b, precision=precision), d, precision=precision)
+  assert _precisions(f, a, b, d) == [want, want]
+
+
+def test_default_matmul_precision_config_reaches_the_region():
+  a, b, d = rand(2, 40, 24), rand(2, 24, 20), rand(2, 20, 16)
+  with jax.default_matmul_precision("float32"):
+    assert _precisions(gemm_chain, a, b, d) == ["ieee", "ieee"]
+  assert _precisions(gemm_chain, a, b, d) == ["default", "default"]
+
+
+def test_precision_of_16_bit_dots_is_normalized_and_keys_the_region():
+  a, b, d = (rand(2, 40, 24, dtype=jnp.float16), rand(2, 24, 20, dtype=jnp.float16),
+             rand(2, 20, 16, dtype=jnp.float16))
+  exact = lambda a, b, d: jnp.matmul(jnp.matmul(a, b, precision="highest"), d,
+                                     precision="highest")
+  assert _precisions(exact, a, b, d) == ["default", "default"]
+  assert one_region(exact, a, b, d).region.signature() == \
+      one_region(gemm_chain, a, b, d).region.signature()
+  # float32: the same chain at another precision is another region (plan cache
+  # key), and its text says which.
+  a32, b32, d32 = (x.astype(jnp.float32) for x in (a, b, d))
+  r_exact = one_region(exact, a32, b32, d32).region
+  r_fast = one_region(gemm_chain, a32, b32, d32).region
+  assert r_exact.signature() != r_fast.signature()
+  assert "precision=ieee" in r_exact.to_text() and "precision=" not in r_fast.to_text()
+
+
+def test_dot_algorithms_a_triton_dot_cannot_compute_are_left_to_xla():
+  from jaxfuse import capture_ir  # pylint: disable=g-import-not-at-top
+  for preset in ("F64_F64_F64", "ANY_F8_ANY_F8_F32"):
+    with pytest.raises(capture_ir.Reject, match="dot algorithm"):
+      capture_ir.dot_precision(getattr(jax.lax.DotAlgorithmPreset, preset),
+                               ["float32", "float32"])
+  with pytest.raises(capture_ir.Reject, match="dot precision"):
+    capture_ir.dot_precision(("fastest-ever", None), ["float32", "float32"])
+  r = one_region(gemm_chain, rand(2, 8, 8), rand(2, 8, 8), rand(2, 8, 8)).region
+  with pytest.raises(ir.IRError, match="precision 'tf64'"):
+    ir.Region(r.loops, r.values, r.inputs, r.outputs,
+              (dataclasses.replace(r.ops[0], precision="tf64"), *r.ops[1:]))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from jaxfuse import devices
-from jaxfuse.planner import examples
+from jaxfuse import devices, ir
+from jaxfuse.planner import cost_model, examples, plan_region
 
 
 def test_table_and_overrides():
@@ -34,3 +36,34 @@ def test_ridge_and_mbci():
   assert ok and phi < ridge
   big = examples.gemm_chain(1, 8192, 8192, 8192, 8192)
   assert not devices.is_mbci(big, h100)[0]
+
+
+def _with_precision(region, precision):
+  ops = tuple(dataclasses.replace(op, precision=precision)
+              if isinstance(op, ir.Contraction) else op for op in region.ops)
+  return ir.Region(region.loops, region.values, region.inputs, region.outputs, ops)
+
+
+def test_float32_precision_sets_the_dot_rate_the_model_uses():
+  h100 = devices.get_device("h100")
+  assert h100.dot_peak("float32") == h100.peak("float32")          # TF32 tensor cores
+  assert h100.dot_peak("float32", "tf32x3") == pytest.approx(h100.peak("float32") / 3)
+  assert h100.dot_peak("float32", "ieee") == h100.vector_flops     # fp32 FMAs
+  assert h100.dot_peak("float16", "ieee") == h100.peak("float16")  # exact products anyway
+  g = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")
+  fast, exact = g, _with_precision(g, "ieee")
+  assert devices.region_peak(fast, h100) == pytest.approx(h100.peak("float32"))
+  assert devices.region_peak(exact, h100) == pytest.approx(h100.vector_flops)
+  # One exact contraction of two: the FLOP-weighted rate lies between.
+  ops = (dataclasses.replace(g.ops[0], precision="ieee"), g.ops[1])
+  mixed = ir.Region(g.loops, g.values, g.inputs, g.outputs, ops)
+  assert h100.vector_flops < devices.region_peak(mixed, h100) < h100.peak("float32")
+  # The ridge falls with the rate: the same chain at HIGHEST is compute-bound.
+  assert devices.is_mbci(fast, h100)[0]
+  assert devices.is_mbci(exact, h100)[2] < devices.is_mbci(fast, h100)[2]
+  assert not devices.is_mbci(exact, h100)[0]
+  # The plan's predicted time and the roofline floor follow.
+  assert cost_model.floor_time(exact, h100) > cost_model.floor_time(fast, h100)
+  t_fast = plan_region(fast, h100, use_cache=False).best.predicted.time_s
+  t_exact = plan_region(exact, h100, use_cache=False).best.predicted.time_s
+  assert t_exact > 1.5 * t_fast

@@ -70,6 +70,8 @@ COMBINE_MIN_TILE = 16
 _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
              "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
 _FLOAT = ("float16", "bfloat16", "float32", "float64")
+# ir.PRECISIONS -> tl.dot's input_precision for float32 operands.
+_INPUT_PRECISION = {"default": "tf32", "tf32x3": "tf32x3", "ieee": "ieee"}
 _RESERVED = {"tl", "triton", "libdevice", "range", "float", "int", "min", "max", "len", "pid"}
 _MAX_AXIS12 = 65535
 # A causal loop is split into whole and edge tiles only when the model
@@ -684,7 +686,7 @@ class _Printer:
       if dtA == dtB and dtA in ("float16", "bfloat16"):
         ddt, prec = _TL_DTYPE[dtA], ""
       else:
-        ddt, prec = "tl.float32", ', input_precision="ieee"'
+        ddt, prec = "tl.float32", f', input_precision="{_INPUT_PRECISION[op.precision]}"'
       ea = self.permute(xa, a.order, tuple(bat + M + K))
       eb = self.permute(xb, b.order, tuple(bat + K + N))
       ea = f"{ea}.to({ddt})" if not (a.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != a.var else ea

@@ -78,7 +78,7 @@ import math
 from typing import Mapping, Optional, Sequence
 
 from jaxfuse import ir
-from jaxfuse.devices import DeviceSpec, region_dtype
+from jaxfuse.devices import DeviceSpec, contraction_dtype, region_peak
 from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
@@ -348,7 +348,6 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   sfu = 0
   t_dot = 0.0
   steps = 1
-  peak = device.peak(region_dtype(region))
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind != "C":
       continue
@@ -367,6 +366,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
       work *= split[1]
     if isinstance(op, ir.Contraction):
       flops += 2 * work
+      peak = device.dot_peak(contraction_dtype(region, op), op.precision)
       t_dot += 2 * work / (peak * dot_efficiency(region, op, tiles, device))
       for l in _rescaled_by_stream(region, op, streamable):
         if l in around and trips(l) > 1:
@@ -427,7 +427,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
 
 def floor_time(region: ir.Region, device: DeviceSpec) -> float:
   """Roofline floor: max(FLOPs / P, minimum bytes / W)."""
-  return max(region.flops() / device.peak(region_dtype(region)),
+  return max(region.flops() / region_peak(region, device),
              region.min_bytes() / device.mem_bandwidth_Bps)
 
 
@@ -476,12 +476,12 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   """
   vm = region.value_map
   ext = region.loop_extents
-  peak = device.peak(region_dtype(region))
   total = 0.0
   for op in region.ops:
     if isinstance(op, ir.Contraction):
       rows, cols, batch, red = _gemm_dims(region, op, ext)
       itemsize = ir.dtype_itemsize(vm[op.lhs].dtype)
+      peak = device.dot_peak(contraction_dtype(region, op), op.precision)
       total += _library_gemm_time(rows, cols, batch, red, itemsize, peak, device)
     elif isinstance(op, ir.Reduction):
       src = vm[op.inputs[0]]

@@ -6,7 +6,6 @@ element the kernel forgets to write fails) and is compared in float64.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -98,19 +97,12 @@ def test_gemm_chain_dtypes(dtype):
   run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
 
 
-def _with_precision(region: Region, precision: str) -> Region:
-  ops = tuple(dataclasses.replace(op, precision=precision) if isinstance(op, Contraction) else op
-              for op in region.ops)
-  return Region(region.loops, region.values, region.inputs, region.outputs, ops,
-                name=region.name)
-
-
 @pytest.mark.parametrize("precision, printed", [
     ("default", "tf32"), ("tf32x3", "tf32x3"), ("ieee", "ieee")])
 def test_float32_dots_print_the_regions_precision(precision, printed):
   # jax's DEFAULT precision runs float32 dots on TF32 tensor cores, as XLA
   # does; HIGHEST needs IEEE products (the interpreter computes both in fp32).
-  r = _with_precision(T.gemm_chain(M=33, N=48, K=32, H=16, dtype="float32"), precision)
+  r = T.with_precision(T.gemm_chain(M=33, N=48, K=32, H=16, dtype="float32"), precision)
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
   assert k.source.count("input_precision=") == 2
   assert k.source.count(f'input_precision="{printed}"') == 2

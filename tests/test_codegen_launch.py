@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jaxfuse import ir
 from jaxfuse.codegen import generate, testing as T
-from jaxfuse.planner import plan_region
+from jaxfuse.planner import examples, plan_region
 from jaxfuse.planner.tiling import next_pow2
 from jaxfuse.runtime import launch
 
@@ -623,3 +623,12 @@ def test_causal_loops_of_one_wave_stay_one_loop():
     assert k.source.count("for start_n in range(") == (2 if split else 1)
     xs = launch.random_inputs(r, seed=waves)
     assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r)
+
+
+def test_self_check_tolerance_follows_the_float32_dot_precision():
+  g32 = examples.gemm_chain(1, 64, 64, 64, 64, dtype="float32")
+  assert launch.tolerance(g32) == pytest.approx(2e-3)             # TF32 operands
+  assert launch.tolerance(T.with_precision(g32, "tf32x3")) == pytest.approx(1e-4)
+  assert launch.tolerance(T.with_precision(g32, "ieee")) == pytest.approx(1e-5)
+  g16 = examples.gemm_chain(1, 64, 64, 64, 64)
+  assert launch.tolerance(g16) == launch.tolerance(T.with_precision(g16, "ieee")) == 2e-3

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from jaxfuse import devices, ir
+from jaxfuse.codegen import testing as T
 from jaxfuse.planner import cost_model, examples, plan_region
 
 
@@ -38,12 +39,6 @@ def test_ridge_and_mbci():
   assert not devices.is_mbci(big, h100)[0]
 
 
-def _with_precision(region, precision):
-  ops = tuple(dataclasses.replace(op, precision=precision)
-              if isinstance(op, ir.Contraction) else op for op in region.ops)
-  return ir.Region(region.loops, region.values, region.inputs, region.outputs, ops)
-
-
 def test_float32_precision_sets_the_dot_rate_the_model_uses():
   h100 = devices.get_device("h100")
   assert h100.dot_peak("float32") == h100.peak("float32")          # TF32 tensor cores
@@ -51,7 +46,7 @@ def test_float32_precision_sets_the_dot_rate_the_model_uses():
   assert h100.dot_peak("float32", "ieee") == h100.vector_flops     # fp32 FMAs
   assert h100.dot_peak("float16", "ieee") == h100.peak("float16")  # exact products anyway
   g = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")
-  fast, exact = g, _with_precision(g, "ieee")
+  fast, exact = g, T.with_precision(g, "ieee")
   assert devices.region_peak(fast, h100) == pytest.approx(h100.peak("float32"))
   assert devices.region_peak(exact, h100) == pytest.approx(h100.vector_flops)
   # One exact contraction of two: the FLOP-weighted rate lies between.
@@ -67,3 +62,4 @@ def test_float32_precision_sets_the_dot_rate_the_model_uses():
   t_fast = plan_region(fast, h100, use_cache=False).best.predicted.time_s
   t_exact = plan_region(exact, h100, use_cache=False).best.predicted.time_s
   assert t_exact > 1.5 * t_fast
+

@@ -11,13 +11,14 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
 from jaxfuse.planner.tiling import next_pow2
 
-__all__ = ["gemm_chain", "attention", "mlp", "simple_plan"]
+__all__ = ["gemm_chain", "attention", "mlp", "simple_plan", "with_precision"]
 
 
 def _buf(name: str, loops: Sequence[str], ext: dict[str, int], order: Optional[Sequence[str]] = None) -> Buffer:
@@ -147,6 +148,14 @@ def mlp(M: int = 32, dims: Sequence[int] = (32, 64, 32, 16), *, dtype: str = "fl
       cur = a
   outs = (_buf(cur, ("m", f"k{nl}"), ext),)
   return Region(loops, tuple(vals), tuple(ins), outs, tuple(ops), name="mlp")
+
+
+def with_precision(region: Region, precision: str) -> Region:
+  """``region`` with every contraction at ``precision`` (``ir.PRECISIONS``)."""
+  ops = tuple(dataclasses.replace(op, precision=precision) if isinstance(op, Contraction) else op
+              for op in region.ops)
+  return Region(region.loops, region.values, region.inputs, region.outputs, ops,
+                name=region.name)
 
 
 def simple_plan(region: Region, grid: Sequence[str], tree, tiles: dict, *, num_warps: int = 4,

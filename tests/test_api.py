@@ -578,7 +578,9 @@ def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):
     got2 = api.jit(lambda *x: gemm_chain(*x))(a, b, d)
   want = np.asarray(jax.jit(gemm_chain)(a, b, d))
   for got in (got1, got2):
-    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-3, atol=2e-3)
+    # The kernel rounds float32 dot operands to TF32 (jax's DEFAULT precision
+    # on GPUs); XLA on the CPU multiplies in float32: compare normwise.
+    assert np.linalg.norm(np.asarray(got) - want) <= 2e-3 * np.linalg.norm(want)
   assert backends and set(backends) == {"interpret"}
   lines = [r for r in caplog.records if "runs its original ops" in r.getMessage()]
   assert len(lines) <= 1

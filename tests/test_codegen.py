@@ -108,6 +108,31 @@ def test_float32_dots_print_the_regions_precision(precision, printed):
   assert k.source.count(f'input_precision="{printed}"') == 2
 
 
+def _tf32(x) -> np.ndarray:
+  """float32 rounded to TF32's 10 mantissa bits, to nearest, ties away."""
+  b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
+def test_float32_dot_operands_are_rounded_to_tf32_at_default_precision():
+  one = np.float32(1.0)
+  ulp = np.float32(2.0 ** -10)          # TF32's spacing at 1
+  assert _tf32(one + ulp / 2) == one + ulp and _tf32(-(one + ulp / 2)) == -(one + ulp)
+  assert _tf32(one + ulp / 4) == one and _tf32(np.float32(np.inf)) == np.inf
+  assert np.isnan(_tf32(np.float32(np.nan)))
+  r = T.gemm_chain(M=33, N=48, K=32, H=16, dtype="float32")
+  k = generate(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)),
+               interpret=True)
+  a, b, d = launch.random_inputs(r, seed=2)
+  (got,) = launch.run_interpreted(k, [a, b, d])
+  # Every operand of both dots is rounded, the computed one (C) included.
+  c = (_tf32(a).astype(np.float64) @ _tf32(b)).astype(np.float32)
+  want = _tf32(c).astype(np.float64) @ _tf32(d)
+  unrounded = (a.astype(np.float64) @ b) @ d
+  err = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert err < 1e-6 < np.linalg.norm(got - unrounded) / np.linalg.norm(unrounded)
+
+
 def test_size_one_dims():
   r = T.gemm_chain(M=1, N=48, K=1, H=5, B=3, transpose_b=True, dtype="float16")
   run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
@@ -250,7 +275,8 @@ def _fn_region(fn: str) -> Region:
 
 @pytest.mark.parametrize("fn", sorted(ir.ELEMENTWISE_FNS))
 def test_every_elementwise_fn(fn):
-  r = _fn_region(fn)
+  # IEEE dots: the check is on the elementwise fn, at 2e-5.
+  r = T.with_precision(_fn_region(fn), "ieee")
   k = generate(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)), interpret=True)
   rng = np.random.default_rng(5)
   # Positive inputs keep log/sqrt/pow in their domain; values cross 0.7 and 0.5.

@@ -15,7 +15,7 @@ from jaxfuse.runtime import launch
 
 
 def test_fused_call_inside_jit_interpret():
-  r = T.attention(M=24, N=40, D=16, heads=2, causal=True)
+  r = T.with_precision(T.attention(M=24, N=40, D=16, heads=2, causal=True), "ieee")
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16))
   xs = launch.random_inputs(r, seed=11)
   f = jax.jit(lambda *a: launch.fused_call(r, list(a), backend="interpret", plan=plan))
@@ -94,7 +94,7 @@ def test_planner_ranked_plans_generate_correct_kernels():
       xs = launch.random_inputs(r, seed=3)
       assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r), p
   # And the whole chain, planner to pure_callback, inside jit.
-  r = T.gemm_chain(M=48, N=40, K=24, H=16)
+  r = T.with_precision(T.gemm_chain(M=48, N=40, K=24, H=16), "ieee")
   xs = launch.random_inputs(r, seed=4)
   (out,) = jax.jit(lambda *a: launch.fused_call(r, list(a), backend="interpret"))(*xs)
   assert launch.compare(r, [np.asarray(out)], ir.evaluate(r, xs)) <= 1e-5

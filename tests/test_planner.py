@@ -770,3 +770,33 @@ def test_measured_search_measures_other_structures():
   assert (res.ranked[0].tile_map["m"], res.ranked[0].tile_map["e"]) == (16, 64)
   structures = {search._structure(r, p) for p in asked}  # pylint: disable=protected-access
   assert len(structures) >= min(search.DIVERSE_N, len(near))
+
+
+def test_tf32_operands_read_against_their_memory_order_are_counted():
+  from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+
+  def count(region):
+    p = plan_region(region, h100, use_cache=False).best
+    ext = region.loop_extents
+
+    def trips(l):
+      t = math.ceil(ext[l] / p.tile_map[l])
+      return math.ceil(t / p.split[1]) if p.split and l == p.split[0] else t
+    return p, cost_model.tf32_transposed_elements(region, p.expr, p.tile_map, trips)
+
+  # Chain [m,k]·[k,n]·[n,h]: both right-hand operands are n- and h-contiguous,
+  # not contiguous along what their dot reduces (k, n); a is k-contiguous.
+  g = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")
+  p, n = count(g)
+  t = p.tile_map
+  n_trips = math.ceil(math.ceil(256 / t["n"]) / (p.split[1] if p.split else 1))
+  assert n == n_trips * (t["k"] * t["n"] + t["n"] * t["h"])
+  # Attention: V ([n, e], e-contiguous) counts, Q and K (d-contiguous) do not.
+  a = examples.attention(1, 2, 256, 256, 64, 64, dtype="float32")
+  p, n = count(a)
+  t = p.tile_map
+  assert n == math.ceil(256 / t["n"]) * t["n"] * t["e"]
+  # IEEE dots (FMAs) and 16-bit operands have no such constraint.
+  assert count(T.with_precision(g, "ieee"))[1] == 0
+  assert count(examples.gemm_chain(1, 512, 256, 64, 64))[1] == 0

@@ -85,7 +85,8 @@ from jaxfuse.planner.plan import Prediction
 __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
-           "inner_loop_starts", "UNFUSED_MARGIN", "NESTED_LOOP_FILL_S"]
+           "inner_loop_starts", "tf32_transposed_elements", "UNFUSED_MARGIN",
+           "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT"]
 
 # Elementwise functions that run on the special-function units.
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
@@ -118,6 +119,41 @@ STAGE2_PENALTY = 0.15
 # < 15% still does (G5's regret 0 -> 9.6%; G6 stays at 0.83). Scanned over
 # 0.3-0.8 us: 0.4-0.7 us meet the targets, 0.8 us sends G6's regret to 110%.
 NESTED_LOOP_FILL_S = 0.5e-6
+
+
+# Seconds per element per program for a float32 operand tile that a TF32
+# dot (``precision`` other than "ieee") needs K-major (contiguous along the
+# contraction) while memory holds it MN-major: Hopper's TF32 wgmma takes
+# K-major operands only, so Triton transposes the tile through shared
+# memory. Least squares (no intercept) on 11 float32 cases on the H100
+# (MCFuser G1, G2, G4, G7, G8, S1, S2, S4, S6, S7, S9; 2026-11-22,
+# benchmarks/RESULTS.md seventeenth session): the model without it predicted
+# 0.35-0.8x their kernel times. With it the planner picked plans with fewer
+# such elements per program, measured 1.13x -> 1.17x XLA over those cases
+# (G1 0.64x -> 1.17x; S4 and S6 lost 20-30%); 20 plans refit to 0.24e-9.
+TF32_TRANSPOSE_S_PER_ELEMENT = 0.23e-9
+
+
+def tf32_transposed_elements(region: ir.Region, expr: tiling.TilingExpr,
+                             tiles: Mapping[str, int], trips) -> int:
+  """Elements per program of loaded float32 operand tiles that a TF32 dot
+  reads against their memory order: the buffer's contiguous loop is not one
+  the dot reduces. The MCFuser chains' right-hand operands (``[k, n]``,
+  ``[n, h]``) and attention's V are such tiles, attention's K^T is not."""
+  vm = region.value_map
+  layout = {b.value: dict(b.strides) for b in region.inputs}
+  total = 0
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind != "L" or vm[st.value].dtype != "float32":
+      continue
+    contiguous = [l for l, s in layout[st.value].items() if s == 1]
+    for op in region.consumers(st.value):
+      if (isinstance(op, ir.Contraction) and op.precision != "ieee"
+          and contiguous and contiguous[0] not in op.reduce):
+        total += (math.prod(tiles[l] for l in vm[st.value].loops)
+                  * math.prod(trips(l) for l in enclosing))
+        break
+  return total
 
 
 def _gemm_dims(region: ir.Region, op: "ir.Contraction",
@@ -405,7 +441,9 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   t_shared = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE * share)
   t_program = (bytes_moved / programs / device.sm_bandwidth_Bps
                + t_busy * sms / programs + steps * device.loop_step_s
-               + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S)
+               + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S
+               + tf32_transposed_elements(region, expr, tiles, trips)
+               * TF32_TRANSPOSE_S_PER_ELEMENT)
   if num_stages <= 2:
     t_program *= 1.0 + STAGE2_PENALTY
   # Throughput side: re-reads of tiles that concurrently running programs

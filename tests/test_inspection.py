@@ -83,6 +83,21 @@ def test_device_choice_changes_ridge():
   assert h200.intensity == h100.intensity
 
 
+def test_float32_precision_sets_the_reported_ridge_and_floor():
+  from jaxfuse import devices  # pylint: disable=g-import-not-at-top
+  g1 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in _g1()]
+  exact = lambda a, b, d: jnp.matmul(jnp.matmul(a, b, precision="highest"), d,
+                                     precision="highest")
+  fast = inspection.inspect(gemm_chain, *g1, device="h100").regions[0]
+  slow = inspection.inspect(exact, *g1, device="h100").regions[0]
+  h100 = devices.get_device("h100")
+  bw = h100.mem_bandwidth_Bps
+  assert fast.ridge == pytest.approx(h100.peak("float32") / bw)     # TF32
+  assert slow.ridge == pytest.approx(h100.vector_flops / bw)        # fp32 FMAs
+  assert slow.floor_time_s > fast.floor_time_s
+  assert "precision=ieee" in slow.ir_text and "precision=" not in fast.ir_text
+
+
 def test_plan_fields_when_planner_present_or_note_when_not():
   rep = inspection.inspect(attention, *_s2(), device="h100")
   r = rep.regions[0]

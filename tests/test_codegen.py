@@ -10,9 +10,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
+import triton
+import triton.language as tl
 
 from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, generate, testing as T
+from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.ir import Contraction, Elementwise, Literal, Value, Region
 from jaxfuse.planner import tiling
 from jaxfuse.planner.plan import Plan
@@ -114,15 +118,35 @@ def _tf32(x) -> np.ndarray:
   return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
 
 
+_PRINTED_TF32 = None   # the generated module's tf32_ helper, for _tf32_probe
+
+
+@triton.jit
+def _tf32_probe(x_ptr, y_ptr, N: tl.constexpr):
+  o = tl.arange(0, N)
+  tl.store(y_ptr + o, _PRINTED_TF32(tl.load(x_ptr + o)))
+
+
 def test_float32_dot_operands_are_rounded_to_tf32_at_default_precision():
-  one = np.float32(1.0)
-  ulp = np.float32(2.0 ** -10)          # TF32's spacing at 1
-  assert _tf32(one + ulp / 2) == one + ulp and _tf32(-(one + ulp / 2)) == -(one + ulp)
-  assert _tf32(one + ulp / 4) == one and _tf32(np.float32(np.inf)) == np.inf
-  assert np.isnan(_tf32(np.float32(np.nan)))
+  global _PRINTED_TF32
   r = T.gemm_chain(M=33, N=48, K=32, H=16, dtype="float32")
   k = generate(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)),
                interpret=True)
+  # The printed helper on edge values: ties round away from zero, the low
+  # bits drop, overflow goes to infinity, NaNs (a payload in the low bits
+  # too) and infinities stay.
+  one, ulp = 1.0, 2.0 ** -10             # TF32's spacing at 1
+  bits = np.array([0x7F7FFFFF, 0x7F800001], np.uint32).view(np.float32)
+  xs = np.array([one + ulp / 2, -(one + ulp / 2), one + ulp / 4, 3.0, 0.0, 1e-40,
+                 np.inf, -np.inf, np.nan, *bits], np.float32)
+  want = np.array([one + ulp, -(one + ulp), one, 3.0, 0.0, _tf32(np.float32(1e-40)),
+                   np.inf, -np.inf, np.nan, np.inf, np.nan], np.float32)
+  _PRINTED_TF32 = k.fn.fn.__globals__["tf32_"]
+  x = torch.from_numpy(np.resize(xs, 16).copy())
+  y = torch.empty_like(x)
+  with interpret_env(True):
+    _tf32_probe[(1,)](x, y, N=16)
+  np.testing.assert_array_equal(y.numpy()[:len(xs)], want)
   a, b, d = launch.random_inputs(r, seed=2)
   (got,) = launch.run_interpreted(k, [a, b, d])
   # Every operand of both dots is rounded, the computed one (C) included.

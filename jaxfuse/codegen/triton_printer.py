@@ -108,7 +108,9 @@ _HELPERS = {
   # Round to TF32's 10 mantissa bits, to nearest (ties away), as cuBLAS
   # does: Hopper's TF32 MMA reads float32 bits and drops the low 13, and
   # truncation measured 3.5x XLA's error on float32 chains (H100, 2026-11-22).
-  return ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)""",
+  # A NaN stays as it is (its payload could carry into infinity).
+  r = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+  return tl.where(x == x, r, x)""",
     "pow": """def pow_(a, b):
   # |a|^b with the sign of a for odd integer b; NaN for a < 0 and fractional b
   r = tl.exp2(b * tl.log2(tl.abs(a)))

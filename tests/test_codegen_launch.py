@@ -202,6 +202,28 @@ def test_keep_or_drop_against_xla(monkeypatch):
   launch._xla_decisions.clear()
 
 
+def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):
+  from jaxfuse.codegen import CodegenError
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    region = r
+    plan = None
+  launch._xla_decisions.clear()
+  times, timed, logged = iter(((6e-6, 0.1), (5e-6, 0.1))), [], []   # fused, then XLA
+  monkeypatch.setattr(launch, "_per_call_time",
+                      lambda fn, region: timed.append(1) or next(times))
+  monkeypatch.setattr(launch.logging, "info", lambda msg, *a: logged.append(msg % a))
+  try:
+    for _ in range(3):   # the region lowered three times
+      with pytest.raises(CodegenError, match="measured slower than XLA"):
+        launch._keep_fused(K(), lambda *a: a)
+  finally:
+    launch._xla_decisions.clear()
+  assert len(timed) == 2                      # fused and XLA, once
+  assert sum("measured fused" in m for m in logged) == 1
+
+
 def test_device_reference_is_cached_per_region_and_seed():
   from jaxfuse.planner import examples
   r = examples.gemm_chain(1, 32, 16, 16, 16)

@@ -522,20 +522,26 @@ def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
   """Measured refinement's last step: the chosen kernel against XLA's own
   ops, timed the same way; raises CodegenError when XLA is faster."""
   sig = k.region.signature()
-  if sig not in _xla_decisions:
+  # Logged when measured only: a region lowered again (each call of an
+  # unrolled program, each retrace) reuses the decision; a call-9 float32 run
+  # logged one region's timings 40 times (H100, 2026-11-22).
+  first = sig not in _xla_decisions
+  if first:
     _xla_decisions[sig] = (_per_call_time(lambda *a: triton_launch(k, a), k.region),
                            _per_call_time(original, k.region))
   (t_fused, s_fused), (t_xla, s_xla) = _xla_decisions[sig]
-  logging.info("jaxfuse: region %s measured fused %.1f us (spread %.2f), XLA %.1f us "
-               "(spread %.2f)", k.region.einsum_summary(), t_fused * 1e6, s_fused,
-               t_xla * 1e6, s_xla)
+  if first:
+    logging.info("jaxfuse: region %s measured fused %.1f us (spread %.2f), XLA %.1f us "
+                 "(spread %.2f)", k.region.einsum_summary(), t_fused * 1e6, s_fused,
+                 t_xla * 1e6, s_xla)
   if min(t_fused, t_xla) <= 0 or max(s_fused, s_xla) > MAX_TIMING_SPREAD:
     # Noise, not times: the cost model decides, as under tune='model'.
     from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
     from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
     why = cost_model.slower_than_unfused(k.region, k.plan, get_device(None))
-    logging.info("jaxfuse: keep-or-drop timing inconclusive; the model says %s",
-                 why or "fused")
+    if first:
+      logging.info("jaxfuse: keep-or-drop timing inconclusive; the model says %s",
+                   why or "fused")
     if why:
       raise LeftToXLA(f"{why}; left to XLA (measurement inconclusive)")
     return

@@ -141,10 +141,12 @@ def tf32_transposed_elements(region: ir.Region, expr: tiling.TilingExpr,
   the dot reduces. The MCFuser chains' right-hand operands (``[k, n]``,
   ``[n, h]``) and attention's V are such tiles, attention's K^T is not."""
   vm = region.value_map
-  layout = {b.value: dict(b.strides) for b in region.inputs}
+  layout = {b.value: dict(b.strides) for b in region.inputs if vm[b.value].dtype == "float32"}
+  if not layout:
+    return 0   # every 16-bit region: predict() runs for each plan the search scores
   total = 0
   for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind != "L" or vm[st.value].dtype != "float32":
+    if st.kind != "L" or st.value not in layout:
       continue
     contiguous = [l for l, s in layout[st.value].items() if s == 1]
     for op in region.consumers(st.value):

@@ -525,6 +525,93 @@ def test_measurer_stops_waiting_for_the_reference_at_the_deadline(monkeypatch):
   launch._last_reference.clear()
 
 
+def _distinct_plans(r, n):
+  """``n`` plans of ``r`` whose kernels are distinct modules."""
+  plans, paths = [], set()
+  for p in plan_region(r, "h100", use_cache=False).ranked:
+    path = generate(r, p, interpret=False).module_path
+    if path not in paths:
+      paths.add(path)
+      plans.append(p)
+    if len(plans) == n:
+      return plans
+  raise AssertionError(f"fewer than {n} distinct kernels")
+
+
+def test_measurer_streams_each_kernel_as_it_compiles_and_drops_late_ones(monkeypatch):
+  """``compiled`` hands on each kernel when its compile is done (not when
+  the batch's is); a compile the workers gave up on at the deadline, or
+  still running after it, makes its plan read 'budget spent'; a worker's
+  failure is compiled in this process; a load failure is that plan's
+  error."""
+  import concurrent.futures
+  import threading
+  import time
+  from jaxfuse.runtime import compile_pool
+  monkeypatch.setattr(launch, "_kernels", {})
+  r = examples.gemm_chain(1, 64, 64, 32, 48)
+  plans = _distinct_plans(r, 5)
+  m = launch._TorchMeasurer(r, seed=3, device="cpu")
+  futs = [concurrent.futures.Future() for _ in plans]
+  outcomes = {0: (0.3, None), 1: (0.4, compile_pool.CompileTimeout("late")),
+              2: (0.1, RuntimeError("worker broke")), 4: (0.2, None)}   # 3: never done
+  for i, (after, result) in outcomes.items():
+    threading.Timer(after, futs[i].set_result, (result,)).start()
+
+  def submit(kernels, t_end):
+    return {path: futs[[k.plan for k in kernels.values()].index(plans[i])]
+            for i, path in enumerate(kernels)}
+  loaded = []
+
+  def load(k):
+    if k.plan == plans[4]:
+      raise RuntimeError("out of resources")
+    loaded.append(plans.index(k.plan))
+  monkeypatch.setattr(m, "_submit", submit)
+  monkeypatch.setattr(m, "_load", load)
+  why = [None] * len(plans)
+  t0 = time.perf_counter()
+  got = [i for i, _ in m.compiled(plans, why, t_end=t0 + 0.8)]
+  assert got == [2, 0] == loaded                    # in the order they compiled
+  assert why[1] == why[3] == launch._BUDGET_SPENT and m.dropped == 2
+  assert "out of resources" in why[4] and why[0] is None and why[2] is None
+  assert time.perf_counter() - t0 < 5.0
+
+
+def test_measure_plans_stops_at_the_deadline_and_abandons_the_rest(monkeypatch):
+  """Past the budget, measure_plans stops taking kernels: the compiles
+  still running are abandoned and every plan not measured reads 'budget
+  spent' (the model ranks it)."""
+  import time
+  state = {"closed": False, "taken": 0}
+
+  class FakeMeasurer:
+    phases, ref_s, dropped = {}, 0.0, 0
+
+    def __init__(self, region, seed):
+      pass
+
+    def compiled(self, plans, why, t_end):
+      try:
+        for i in range(len(plans)):
+          state["taken"] += 1
+          yield i, object()
+      finally:
+        state["closed"] = True
+
+    def check_and_time(self, k, reps, deadline=None):
+      time.sleep(0.3)
+      return 1e-6
+  monkeypatch.setattr(launch, "_torch_cuda", lambda: True)
+  monkeypatch.setattr(launch, "_TorchMeasurer", FakeMeasurer)
+  why = []
+  times = launch.measure_plans(examples.gemm_chain(1, 32, 16, 16, 16), list("abcde"),
+                               budget_s=0.5, errors=why)
+  assert times[:2] == [1e-6, 1e-6] and state["closed"] and state["taken"] == 3
+  assert why[:2] == [None, None] and why[2:] == [launch._BUDGET_SPENT] * 3
+  assert times[2:] == [float("inf")] * 3
+
+
 def test_reference_reaches_the_measurer_as_float32_tensors():
   """The device reference (jax arrays) becomes float32 torch tensors through
   DLPack; NumPy references still work."""

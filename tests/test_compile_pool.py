@@ -7,6 +7,9 @@ exactly what this process's own launch looks up.
 
 import itertools
 import os
+import threading
+import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ import torch
 
 import jaxfuse
 from jaxfuse import capture, codegen
+from jaxfuse.codegen import testing as T
 from jaxfuse.planner import examples, plan_region
 from jaxfuse.runtime import compile_pool, compile_worker
 
@@ -167,7 +171,7 @@ def test_a_silent_worker_times_out_within_the_callers_deadline(tmp_path, monkeyp
   try:
     err = pool._run({"path": "x", "module": "x", "target": ["cuda", 90, 32], "fns": []}, 1.0)
     # The caller's 1 s deadline, not the 30 s start allowance, bounded the wait.
-    assert err == "TimeoutError: compile worker silent for 1 s"
+    assert err == "CompileTimeout: compile worker silent for 1 s"
   finally:
     pool.close()
 
@@ -217,3 +221,78 @@ def test_kernels_compile_with_fp_fusion_whatever_tritons_default(tmp_path, monke
   ptx = k.fn.warmup(*tensors, grid=k.grid, **kw).asm["ptx"]
   assert "fma.rn.f32" in ptx
   assert not any(f"{op}.rn.f32" in ptx for op in ("mul", "add", "sub"))
+
+
+_SCRIPTED_WORKER = """
+import json, sys, time
+print(json.dumps({"ok": True, "ready": True}), flush=True)
+for line in sys.stdin:
+  job = json.loads(line)
+  time.sleep(float(job.get("sleep", 0)))
+  print(json.dumps({"ok": True}), flush=True)
+"""
+
+
+@pytest.fixture
+def scripted_pool(tmp_path, monkeypatch):
+  """A pool of one worker that answers each job after ``job["sleep"]`` s."""
+  script = tmp_path / "scripted_worker.py"
+  script.write_text(_SCRIPTED_WORKER)
+  monkeypatch.setattr(compile_pool, "WORKER_SCRIPT", str(script))
+  pool = compile_pool.CompilePool(1)
+  yield pool
+  pool.close()
+
+
+def test_a_compile_past_the_deadline_is_abandoned_and_its_worker_replaced(scripted_pool):
+  t0 = time.perf_counter()
+  err = scripted_pool._job({"sleep": 60}, t0 + 1.0)
+  assert isinstance(err, compile_pool.CompileTimeout)
+  assert time.perf_counter() - t0 < 10.0        # the deadline, not the 60 s compile
+  assert scripted_pool._job({"sleep": 0}, time.perf_counter() + 30.0) is None
+
+
+def test_a_job_waiting_for_a_busy_worker_gives_up_at_its_deadline(scripted_pool):
+  assert scripted_pool._job({}, time.perf_counter() + 30.0) is None   # worker started
+  slow = threading.Thread(target=scripted_pool._job,
+                          args=({"sleep": 3}, time.perf_counter() + 30.0))
+  slow.start()
+  time.sleep(0.2)
+  t0 = time.perf_counter()
+  err = scripted_pool._job({}, t0 + 0.5)
+  assert isinstance(err, compile_pool.CompileTimeout) and "free" in str(err)
+  assert time.perf_counter() - t0 < 2.0
+  slow.join()
+  assert scripted_pool._job({}, time.perf_counter() + 30.0) is None
+
+
+def test_submit_returns_at_once_and_compiles_a_split_plans_two_kernels(tmp_path, monkeypatch):
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+  monkeypatch.setattr(driver, "_active", compile_worker._CompileOnlyDriver(TARGET))
+  r = T.gemm_chain(M=64, N=96 + 16 * next(_fresh), K=32, H=32, B=1, dtype="float16")
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=64, n=16, k=32, h=32),
+                       split=("n", 2))
+  k = codegen.generate(r, plan, interpret=False)
+  assert k.combine_fn is not None
+  ins = [torch.empty(b.shape, dtype=torch.float16) for b in r.inputs]
+  outs = [torch.empty(b.shape, dtype=torch.float16) for b in r.outputs]
+  scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32) for s in k.scratch]
+  kw = dict(k.launch_options)
+  group = [(k.fn, k.grid, [*ins, *scratch], dict(kw, **k.constexprs)),
+           (k.combine_fn, k.combine_grid, [*ins, *scratch, *outs],
+            dict(kw, **k.combine_constexprs))]
+  pool = compile_pool.CompilePool(1)
+  try:
+    with pytest.raises(ValueError, match="one module"):
+      other = types.SimpleNamespace(fn=types.SimpleNamespace(__module__="elsewhere"))
+      pool.submit([[group[0], (other, *group[0][1:])]], TARGET, time.perf_counter() + 60)
+    t0 = time.perf_counter()
+    (fut,) = pool.submit([group], TARGET, time.perf_counter() + 120.0)
+    assert not fut.done() and time.perf_counter() - t0 < 5.0   # compiling meanwhile
+    assert fut.result() is None
+  finally:
+    pool.close()
+  built = _entries(tmp_path / "triton")
+  for fn, grid, args, kwargs in group:   # both kernels load from the cache
+    assert fn.warmup(*args, grid=grid, **kwargs).asm.get("cubin")
+  assert _entries(tmp_path / "triton") == built

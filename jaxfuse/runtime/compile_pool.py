@@ -16,10 +16,18 @@ compiles that specialization with ``JITFunction.preload``. A kernel that a
 worker fails to compile, or any failure of the pool, only means the caller
 compiles it itself, as before.
 
+A compile that is not done by the caller's deadline is abandoned (its
+worker is killed and replaced): measured tuning drops that candidate rather
+than wait for it. Why: one float32 attention candidate (S7, m=16 rows,
+n=256) compiled for 13 s, and tuning its region took 15.6 s against a 4 s
+budget (H100, 2026-11-22, seventeenth session).
+
 Example::
 
     pool = compile_pool.get()              # None when switched off
     errors = pool.precompile([(fn, grid, args, kwargs), ...], target)
+    # or, to use each kernel as soon as it is built:
+    futs = pool.submit([[launch_a], [launch_b, launch_b_combine]], target, deadline)
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from typing import Any, Optional, Sequence
 
 from absl import logging
 
-__all__ = ["CompilePool", "get", "shutdown", "specializations", "WORKER_SCRIPT"]
+__all__ = ["CompilePool", "CompileTimeout", "get", "shutdown", "specializations",
+           "WORKER_SCRIPT"]
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_worker.py")
 # A worker answers within this many seconds of its start or of a job (and
@@ -48,6 +57,17 @@ START_TIMEOUT_S = 60.0
 JOB_TIMEOUT_S = 120.0
 
 _hook_lock = threading.Lock()
+
+
+class CompileTimeout(TimeoutError):
+  """A compile was not done by the caller's deadline (it was abandoned)."""
+
+
+def _describe(e: Optional[Exception]) -> Optional[str]:
+  """A job's failure as text (a worker's own error as it reported it)."""
+  if e is None:
+    return None
+  return str(e) if type(e) is RuntimeError else f"{type(e).__name__}: {e}"
 
 
 def specializations(launches: Sequence[tuple[Any, Any, Sequence[Any], dict]]
@@ -92,7 +112,7 @@ class _Worker:
   def _read(self, timeout_s: float) -> dict:
     r, _, _ = select.select([self.proc.stdout], [], [], max(timeout_s, 0.0))
     if not r:
-      raise TimeoutError(f"compile worker silent for {timeout_s:.0f} s")
+      raise CompileTimeout(f"compile worker silent for {timeout_s:.0f} s")
     line = self.proc.stdout.readline()
     if not line:
       raise RuntimeError(f"compile worker exited (code {self.proc.poll()})")
@@ -131,8 +151,11 @@ class CompilePool:
     for _ in range(size):
       self._idle.put(_Worker())
 
-  def _take(self) -> _Worker:
-    w = self._idle.get()
+  def _take(self, timeout_s: float) -> _Worker:
+    try:
+      w = self._idle.get(timeout=max(timeout_s, 0.0))
+    except queue.Empty:
+      raise CompileTimeout("no compile worker was free before the deadline") from None
     if not w.alive():
       w.kill()
       w = _Worker()
@@ -144,54 +167,77 @@ class CompilePool:
     else:
       self._idle.put(w)
 
-  def _run(self, job: dict, timeout_s: float) -> Optional[str]:
-    w = self._take()
+  def _job(self, job: dict, deadline: float) -> Optional[Exception]:
+    """Runs ``job`` on a free worker; None when it compiled, else why not
+    (``CompileTimeout`` when ``deadline``, a ``time.perf_counter()`` value,
+    came first: the worker is then killed and replaced)."""
     try:
-      reply = w.run(job, timeout_s)
+      w = self._take(deadline - time.perf_counter())
+    except CompileTimeout as e:
+      return e
+    try:
+      reply = w.run(job, deadline - time.perf_counter())
     except Exception as e:  # pylint: disable=broad-except
       w.kill()
       self._give(_Worker())
-      return f"{type(e).__name__}: {e}"
+      return e
     self._give(w)
-    return None if reply.get("ok") else str(reply.get("error"))
+    return None if reply.get("ok") else RuntimeError(str(reply.get("error")))
 
-  def precompile(self, launches: Sequence[tuple[Any, Any, Sequence[Any], dict]], target: Any,
-                 timeout_s: float = JOB_TIMEOUT_S) -> list[Optional[str]]:
-    """Compiles each ``(fn, grid, args, kwargs)`` launch (``fn`` a kernel of a
-    module that ``codegen.compile.load_module`` imported) for ``target``
-    (Triton's ``GPUTarget``) into the Triton cache. Returns per launch None
-    or why it was not compiled (the caller then compiles it itself)."""
+  def _run(self, job: dict, timeout_s: float) -> Optional[str]:
+    """``_job`` with a timeout, its failure as text."""
+    return _describe(self._job(job, time.perf_counter() + timeout_s))
+
+  def submit(self, groups: Sequence[Sequence[tuple[Any, Any, Sequence[Any], dict]]],
+             target: Any, deadline: float) -> list[Optional[concurrent.futures.Future]]:
+    """Starts compiling each group of ``(fn, grid, args, kwargs)`` launches
+    (the kernels of one module, e.g. a split plan's main kernel and its
+    combine pass) for ``target`` (Triton's ``GPUTarget``) into the Triton
+    cache, and returns at once. Per group: None when nothing needs
+    compiling, else a future of None (compiled) or the exception saying why
+    not (``CompileTimeout`` past ``deadline``, a ``time.perf_counter()``
+    value). Each ``fn`` is a kernel of a module that
+    ``codegen.compile.load_module`` imported."""
     from triton._C.libtriton import get_cache_invalidating_env_vars  # pylint: disable=g-import-not-at-top
-    specs = specializations(launches)
+    if any(len({fn.fn.__module__ for fn, _, _, _ in g}) > 1 for g in groups):
+      raise ValueError("groups: each group's launches must be kernels of one module")
+    flat = [l for g in groups for l in g]
+    specs = iter(specializations(flat))
     env = dict(get_cache_invalidating_env_vars())
     # Where this process's launch will look: the workers may have started
     # before the caller chose the directory.
     cache_dir = os.environ.get("TRITON_CACHE_DIR")
     jobs: list[Optional[dict]] = []
-    for (fn, _, _, _), spec in zip(launches, specs):
-      if spec is None:
-        jobs.append(None)
-        continue
-      mod = sys.modules.get(fn.fn.__module__)
-      path = getattr(mod, "__file__", None)
-      if path is None:
-        jobs.append(None)
-        continue
-      jobs.append({"path": path, "module": fn.fn.__module__,
-                   "target": [target.backend, int(target.arch), int(target.warp_size)], "env": env,
-                   "cache_dir": cache_dir,
-                   "fns": [[fn.fn.__name__, spec]]})
-    errors: list[Optional[str]] = [None] * len(jobs)
-    t_end = time.perf_counter() + timeout_s
-    todo = [i for i, j in enumerate(jobs) if j is not None]
+    for g in groups:
+      fns, path, module = [], None, None
+      for fn, _, _, _ in g:
+        spec = next(specs)
+        mod = sys.modules.get(fn.fn.__module__)
+        if spec is None or getattr(mod, "__file__", None) is None:
+          continue
+        path, module = mod.__file__, fn.fn.__module__
+        fns.append([fn.fn.__name__, spec])
+      jobs.append(None if not fns else {
+          "path": path, "module": module,
+          "target": [target.backend, int(target.arch), int(target.warp_size)], "env": env,
+          "cache_dir": cache_dir, "fns": fns})
+    todo = [j for j in jobs if j is not None]
     if not todo:
-      return errors
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(self.size, len(todo))) as ex:
-      futs = {ex.submit(self._run, jobs[i], max(1.0, t_end - time.perf_counter())): i
-              for i in todo}
-      for f in concurrent.futures.as_completed(futs):
-        errors[futs[f]] = f.result()
-    return errors
+      return [None] * len(jobs)
+    ex = concurrent.futures.ThreadPoolExecutor(max_workers=min(self.size, len(todo)),
+                                               thread_name_prefix="jaxfuse-compile")
+    try:
+      return [None if j is None else ex.submit(self._job, j, deadline) for j in jobs]
+    finally:
+      ex.shutdown(wait=False)   # each job ends by the deadline
+
+  def precompile(self, launches: Sequence[tuple[Any, Any, Sequence[Any], dict]], target: Any,
+                 timeout_s: float = JOB_TIMEOUT_S) -> list[Optional[str]]:
+    """Compiles each ``(fn, grid, args, kwargs)`` launch for ``target`` into
+    the Triton cache and waits (at most ``timeout_s``). Returns per launch
+    None or why it was not compiled (the caller then compiles it itself)."""
+    futs = self.submit([[l] for l in launches], target, time.perf_counter() + timeout_s)
+    return [None if f is None else _describe(f.result()) for f in futs]
 
   def close(self) -> None:
     self._closed = True

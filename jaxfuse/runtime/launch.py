@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 from absl import logging
@@ -35,6 +36,7 @@ from absl import logging
 from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
 from jaxfuse.codegen.compile import interpret_env
+from jaxfuse.runtime import compile_pool
 from jaxfuse.runtime import timing
 from jaxfuse.runtime import triton_call
 
@@ -206,7 +208,6 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
     else:
       # float32 draws: half the time and memory of float64 ones.
       flat[lo:lo + n] = rng.standard_normal(n, dtype=np.float32)
-  import os  # pylint: disable=g-import-not-at-top
   workers = min(len(jobs), os.cpu_count() or 1, 16)
   if workers > 1 and len(jobs) > len(region.inputs):
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
@@ -689,36 +690,38 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
   why: list[Optional[str]] = [None] * len(plans)
   t0 = time.perf_counter()
   fast = _TorchMeasurer(region, seed) if _torch_cuda() else None
-  if fast is not None:
-    kernels = fast.prepare(plans, why, t_end)
-  else:
-    kernels = [None] * len(plans)
-  t_compile = time.perf_counter() - t0
-  for i, p in enumerate(plans):
-    if why[i] is not None:
-      continue
+  # Each kernel is checked and timed as soon as it is compiled, while the
+  # compile workers build the rest.
+  ready = (fast.compiled(plans, why, t_end) if fast is not None
+           else ((i, None) for i in range(len(plans))))
+  for i, k in ready:
     if time.perf_counter() > t_end:
       why[i] = _BUDGET_SPENT
-      continue
+      break
     try:
-      if kernels[i] is not None:
-        times[i] = fast.check_and_time(kernels[i], reps, deadline=t_end)
+      if k is not None:
+        times[i] = fast.check_and_time(k, reps, deadline=t_end)
       else:
-        k = select_kernel(region, [p], backend="triton", check=True)
+        k = select_kernel(region, [plans[i]], backend="triton", check=True)
         xs = fast.xs if fast is not None else xs or shared_inputs(region, seed)
         times[i] = _time_kernel(k, xs, reps)
     except _BudgetSpent:
       why[i] = _BUDGET_SPENT
     except Exception as e:  # pylint: disable=broad-except
-      logging.info("jaxfuse: measuring %s failed: %s", p, e)
+      logging.info("jaxfuse: measuring %s failed: %s", plans[i], e)
       why[i] = f"{type(e).__name__}: {e}"[:500]
+  if hasattr(ready, "close"):
+    ready.close()   # past the deadline: what still compiles is abandoned
+  for i, t in enumerate(times):
+    if why[i] is None and not math.isfinite(t):
+      why[i] = _BUDGET_SPENT
   if errors is not None:
     errors.extend(why)
-  logging.info("jaxfuse: measured %d of %d plans in %.2f s (compile %.2f s: %s; "
-               "reference wait %.2f s)", sum(math.isfinite(t) for t in times), len(plans),
-               time.perf_counter() - t0, t_compile,
+  logging.info("jaxfuse: measured %d of %d plans in %.2f s (%s; reference wait %.2f s%s)",
+               sum(math.isfinite(t) for t in times), len(plans), time.perf_counter() - t0,
                ", ".join(f"{k} {v:.2f}" for k, v in (fast.phases if fast else {}).items()),
-               fast.ref_s if fast else 0.0)
+               fast.ref_s if fast else 0.0,
+               f"; {fast.dropped} not compiled by the deadline" if fast and fast.dropped else "")
   return times
 
 
@@ -794,7 +797,8 @@ class _TorchMeasurer:
     self.xs = xs
     self._refs: Optional[list] = None   # float32 tensors on ``device``
     self.ref_s = 0.0   # waiting for the reference
-    self.phases: dict[str, float] = {}   # seconds of prepare's steps
+    self.phases: dict[str, float] = {}   # seconds of ``compiled``'s steps
+    self.dropped = 0   # kernels whose compile ``compiled`` abandoned
     # Copies of the inputs that timed launches cycle through, enough to
     # hold twice the L2 cache: a fused call reads fresh activations, and
     # with one input set every launch found it in L2, which favoured plans
@@ -822,10 +826,14 @@ class _TorchMeasurer:
              (k.combine_fn, k.combine_grid, [*ins, *scratch, *self.outs],
               {**kw, **k.combine_constexprs})] for ins in in_sets]
 
-  def prepare(self, plans: Sequence[Any], why: list, t_end: float) -> list:
-    """Generated kernels, compiled in parallel (None where ``why`` now
-    says why not)."""
-    import os  # pylint: disable=g-import-not-at-top
+  def compiled(self, plans: Sequence[Any], why: list, t_end: float
+               ) -> Iterator[tuple[int, GeneratedKernel]]:
+    """Yields ``(i, kernel)`` for each plan whose kernel is compiled and
+    loaded, as soon as it is, while the compile workers build the rest;
+    every other plan gets its reason in ``why`` (``_BUDGET_SPENT`` for a
+    kernel not compiled by ``t_end``, a ``time.perf_counter()`` value).
+    Why stream: the first batch's kernels compile for 1-3 s, and one slow
+    compile (13 s, float32 S7) held back the measurement of all of them."""
     t0 = time.perf_counter()
     sig = self.region.signature()
     kernels: list = [None] * len(plans)
@@ -836,72 +844,108 @@ class _TorchMeasurer:
         why[i] = f"{type(hit).__name__}: {hit}"[:500]
         continue
       try:
-        k = hit if isinstance(hit, GeneratedKernel) else generate(self.region, p, interpret=False)
+        kernels[i] = hit if isinstance(hit, GeneratedKernel) else generate(
+            self.region, p, interpret=False)
       except Exception as e:  # pylint: disable=broad-except
         why[i] = f"{type(e).__name__}: {e}"[:500]
-        continue
-      kernels[i] = k
-
-    def warm(k: GeneratedKernel) -> None:
-      for fn, grid, args, kw in self._launches(k)[0]:
-        fn.warmup(*args, grid=grid, **kw)
-
-    # The same source imports as the same function, so each module is
-    # warmed once.
-    todo = {}
+    # The same source imports as the same function: one compile per module.
+    users: dict[str, list[int]] = {}
     for i, k in enumerate(kernels):
       if k is not None:
-        todo.setdefault(k.module_path, (i, k))
-    t1 = time.perf_counter()
-    self._precompile([k for _, k in todo.values()], t_end)
-    t2 = time.perf_counter()
-    # What the workers compiled, the threads below load from Triton's cache;
-    # the rest they compile here (Triton's MLIR passes, LLVM and ptxas
-    # mostly run without the GIL: 4 kernels compiled 1.6x faster on 2
-    # threads than on one, 2-core host, 2026-11-21).
-    workers = max(1, min(len(todo), os.cpu_count() or 1, 16))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
-      futs = {ex.submit(warm, k): path for path, (i, k) in todo.items()}
-      failed = {}
-      for f in concurrent.futures.as_completed(futs):
-        try:
-          f.result(timeout=max(1.0, t_end - time.perf_counter() + 60.0))
-        except Exception as e:  # pylint: disable=broad-except
-          failed[futs[f]] = CodegenError(f"{type(e).__name__}: {str(e)[:400]}")
-    for i, k in enumerate(kernels):
-      if k is not None and k.module_path in failed:
-        err = failed[k.module_path]
-        with _lock:
-          _kernels[(sig, str(k.plan), "triton")] = err
-        why[i] = f"CodegenError: {err}"[:500]
-        kernels[i] = None
-    self.phases = {"generate": t1 - t0, "workers": t2 - t1, "load": time.perf_counter() - t2}
-    return kernels
+        users.setdefault(k.module_path, []).append(i)
+    first = {path: kernels[ix[0]] for path, ix in users.items()}
+    self.phases = {"generate": time.perf_counter() - t0, "wait": 0.0, "load": 0.0}
+    self.dropped = 0
 
-  def _precompile(self, kernels: Sequence[GeneratedKernel], t_end: float) -> None:
-    """Compiles ``kernels`` in the compile workers (``compile_pool``), which
-    leave them in Triton's cache; a failure here only means the kernel is
-    compiled in this process."""
-    from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
-    kernels = [k for k in kernels if not k.interpret]
-    if self.device == "cpu" or len(kernels) < 2:
+    def fail(path: str, err: Exception) -> None:
+      with _lock:
+        _kernels[(sig, str(first[path].plan), "triton")] = err
+      for i in users[path]:
+        why[i] = f"CodegenError: {err}"[:500]
+
+    def load(path: str) -> bool:
+      t = time.perf_counter()
+      try:
+        self._load(first[path])
+        return True
+      except Exception as e:  # pylint: disable=broad-except
+        fail(path, CodegenError(f"{type(e).__name__}: {str(e)[:400]}"))
+        return False
+      finally:
+        self.phases["load"] += time.perf_counter() - t
+
+    futures = self._submit(first, t_end)
+    if futures is None:
+      # No workers: compile on threads (Triton's MLIR passes, LLVM and
+      # ptxas mostly run without the GIL: 4 kernels compiled 1.6x faster on
+      # 2 threads than on one, 2-core host, 2026-11-21). A compile in this
+      # process cannot be abandoned, so these are waited for.
+      workers = max(1, min(len(first), os.cpu_count() or 1, 16))
+      with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+        ok = dict(zip(first, ex.map(load, first)))
+      for path, ix in users.items():
+        if ok[path]:
+          yield from ((i, kernels[i]) for i in ix)
       return
+    t = time.perf_counter()
+    ready = [path for path, f in futures.items() if f is None]
+    pending = {f: path for path, f in futures.items() if f is not None}
+    abandoned: list[str] = []
+    try:
+      while ready or pending:
+        if not ready:
+          done, _ = concurrent.futures.wait(
+              pending, timeout=max(0.0, t_end - time.perf_counter()) + 1.0,
+              return_when=concurrent.futures.FIRST_COMPLETED)
+          if not done:
+            break
+          for f in done:
+            path = pending.pop(f)
+            if isinstance(f.result(), compile_pool.CompileTimeout):
+              abandoned.append(path)
+            else:   # compiled, or the worker failed: then it compiles here
+              ready.append(path)
+          self.phases["wait"] += time.perf_counter() - t
+          continue
+        path = ready.pop(0)
+        if load(path):
+          for i in users[path]:
+            yield i, kernels[i]
+        t = time.perf_counter()
+    finally:
+      # Not compiled by the deadline, or no longer wanted (the caller
+      # stopped at its deadline): the plans read "budget spent", so the
+      # model ranks them. Their compiles are abandoned.
+      self.dropped += len(abandoned) + len(pending)
+      for path in [*abandoned, *pending.values(), *ready]:
+        for i in users[path]:
+          if why[i] is None:
+            why[i] = _BUDGET_SPENT
+
+  def _load(self, k: GeneratedKernel) -> None:
+    """Loads ``k``'s launches into Triton (from the cache the workers
+    filled; compiled here when they did not)."""
+    for fn, grid, args, kw in self._launches(k)[0]:
+      fn.warmup(*args, grid=grid, **kw)
+
+  def _submit(self, kernels: dict[str, GeneratedKernel], t_end: float
+              ) -> Optional[dict[str, Optional[concurrent.futures.Future]]]:
+    """Starts the compile workers (``compile_pool``) on ``kernels`` (by
+    module path), to be done by ``t_end``; None when this process compiles
+    them itself (no workers, a CPU device, interpreted kernels)."""
+    if self.device == "cpu" or not kernels or any(k.interpret for k in kernels.values()):
+      return None
     pool = compile_pool.get()
     if pool is None:
-      return
-    t0 = time.perf_counter()
+      return None
     try:
       from triton.runtime.driver import driver  # pylint: disable=g-import-not-at-top
-      launches = [l for k in kernels for l in self._launches(k)[0]]
-      errors = pool.precompile(launches, driver.active.get_current_target(),
-                               timeout_s=max(5.0, t_end - time.perf_counter() + 60.0))
+      futs = pool.submit([self._launches(k)[0] for k in kernels.values()],
+                         driver.active.get_current_target(), t_end)
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: compile workers failed (%s); compiling in-process", e)
-      return
-    failed = [e for e in errors if e is not None]
-    logging.info("jaxfuse: compile workers built %d of %d kernels in %.2f s%s",
-                 len(errors) - len(failed), len(errors), time.perf_counter() - t0,
-                 f" (first failure: {failed[0][:200]})" if failed else "")
+      return None
+    return dict(zip(kernels, futs))
 
   def check_and_time(self, k: GeneratedKernel, reps: int, deadline: Optional[float] = None) -> float:
     """Seconds per launch of ``k`` (CUDA-graph replay), after its self-check
@@ -991,7 +1035,6 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
     begun[0] = True
     t_end[0] = time.perf_counter() + budget_s
     if _torch_cuda():
-      from jaxfuse.runtime import compile_pool  # pylint: disable=g-import-not-at-top
       _ensure_triton_cache_dir()
       compile_pool.get()
       start_reference(region, MEASURE_SEED)
@@ -1019,7 +1062,6 @@ def _ensure_triton_cache_dir() -> None:
   cache dir, which it failed to locate on the benchmark machines ("Could
   not create or locate cache dir"): unless the user set one, use one under
   jaxfuse's cache dir, else a temp dir."""
-  import os  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   if os.environ.get("TRITON_CACHE_DIR"):
     return

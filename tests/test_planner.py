@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -675,6 +676,53 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
     search.make_plan(r, dev, search.Candidate(g, str(sk), tuple(narrow.items())), sp.streamable)
   best = plan_region(r, dev, use_cache=False).best
   assert best.num_warps == 4 or best.tile("m") >= 128
+
+
+def test_loop_invariant_tf32_operand_tiles_count_against_the_register_budget():
+  """float32 operands are rounded to TF32 in registers, and a tile loaded
+  outside the loop of its dot stays there: MCFuser G12's old float32 pick
+  (A 128x128 outside the n loop, 128x128 fp32 accumulator) spilled 55
+  registers in an sm_90 compile and ran 2.1x slower than predicted. The
+  same tiles with A inside the k loop, or in float16, are kept."""
+  dev = get_device("h100")
+  tiles = {"b": 1, "m": 128, "n": 16, "k": 128, "h": 128}
+  g = ("b", "m")
+
+  def candidate(r, hoisted: bool):
+    sp = search.build_space(r, dev)
+    for sk in sp.skeletons[g]:
+      expr = tiling.place(r, sk, tiles, g, streamable=sp.streamable, split=("n", 4))
+      top = [s.value for s, enc in tiling.statement_contexts(expr) if s.kind == "L" and not enc]
+      if ("a" in top) == hoisted and str(expr).startswith("(La" if hoisted else "(n("):
+        return sp, expr, search.Candidate(g, str(sk), tuple(tiles.items()), ("n", 4))
+    raise AssertionError("no such skeleton")
+
+  r32 = examples.gemm_chain(8, 1024, 1024, 128, 128, dtype="float32")
+  sp, expr, cand = candidate(r32, hoisted=True)
+  assert cost_model.tf32_held_operand_bytes(r32, expr, tiles) == 128 * 128 * 4
+  assert cost_model.accumulator_bytes(r32, tiles) + 128 * 128 * 4 > cost_model.register_budget_bytes(4)
+  with pytest.raises(tiling.PlacementError, match="TF32 operand tiles of 65536 B"):
+    search.make_plan(r32, dev, cand, sp.streamable)
+  # A loaded inside the k loop is not held across it.
+  tiles["k"] = 32
+  sp, expr, cand = candidate(r32, hoisted=False)
+  assert cost_model.tf32_held_operand_bytes(r32, expr, tiles) == 0
+  assert search.make_plan(r32, dev, cand, sp.streamable).predicted.time_s > 0
+  # 16-bit tiles stay in shared memory; full-fp32 dots are not rounded.
+  tiles["k"] = 128
+  r16 = examples.gemm_chain(8, 1024, 1024, 128, 128)
+  sp, expr, cand = candidate(r16, hoisted=True)
+  assert cost_model.tf32_held_operand_bytes(r16, expr, tiles) == 0
+  assert search.make_plan(r16, dev, cand, sp.streamable).predicted.time_s > 0
+  ieee = dataclasses.replace(r32, ops=tuple(
+      dataclasses.replace(op, precision="ieee") if isinstance(op, ir.Contraction) else op
+      for op in r32.ops))
+  assert cost_model.tf32_held_operand_bytes(ieee, expr, tiles) == 0
+  # The planner's float32 pick for G12 holds no such tile.
+  best = plan_region(r32, dev, use_cache=False).best
+  assert (cost_model.accumulator_bytes(r32, dict(best.tiles))
+          + cost_model.tf32_held_operand_bytes(r32, best.expr, dict(best.tiles))
+          <= cost_model.register_budget_bytes(best.num_warps))
 
 
 def test_unfused_estimate_and_verdict(monkeypatch):

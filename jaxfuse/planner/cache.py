@@ -39,8 +39,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # 9: padded tiles up to a quarter (Rule 3), split moves in the descent;
 # 10: tile 1 for every loop of extent 1; 11: a deferred softmax denominator
 # precedes every reader of its accumulator, and Rule 5 drops dots Triton
-# miscompiles (fewer plans, all printable).
-FORMAT_VERSION = 11
+# miscompiles (fewer plans, all printable); 12: loop-invariant TF32
+# operand tiles count against the register budget.
+FORMAT_VERSION = 12
 
 
 def _version() -> str:

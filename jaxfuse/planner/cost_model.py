@@ -85,6 +85,7 @@ from jaxfuse.planner.plan import Prediction
 __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
+           "tf32_held_operand_bytes",
            "inner_loop_starts", "tf32_transposed_elements", "UNFUSED_MARGIN",
            "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT"]
 
@@ -155,6 +156,35 @@ def tf32_transposed_elements(region: ir.Region, expr: tiling.TilingExpr,
         total += (math.prod(tiles[l] for l in vm[st.value].loops)
                   * math.prod(trips(l) for l in enclosing))
         break
+  return total
+
+
+def tf32_held_operand_bytes(region: ir.Region, expr: tiling.TilingExpr,
+                            tiles: Mapping[str, int]) -> int:
+  """Bytes of float32 operand tiles a TF32 dot holds in registers for a
+  whole loop: loaded outside a loop that encloses the dot. The printer
+  rounds float32 operands to TF32 in registers (``tf32_``), and ptxas
+  hoists the rounding of a loop-invariant tile, so that tile stays in
+  registers where a 16-bit one stays in shared memory.
+
+  Why: offline sm_90 compiles of 36 float32 plans of the paper cases (Triton
+  3.9, 2026-11-22) spilled exactly when accumulators plus these tiles
+  passed ``ACC_REGS_PER_THREAD`` (MCFuser G12's pick, 128x128 A tile and
+  128x128 accumulator: 55 spill loads, measured 2.1x slower than
+  predicted on the H100)."""
+  vm = region.value_map
+  loaded = {b.value for b in region.inputs if vm[b.value].dtype == "float32"}
+  if not loaded:
+    return 0
+  where = {(st.kind, st.value): enclosing for st, enclosing in tiling.statement_contexts(expr)}
+  total = 0
+  for op in region.contractions:
+    if op.precision != "default" or ("C", op.out) not in where:
+      continue
+    depth = len(where[("C", op.out)])
+    for v in {op.lhs, op.rhs} & loaded:
+      if ("L", v) in where and len(where[("L", v)]) < depth:
+        total += 4 * math.prod(tiles[l] for l in vm[v].loops)
   return total
 
 

@@ -185,6 +185,12 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
       raise tiling.PlacementError(f"split {l}x{parts} has fewer tiles than parts")
   expr = tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
                       split=cand.split)
+  held = cost_model.tf32_held_operand_bytes(region, expr, tiles)
+  if held and acc + held > cost_model.register_budget_bytes(warps):
+    raise tiling.PlacementError(
+        f"fp32 accumulators of {acc} B and loop-invariant TF32 operand tiles of {held} B "
+        f"exceed the register budget of {warps} warps "
+        f"({cost_model.register_budget_bytes(warps)} B)")
   if cand.split:
     top = [n.loop for n in expr.body if isinstance(n, tiling.LoopNode)]
     if cand.split[0] not in top:
@@ -287,7 +293,9 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     except (tiling.PlacementError, ValueError) as e:
       reason = str(e)
       key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"
-      if "register budget" in reason:
+      if "TF32 operand tiles" in reason:
+        key = "fp32 accumulators and TF32 operand tiles exceed the register budget"
+      elif "register budget" in reason:
         key = "fp32 accumulators exceed the register budget"
       elif "(Rule 5)" in reason:
         key = "Rule 5: a dot Triton miscompiles"

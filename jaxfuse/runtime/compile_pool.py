@@ -184,10 +184,6 @@ class CompilePool:
     self._give(w)
     return None if reply.get("ok") else RuntimeError(str(reply.get("error")))
 
-  def _run(self, job: dict, timeout_s: float) -> Optional[str]:
-    """``_job`` with a timeout, its failure as text."""
-    return _describe(self._job(job, time.perf_counter() + timeout_s))
-
   def submit(self, groups: Sequence[Sequence[tuple[Any, Any, Sequence[Any], dict]]],
              target: Any, deadline: float) -> list[Optional[concurrent.futures.Future]]:
     """Starts compiling each group of ``(fn, grid, args, kwargs)`` launches

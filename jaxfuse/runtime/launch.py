@@ -858,9 +858,9 @@ class _TorchMeasurer:
     self.dropped = 0
 
     def fail(path: str, err: Exception) -> None:
-      with _lock:
-        _kernels[(sig, str(first[path].plan), "triton")] = err
-      for i in users[path]:
+      for i in users[path]:   # every plan that prints this kernel
+        with _lock:
+          _kernels[(sig, str(plans[i]), "triton")] = err
         why[i] = f"CodegenError: {err}"[:500]
 
     def load(path: str) -> bool:

@@ -249,7 +249,7 @@ class _Printer:
         if l in dot_dims and 1 < t < 16:
           t = 16   # tl.dot needs >= 16; the padding is masked
       self.T[l] = t
-    hazard = dot_hazard(r, tiles)
+    hazard = dot_hazard(r, tiles, tf32=False)
     if hazard:
       raise CodegenError(hazard)
     # Names of loop extents and tiles in the kernel signature.

@@ -40,8 +40,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # 10: tile 1 for every loop of extent 1; 11: a deferred softmax denominator
 # precedes every reader of its accumulator, and Rule 5 drops dots Triton
 # miscompiles (fewer plans, all printable); 12: loop-invariant TF32
-# operand tiles count against the register budget.
-FORMAT_VERSION = 12
+# operand tiles count against the register budget; 13: the TF32 transpose
+# term on wgmma dots only, and Rule 5 drops narrow TF32 dots that spill.
+FORMAT_VERSION = 13
 
 
 def _version() -> str:

@@ -55,7 +55,8 @@ footprints of the chain's tensors, in bytes) must not exceed 1.2 x the
 device's shared memory per block.
 
 Rule 5 (jaxfuse's, for its backend). No dot that Triton is known to
-miscompile (``dot_hazard``): the search never ranks such a plan.
+miscompile, nor a narrow TF32 dot known to spill registers
+(``dot_hazard``): the search never ranks such a plan.
 
 Example::
 
@@ -68,6 +69,7 @@ import math
 from typing import Iterable, Mapping, Optional, Sequence
 
 from jaxfuse import ir
+from jaxfuse.devices import contraction_dtype
 from jaxfuse.planner import tiling
 
 __all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
@@ -142,12 +144,25 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
 # session). The interpreter runs them correctly, so only this rule keeps
 # them off the GPU (Rule 5: what the backend cannot compile correctly).
 HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
+# TF32 dots (float32 operands, precision other than "ieee") of a computed
+# tile on fewer rows than a wgmma takes (mma.sync) with a reduction of at
+# least this many: the converted float32 tile is held in registers, and the
+# kernel spills. MCFuser G2 (1x512x256x64x128, float32) with 32 rows and a
+# whole 256-wide second reduction ran 156 us against XLA's 6.2 us on the
+# H100 (2026-11-22); offline sm_90 compiles (Triton 3.9 ptxas) of such
+# chains spilled 336-16660 bytes in 5 of 8 row/column tiles with a 256-wide
+# reduction and in none of 16 with a 64- or 128-wide one
+# (benchmarks/RESULTS.md, nineteenth session).
+TF32_NARROW_MAX_RED = 256
 
 
-def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
+def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True,
+               mma_rows: int = 64) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS``), or None. The search drops such plans, and the
-  printer refuses them (``CodegenError``) should one be handed over."""
+  (see ``HAZARD_ROWS``) or, with ``tf32``, one that spills registers (see
+  ``TF32_NARROW_MAX_RED``; ``mma_rows``: the device's wgmma rows), or None.
+  The search drops such plans, and the printer refuses the miscompiles
+  (``CodegenError``) should one be handed over."""
   vm = region.value_map
   ext = region.loop_extents
   produced = {op.out for op in region.ops}
@@ -166,6 +181,10 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int]) -> Optional[str]:
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
+      if (tf32 and contraction_dtype(region, op) == "float32" and op.precision != "ieee"
+              and rows < mma_rows and red >= TF32_NARROW_MAX_RED):
+        return (f"{op.out}: a TF32 dot of a computed {rows}x{red} tile on fewer than "
+                f"{mma_rows} rows, which spills registers")
   return None
 
 

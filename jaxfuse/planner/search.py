@@ -169,7 +169,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
         f"shared memory estimate "
         f"{pruning.smem_estimate(region, tiles, register_accumulators=True)} B exceeds "
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
-  hazard = pruning.dot_hazard(region, tiles)
+  hazard = pruning.dot_hazard(region, tiles, mma_rows=device.mma_rows)
   if hazard:
     raise tiling.PlacementError(f"{hazard} (Rule 5)")
   warps = cost_model.choose_warps(region, tiles)
@@ -298,7 +298,8 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
       elif "register budget" in reason:
         key = "fp32 accumulators exceed the register budget"
       elif "(Rule 5)" in reason:
-        key = "Rule 5: a dot Triton miscompiles"
+        key = ("Rule 5: a TF32 dot that spills registers" if "spills" in reason
+               else "Rule 5: a dot Triton miscompiles")
       rejected[key] = rejected.get(key, 0) + 1
       p = None
     memo[c] = p

@@ -55,7 +55,7 @@ footprints of the chain's tensors, in bytes) must not exceed 1.2 x the
 device's shared memory per block.
 
 Rule 5 (jaxfuse's, for its backend). No dot that Triton is known to
-miscompile, nor a narrow TF32 dot known to spill registers
+miscompile, nor a TF32 dot known to spill registers
 (``dot_hazard``): the search never ranks such a plan.
 
 Example::
@@ -145,22 +145,22 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
 # them off the GPU (Rule 5: what the backend cannot compile correctly).
 HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
-# tile on fewer rows than a wgmma takes (mma.sync) with a reduction of at
-# least this many: the converted float32 tile is held in registers, and the
-# kernel spills. MCFuser G2 (1x512x256x64x128, float32) with 32 rows and a
-# whole 256-wide second reduction ran 156 us against XLA's 6.2 us on the
-# H100 (2026-11-22); offline sm_90 compiles (Triton 3.9 ptxas) of such
-# chains spilled 336-16660 bytes in 5 of 8 row/column tiles with a 256-wide
-# reduction and in none of 16 with a 64- or 128-wide one
+# tile with a reduction of at least this many: the converted float32 tile
+# is held in registers, and the kernel spills. MCFuser G2
+# (1x512x256x64x128, float32) with 32 rows and a whole 256-wide second
+# reduction ran 156 us against XLA's 6.2 us on the H100 (2026-11-22).
+# Offline sm_90 compiles (Triton 3.9 ptxas) of three float32 chains spilled
+# in 20 of 33 tile combinations with a 256-wide reduction (13 of 22 on 16
+# or 32 rows, 7 of 11 on 64), and in 2 of 66 with a 64- or 128-wide one
 # (benchmarks/RESULTS.md, nineteenth session).
-TF32_NARROW_MAX_RED = 256
+TF32_MAX_COMPUTED_RED = 256
 
 
-def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True,
-               mma_rows: int = 64) -> Optional[str]:
+def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
+               ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
   (see ``HAZARD_ROWS``) or, with ``tf32``, one that spills registers (see
-  ``TF32_NARROW_MAX_RED``; ``mma_rows``: the device's wgmma rows), or None.
+  ``TF32_MAX_COMPUTED_RED``), or None.
   The search drops such plans, and the printer refuses the miscompiles
   (``CodegenError``) should one be handed over."""
   vm = region.value_map
@@ -182,9 +182,9 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
       if (tf32 and contraction_dtype(region, op) == "float32" and op.precision != "ieee"
-              and rows < mma_rows and red >= TF32_NARROW_MAX_RED):
-        return (f"{op.out}: a TF32 dot of a computed {rows}x{red} tile on fewer than "
-                f"{mma_rows} rows, which spills registers")
+              and red >= TF32_MAX_COMPUTED_RED):
+        return (f"{op.out}: a TF32 dot of a computed {rows}x{red} tile, which spills "
+                "registers")
   return None
 
 

@@ -169,7 +169,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
         f"shared memory estimate "
         f"{pruning.smem_estimate(region, tiles, register_accumulators=True)} B exceeds "
         f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
-  hazard = pruning.dot_hazard(region, tiles, mma_rows=device.mma_rows)
+  hazard = pruning.dot_hazard(region, tiles)
   if hazard:
     raise tiling.PlacementError(f"{hazard} (Rule 5)")
   warps = cost_model.choose_warps(region, tiles)

@@ -135,7 +135,7 @@ NESTED_LOOP_FILL_S = 0.5e-6
 # (G1 0.64x -> 1.17x; S4 and S6 lost 20-30%); 20 plans refit to 0.24e-9.
 # Only wgmma dots pay it (``tf32_transposed_elements``): a dot on fewer rows
 # than ``mma_rows`` runs mma.sync, whose operands go from shared memory to
-# registers element by element in any order. Counted on those too, 706
+# registers element by element in any order. Counted on those too, 691
 # measured float32 candidates of MCFuser G1-G12 (H100, 2026-11-22,
 # benchmarks/RESULTS.md nineteenth session) ranked with Spearman 0.81-0.95;
 # counted on wgmma dots only, 0.89-0.98.
@@ -580,11 +580,12 @@ UNFUSED_MARGIN = 1.5
 # "default"): fused only when predicted at most this fraction of
 # ``unfused_time``. XLA runs such dots as cuBLAS TF32 GEMMs at half the
 # float16 rate, so a fused chain saves less, while the model's error stays:
-# on the H100 (benchmarks/RESULTS.md, nineteenth session; 31 float32 GEMM
-# chains and attention cases under tune=model) the 1.5 bound kept fused
-# plans that measured 0.53-0.98x XLA's kernel time (MCFuser G4-G6, G11, G12,
-# Chimera G6, G9), and every case predicted below 0.75x measured at least
-# 0.91x (median 1.3x); the bound drops MCFuser G10 (1.12x) with them.
+# on the H100 (benchmarks/RESULTS.md, nineteenth session: float32 MCFuser
+# G1-G12, Chimera G1-G12, S1-S9 and two large attention cases under
+# tune=model) the 1.5 bound kept fused plans that measured 0.53-0.98x XLA's
+# kernel time (MCFuser G4-G6, G11, G12, Chimera G6, G9), and every case
+# predicted under 0.75x measured at least 0.91x (median 1.25x); the bound
+# drops MCFuser G10 (1.12x) with them.
 TF32_UNFUSED_MARGIN = 0.75
 
 

@@ -41,7 +41,8 @@ __all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
 # precedes every reader of its accumulator, and Rule 5 drops dots Triton
 # miscompiles (fewer plans, all printable); 12: loop-invariant TF32
 # operand tiles count against the register budget; 13: the TF32 transpose
-# term on wgmma dots only, and Rule 5 drops narrow TF32 dots that spill.
+# term on wgmma dots only, and Rule 5 drops TF32 dots of a computed tile
+# over a 256-wide reduction (they spill registers).
 FORMAT_VERSION = 13
 
 

@@ -787,11 +787,13 @@ def test_tf32_regions_need_a_wider_predicted_win_to_stay_fused():
   assert cost_model.unfused_margin(f32) == cost_model.TF32_UNFUSED_MARGIN < 1.0
   assert cost_model.unfused_margin(f16) == cost_model.unfused_margin(ieee) == 1.5
 
+  best = {id(r): plan_region(r, h100, use_cache=False).best for r in (f32, f16)}
+
   def plan_at(region, fraction):
+    """The region's plan, predicted at ``fraction`` of the unfused estimate."""
+    p = best[id(region)]
     t = fraction * cost_model.unfused_time(region, h100)
-    return dataclasses.replace(plan_region(region, h100, use_cache=False).best,
-                               predicted=dataclasses.replace(
-                                   plan_region(region, h100).best.predicted, time_s=t))
+    return dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, time_s=t))
   m = cost_model.TF32_UNFUSED_MARGIN
   why = cost_model.slower_than_unfused(f32, plan_at(f32, m * 1.05), h100)
   assert why and f"under {m}x" in why

@@ -578,7 +578,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
 UNFUSED_MARGIN = 1.5
 # The same bound for a region with a TF32 dot (float32 operands, precision
 # "default"): fused only when predicted at most this fraction of
-# ``unfused_time``. XLA runs such dots as cuBLAS TF32 GEMMs at half the
+# ``unfused_time``. XLA's own GEMMs run such dots in TF32 too, at half the
 # float16 rate, so a fused chain saves less, while the model's error stays:
 # on the H100 (benchmarks/RESULTS.md, nineteenth session: float32 MCFuser
 # G1-G12, Chimera G1-G12, S1-S9 and two large attention cases under

@@ -922,7 +922,8 @@ def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
             "ridge": g("ridge"), "mbci": g("mbci"), "device": str(g("device")),
             "plan": None if plan is None else str(plan),
             "predicted_time_s": g("predicted_time_s"),
-            "floor_time_s": g("floor_time_s"), "why_not": g("why_not"),
+            "floor_time_s": g("floor_time_s"), "unfused_time_s": g("unfused_time_s"),
+            "why_not": g("why_not"),
             "plan_time_s": g("plan_time_s"), "tune_time_s": g("tune_time_s"),
             "notes": [str(x) for x in (g("notes") or [])],
         })

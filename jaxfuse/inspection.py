@@ -60,6 +60,9 @@ class RegionReport:
   plan: Any = None
   predicted_time_s: Optional[float] = None
   floor_time_s: Optional[float] = None
+  # The model's time for the region's ops run one by one (what XLA runs when
+  # the region is not fused); keep-or-drop compares the two.
+  unfused_time_s: Optional[float] = None
   alternatives: list[Alternative] = dataclasses.field(default_factory=list)
   why_not: Optional[str] = None
   plan_time_s: Optional[float] = None
@@ -102,6 +105,8 @@ class RegionReport:
     lines.append(f"plan:          {self.plan if self.plan is not None else '-'}")
     lines.append(f"predicted:     {_us(self.predicted_time_s)}    floor: "
                  f"{_us(self.floor_time_s)}"
+                 + (f"    unfused: {_us(self.unfused_time_s)}"
+                    if self.unfused_time_s is not None else "")
                  + (f"    (planned in {self.plan_time_s * 1e3:.1f} ms)"
                     if self.plan_time_s is not None else ""))
     if self.space:
@@ -303,6 +308,12 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
 
   if planner is None:
     return rr
+  if spec is not None:
+    try:
+      from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+      rr.unfused_time_s = float(cost_model.unfused_time(region, spec))
+    except Exception as e:  # pylint: disable=broad-except
+      rr.notes.append(f"unfused estimate failed: {_err(e)}")
   try:
     res = planner.plan_region(region, spec if spec is not None else None)
   except Exception as e:  # pylint: disable=broad-except

@@ -115,6 +115,14 @@ def test_plan_fields_when_planner_present_or_note_when_not():
   for alt in r.alternatives:
     assert alt.predicted_time_s is None or alt.predicted_time_s >= r.predicted_time_s * 0.999
   assert str(r.plan) in str(rep)
+  # The model's time for XLA's separate ops, which keep-or-drop weighs the
+  # plan against, is reported and printed.
+  from jaxfuse import capture
+  from jaxfuse.devices import get_device
+  from jaxfuse.planner import cost_model
+  [captured] = capture.find_regions(jax.make_jaxpr(attention)(*_s2()))
+  assert r.unfused_time_s == pytest.approx(cost_model.unfused_time(captured.region, get_device("h100")))
+  assert f"unfused: {r.unfused_time_s * 1e6:.3f} us" in str(rep)
 
 
 def test_degrades_when_planner_raises(monkeypatch):

@@ -183,7 +183,9 @@ def test_keep_or_drop_against_xla(monkeypatch):
     plan = None
   # (fused s, spread), (XLA s, spread), model verdict, kept?
   cases = (((2e-6, 0.1), (5e-6, 0.1), None, True),
-           ((5.1e-6, 0.1), (5e-6, 0.1), None, True),      # within 5%: a tie, kept
+           ((5.1e-6, 0.1), (5e-6, 0.1), None, True),      # within 5%: a tie; the model says fused
+           ((4.9e-6, 0.1), (5e-6, 0.1), "slower", False), # a tie; the model says XLA
+           ((4.5e-6, 0.1), (5e-6, 0.1), "slower", True),  # measured faster: the model is not asked
            ((6e-6, 0.1), (5e-6, 0.1), None, False),
            ((2e-6, 0.1), (0.0, 0.1), None, True),         # a zero slope: the model says fused
            ((-1e-6, 0.1), (5e-6, 0.1), "slower", False),  # a negative slope: the model says XLA
@@ -197,7 +199,7 @@ def test_keep_or_drop_against_xla(monkeypatch):
     if kept:
       launch._keep_fused(K(), lambda *a: a)
     else:
-      with pytest.raises(CodegenError, match="measured slower than XLA|inconclusive"):
+      with pytest.raises(CodegenError, match="measured slower than XLA|inconclusive|a tie"):
         launch._keep_fused(K(), lambda *a: a)
   launch._xla_decisions.clear()
 
@@ -323,9 +325,9 @@ def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
 
 def test_model_leaves_predicted_losers_to_xla(monkeypatch):
   """tune='model': MCFuser G6 without split reductions (measured 1.6x
-  slower fused on an H200) is left to XLA on the model's word; with them
-  (the default; 1.46x faster than XLA on an H100) and G1 are fused; the
-  interpreter path does not apply the model's verdict."""
+  slower fused on an H200) is left to XLA on the model's word; G1 and G4
+  with split reductions (the default) are fused; the interpreter path does
+  not apply the model's verdict."""
   from jaxfuse.codegen import CodegenError
   from jaxfuse.config import config
   from jaxfuse.devices import get_device
@@ -341,7 +343,8 @@ def test_model_leaves_predicted_losers_to_xla(monkeypatch):
     assert launch._candidate_plans(g1, None, backend="triton")
     assert launch._candidate_plans(g6, None, backend="interpret")
   with config.override(tune="model"):
-    assert launch._candidate_plans(g6, None, backend="triton")[0].split
+    g4 = examples.gemm_chain(1, 512, 512, 256, 256)
+    assert launch._candidate_plans(g4, None, backend="triton")[0].split
 
 
 def test_left_to_xla_is_logged_as_a_decision(caplog):

@@ -769,37 +769,59 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   best1 = plan_region(g1, h200, use_cache=False).best
   assert "separate kernels" in cost_model.slower_than_unfused(g6, best6, h200)
   assert cost_model.slower_than_unfused(g1, best1, h200) is None
-  # split reductions (on by default) make G6 a predicted winner
+  # split reductions (on by default) cut G6's prediction, and make G4 (a
+  # 256-wide first reduction) a predicted winner
   split6 = plan_region(g6, h200, use_cache=False).best
-  assert split6.split and cost_model.slower_than_unfused(g6, split6, h200) is None
+  assert split6.split and split6.predicted.time_s < best6.predicted.time_s
+  g4 = examples.gemm_chain(1, 512, 512, 256, 256)
+  split4 = plan_region(g4, h200, use_cache=False).best
+  assert split4.split and cost_model.slower_than_unfused(g4, split4, h200) is None
 
 
-def test_tf32_regions_need_a_wider_predicted_win_to_stay_fused():
-  """Under tune=model a TF32 region is fused only when predicted under
-  TF32_UNFUSED_MARGIN x the unfused estimate; 16-bit and IEEE regions keep
-  the 1.5x bound. The float32 chains the 1.5x bound kept measured 0.53-0.98x
-  XLA on the H100 (nineteenth session)."""
+def test_keep_or_drop_bound_is_a_predicted_win_for_every_dtype():
+  """Under tune=model a region stays fused only when predicted under
+  UNFUSED_MARGIN (< 1) x the unfused estimate, float16, TF32 and IEEE
+  alike: on the H100, chains the old 1.5x bound kept at model ratios of
+  0.82-1.5 ran at 0.50-0.93x XLA (twentieth session)."""
   from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
   h100 = get_device("h100")
   f32 = examples.gemm_chain(8, 1024, 1024, 128, 128, dtype="float32")
   f16 = examples.gemm_chain(8, 1024, 1024, 128, 128)
   ieee = T.with_precision(f32, "ieee")
-  assert cost_model.unfused_margin(f32) == cost_model.TF32_UNFUSED_MARGIN < 1.0
-  assert cost_model.unfused_margin(f16) == cost_model.unfused_margin(ieee) == 1.5
-
-  best = {id(r): plan_region(r, h100, use_cache=False).best for r in (f32, f16)}
+  m = cost_model.UNFUSED_MARGIN
+  assert 0.5 < m < 1.0
+  best = {id(r): plan_region(r, h100, use_cache=False).best for r in (f32, f16, ieee)}
 
   def plan_at(region, fraction):
     """The region's plan, predicted at ``fraction`` of the unfused estimate."""
     p = best[id(region)]
     t = fraction * cost_model.unfused_time(region, h100)
     return dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, time_s=t))
-  m = cost_model.TF32_UNFUSED_MARGIN
-  why = cost_model.slower_than_unfused(f32, plan_at(f32, m * 1.05), h100)
-  assert why and f"under {m}x" in why
-  assert cost_model.slower_than_unfused(f32, plan_at(f32, m * 0.95), h100) is None
-  assert cost_model.slower_than_unfused(f16, plan_at(f16, m * 1.05), h100) is None
-  assert cost_model.slower_than_unfused(f16, plan_at(f16, 1.6), h100)
+  for r in (f32, f16, ieee):
+    why = cost_model.slower_than_unfused(r, plan_at(r, m * 1.05), h100)
+    assert why and f"under {m}x" in why
+    assert cost_model.slower_than_unfused(r, plan_at(r, m * 0.95), h100) is None
+
+
+def test_bert_small_ffn_predicted_slower_fused_is_left_to_xla():
+  """BERT-Small's FFN at batch 1 (512 tokens, 512 -> 2048 -> 512 with a
+  GELU between) is MBCI by the unfused intensity, and the model predicts its
+  best fused plan at about 1.3x the unfused estimate. The old 1.5x bound
+  fused it; it ran at 0.73x XLA's device span on the H100 (twentieth
+  session), and with it BERT-Small b1 as a whole was no faster than jax.jit."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+  f16 = lambda *shape: jax.ShapeDtypeStruct(shape, "float16")
+  closed = jax.make_jaxpr(lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2)(
+      f16(512, 512), f16(512, 2048), f16(2048, 512))
+  [captured] = capture.find_regions(closed)
+  ffn = captured.region
+  best = plan_region(ffn, h100, use_cache=False).best
+  assert best is not None
+  ratio = best.predicted.time_s / cost_model.unfused_time(ffn, h100)
+  assert cost_model.UNFUSED_MARGIN < ratio < 1.5
+  assert "separate kernels" in cost_model.slower_than_unfused(ffn, best, h100)
 
 
 def test_parse_plan_roundtrip():

@@ -510,6 +510,8 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
 # calls read -4 to 15 us and XLA's 2-kernel chains 0.7-1.1 us per call
 # against 9 us of kernels (H200, fifth session): no evidence either way.
 MAX_TIMING_SPREAD = 0.5
+# Per-call times within this fraction of each other are a tie.
+TIMING_TIE = 0.05
 
 
 def _shifted(x, i: int):
@@ -535,22 +537,24 @@ def _keep_fused(k: GeneratedKernel, original: Callable) -> None:
     logging.info("jaxfuse: region %s measured fused %.1f us (spread %.2f), XLA %.1f us "
                  "(spread %.2f)", k.region.einsum_summary(), t_fused * 1e6, s_fused,
                  t_xla * 1e6, s_xla)
-  if min(t_fused, t_xla) <= 0 or max(s_fused, s_xla) > MAX_TIMING_SPREAD:
-    # Noise, not times: the cost model decides, as under tune='model'.
+  noise = min(t_fused, t_xla) <= 0 or max(s_fused, s_xla) > MAX_TIMING_SPREAD
+  if not noise and t_fused > (1 + TIMING_TIE) * t_xla:
+    raise LeftToXLA(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
+                    f"XLA {t_xla * 1e6:.1f} us")
+  if noise or t_fused > (1 - TIMING_TIE) * t_xla:
+    # Noise or a tie, not a verdict: the cost model decides, as under
+    # tune='model'. A tie went to the fused kernel until BERT-Small's FFN
+    # (24.4 us fused vs 23.2 us) stayed fused; its device span was 0.73x
+    # XLA's (H100, twentieth session), as the model's 1.4x ratio says.
     from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
     from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
     why = cost_model.slower_than_unfused(k.region, k.plan, get_device(None))
     if first:
-      logging.info("jaxfuse: keep-or-drop timing inconclusive; the model says %s",
-                   why or "fused")
+      logging.info("jaxfuse: keep-or-drop timing %s; the model says %s",
+                   "inconclusive" if noise else "a tie", why or "fused")
     if why:
-      raise LeftToXLA(f"{why}; left to XLA (measurement inconclusive)")
-    return
-  # Dropped only when clearly slower: within 5% the two are a tie that the
-  # fused kernel wins on memory traffic left for the rest of the program.
-  if t_fused > 1.05 * t_xla:
-    raise LeftToXLA(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
-                    f"XLA {t_xla * 1e6:.1f} us")
+      raise LeftToXLA(f"{why}; left to XLA (measurement "
+                      f"{'inconclusive' if noise else 'a tie'})")
 
 
 def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,

@@ -204,6 +204,33 @@ def test_keep_or_drop_against_xla(monkeypatch):
   launch._xla_decisions.clear()
 
 
+def test_undecided_keep_or_drop_asks_the_model_about_its_best_plan(monkeypatch):
+  """When timing cannot decide, the verdict rests on the model's best
+  prediction among the candidates, not on the measured pick's own: the
+  measured pick ran faster than the model's best, so that bounds it."""
+  import dataclasses
+  from jaxfuse.planner import cost_model
+  r = examples.gemm_chain(1, 512, 512, 512, 256)
+  ranked = plan_region(r, "h100", use_cache=False).ranked
+  slow = max(ranked, key=lambda p: p.predicted.time_s)
+  assert launch._best_predicted(list(ranked)) is min(ranked, key=lambda p: p.predicted.time_s)
+  assert launch._best_predicted([dataclasses.replace(slow, predicted=None)]) is None
+
+  class K:
+    region = r
+    plan = slow
+  asked = []
+  monkeypatch.setattr(cost_model, "slower_than_unfused",
+                      lambda region, plan, dev: asked.append(plan))
+  for model_plan, want in ((ranked[0], ranked[0]), (None, slow)):
+    launch._xla_decisions.clear()
+    times = iter(((5e-6, 0.9), (5e-6, 0.1)))      # inconclusive
+    monkeypatch.setattr(launch, "_per_call_time", lambda fn, region: next(times))
+    launch._keep_fused(K(), lambda *a: a, model_plan=model_plan)
+    assert asked.pop() is want
+  launch._xla_decisions.clear()
+
+
 def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):
   from jaxfuse.codegen import CodegenError
   r = examples.gemm_chain(1, 32, 16, 16, 16)

@@ -576,7 +576,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
 # paper cases and 18 GEMM-GELU-GEMM chains at BERT/ViT FFN widths
 # (benchmarks/RESULTS.md, twentieth session; device span against XLA's),
 # every region predicted under 0.75x ran at least as fast as XLA, and 11 of
-# the 12 predicted at 0.82-1.52x ran at 0.50-0.93x XLA's speed (the twelfth,
+# the 12 predicted at 0.82-1.52x ran at 0.50-0.92x XLA's speed (the twelfth,
 # MCFuser G6 at 0.87x, ran 1.2x faster). float32 (TF32) chains agree: every
 # one predicted under 0.75x measured at least 0.91x XLA, while the old 1.5x
 # bound kept chains measuring 0.53-0.98x (nineteenth session).

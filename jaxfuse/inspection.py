@@ -105,7 +105,7 @@ class RegionReport:
     lines.append(f"plan:          {self.plan if self.plan is not None else '-'}")
     lines.append(f"predicted:     {_us(self.predicted_time_s)}    floor: "
                  f"{_us(self.floor_time_s)}"
-                 + (f"    unfused: {_us(self.unfused_time_s)}"
+                 + (f"    XLA ops (model): {_us(self.unfused_time_s)}"
                     if self.unfused_time_s is not None else "")
                  + (f"    (planned in {self.plan_time_s * 1e3:.1f} ms)"
                     if self.plan_time_s is not None else ""))

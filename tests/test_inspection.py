@@ -122,7 +122,7 @@ def test_plan_fields_when_planner_present_or_note_when_not():
   from jaxfuse.planner import cost_model
   [captured] = capture.find_regions(jax.make_jaxpr(attention)(*_s2()))
   assert r.unfused_time_s == pytest.approx(cost_model.unfused_time(captured.region, get_device("h100")))
-  assert f"unfused: {r.unfused_time_s * 1e6:.3f} us" in str(rep)
+  assert f"XLA ops (model): {r.unfused_time_s * 1e6:.3f} us" in str(rep)
 
 
 def test_degrades_when_planner_raises(monkeypatch):

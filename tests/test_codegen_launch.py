@@ -143,6 +143,136 @@ def test_consume_outputs_keeps_every_output_whole_and_returns_samples():
   assert len(dots) == 3 and all("f32[3,3]" in l for l in dots)
 
 
+def _host_clock_stamp(dep):
+  """A CPU stand-in for device_clock.stamp: the host's ns clock, read when
+  XLA runs the callback, i.e. once ``dep`` is computed."""
+  import time
+  import jax.numpy as jnp
+
+  def now(_):
+    t = time.perf_counter_ns() + (5 << 32)   # a high word too
+    return np.array([t & 0xFFFFFFFF, t >> 32], np.uint32).view(np.int32)
+  return jax.pure_callback(now, jax.ShapeDtypeStruct((2,), jnp.int32), dep)
+
+
+def test_stamped_program_orders_its_stamps_around_every_call():
+  """Every call's inputs come out of a barrier with the first stamp and the
+  second stamp reads every call's output: no kernel of a call can run
+  outside the span."""
+  import jax.numpy as jnp
+  from jaxfuse.runtime import device_clock
+  sets = [[jnp.ones((4, 4)) * i, jnp.ones((4, 4))] for i in range(3)]
+  jaxpr = jax.make_jaxpr(lambda s: device_clock.stamped(
+      lambda a: [x @ y for x, y in a], s, stamp_fn=_host_clock_stamp))(sets).jaxpr
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+  def ancestors(v, seen):
+    e = producer.get(v)
+    if e is not None and id(e) not in seen:
+      seen.add(id(e))
+      for u in e.invars:
+        if u in producer or not hasattr(u, "val"):
+          ancestors(u, seen)
+    return seen
+  stamps = [e for e in jaxpr.eqns if e.primitive.name == "pure_callback"]
+  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(stamps) == 2 and len(dots) == 3
+  first, last = stamps
+  for d in dots:
+    assert id(first) in set().union(*(ancestors(u, set()) for u in d.invars))
+    assert id(d) in ancestors(last.invars[0], set())
+  start, end, consumed = jax.jit(lambda s: device_clock.stamped(
+      lambda a: [x @ y for x, y in a], s, stamp_fn=_host_clock_stamp))(sets)
+  assert device_clock.nanoseconds(end) >= device_clock.nanoseconds(start) > (5 << 32)
+  np.testing.assert_allclose(np.asarray(consumed), [0.0, 4.0, 8.0])
+  with pytest.raises(ValueError, match="args"):
+    device_clock.stamped(lambda a: a, [], stamp_fn=_host_clock_stamp)
+
+
+def test_nanoseconds_decodes_both_words():
+  from jaxfuse.runtime import device_clock
+  for t in (0, 2**31 + 5, 2**32 - 1, 2**32, 1_763_800_000_123_456_789):
+    words = np.array([t & 0xFFFFFFFF, t >> 32], np.uint32).view(np.int32)
+    assert device_clock.nanoseconds(words) == t
+
+
+def test_span_slope_takes_the_stamps_and_fixed_kernels_out():
+  from jaxfuse.runtime import device_clock
+
+  def encode(t):
+    return np.array([t & 0xFFFFFFFF, t >> 32], np.uint32).view(np.int32)
+  clock = [2**40]
+  jitter = iter([0, 40, -30, 10, 0, 20, -10, 0, 30, -20] * 3)
+
+  def run(n):   # 7 us of stamps and output check, 3 us per call, +-40 ns
+    t0 = clock[0]
+    clock[0] += 100_000
+    return encode(t0), encode(t0 + 7_000 + 3_000 * n + next(jitter)), None
+  res = device_clock.span_slope(run, lo=8, hi=32, reps=7)
+  assert res["per_call_s"] == pytest.approx(3e-6, rel=0.01)
+  assert res["per_call_spread"] < 0.01
+  assert res["spans_s"][8] == pytest.approx(31e-6, rel=0.01)
+  # A clock that does not move tells nothing: an infinite spread, which
+  # keep-or-drop reads as inconclusive.
+  flat = device_clock.span_slope(lambda n: (encode(7), encode(7), None), lo=8, hi=32, reps=3)
+  assert flat["per_call_spread"] == float("inf")
+  assert flat["per_call_spread"] > launch.MAX_TIMING_SPREAD
+  with pytest.raises(ValueError, match="lo, hi"):
+    device_clock.span_slope(run, lo=8, hi=8)
+  with pytest.raises(ValueError, match="reps"):
+    device_clock.span_slope(run, lo=8, hi=32, reps=0)
+
+
+def test_per_call_time_reads_the_device_clock_where_there_is_one(monkeypatch):
+  """With a clock (here the host's, standing in for %globaltimer) the
+  keep-or-drop timing is the slope of stamped spans; when the stamps fail it
+  falls back to the host slope with one log line."""
+  import jax.numpy as jnp
+  from jaxfuse.runtime import device_clock
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  stamps, logged = [], []
+
+  def stamp(dep):
+    stamps.append(1)
+    return _host_clock_stamp(dep)
+  monkeypatch.setattr(device_clock, "available", lambda: True)
+  monkeypatch.setattr(device_clock, "stamp", stamp)
+  monkeypatch.setattr(launch.logging, "info", lambda msg, *a: logged.append(msg % a))
+  slopes = []
+  monkeypatch.setattr(device_clock, "span_slope",
+                      lambda *a, f=device_clock.span_slope, **k: slopes.append(1) or f(*a, **k))
+  fn = lambda a, b, c: [jnp.dot(jnp.dot(a, b), c)]
+  t, spread = launch._per_call_time(fn, r, lo=1, hi=2, reps=2)
+  assert slopes == [1] and len(stamps) == 4   # two stamps traced per program
+  assert np.isfinite(t) and spread >= 0       # a CPU's time: not checked against anything
+
+  def broken(*a, **k):
+    raise RuntimeError("no stamp kernel")
+  monkeypatch.setattr(device_clock, "stamped", broken)
+  t, spread = launch._per_call_time(fn, r, lo=1, hi=2, reps=1)
+  assert np.isfinite(t)
+  assert sum("device clock failed" in m for m in logged) == 1
+
+
+def test_stamp_kernel_reads_globaltimer_when_compiled_for_hopper():
+  """The stamp cannot run in Triton's interpreter (inline PTX); compiled
+  offline for sm_90 it must read %globaltimer and store both words."""
+  from jaxfuse.runtime import device_clock
+  triton = pytest.importorskip("triton")
+  try:
+    from triton.backends.compiler import GPUTarget
+    kernel = device_clock._stamp_kernel()   # interpreted under the tests' TRITON_INTERPRET
+    kernel = triton.runtime.jit.JITFunction(getattr(kernel, "fn", kernel))
+    src = triton.compiler.ASTSource(fn=kernel,
+                                    signature={"dep_ptr": "*fp32", "out_ptr": "*i32"},
+                                    constexprs={})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+  except (ImportError, AttributeError, TypeError) as e:   # another Triton's compile API
+    pytest.skip(f"offline compile unavailable: {e}")
+  assert "%globaltimer" in ptx
+  assert sum("st.global.b32" in l for l in ptx.splitlines()) == 2
+
+
 def test_triton_cache_dir_is_made_writable(monkeypatch, tmp_path):
   import os
   from jaxfuse.config import config

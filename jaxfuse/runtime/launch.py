@@ -37,6 +37,7 @@ from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
 from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.runtime import compile_pool
+from jaxfuse.runtime import device_clock
 from jaxfuse.runtime import timing
 from jaxfuse.runtime import triton_call
 
@@ -485,15 +486,30 @@ _xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
 
 def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
                    reps: int = 7) -> tuple[float, float]:
-  """Seconds per call of ``fn`` on the device by the slope method
-  (``jaxfuse.runtime.timing``) on distinct random inputs, the calls'
-  outputs consumed on the device (``timing.consume_outputs``)."""
+  """Seconds per call of ``fn`` on the device and the spread of its
+  repetitions, on distinct random inputs, the calls' outputs consumed on the
+  device (``timing.consume_outputs``).
+
+  On a GPU with jax-triton: the slope of device spans between GPU clock
+  stamps (``device_clock``). Elsewhere, or when a stamp fails: the host
+  slope method (``timing.slope``), which on the H100 host measured host
+  work for calls of a few us (spreads 0.7-8, twentieth session)."""
   import jax  # pylint: disable=g-import-not-at-top
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
   dev = _on_device(random_inputs(region, seed=7))
   with jax.ensure_compile_time_eval():
     sets = [[_shifted(x, i) for x in dev] for i in range(hi)]
+  if device_clock.available():
+    try:
+      progs = {n: _compile(lambda s, n=n: device_clock.stamped(
+          lambda a: [fn(*x) for x in a[:n]], s), [sets]) for n in (lo, hi)}
+      with jax.ensure_compile_time_eval():
+        res = device_clock.span_slope(lambda n: progs[n](sets), lo=lo, hi=hi, reps=reps)
+      return res["per_call_s"], res["per_call_spread"]
+    except Exception as e:  # pylint: disable=broad-except  (a stamp that does not build or run)
+      logging.info("jaxfuse: device clock failed (%s: %s); timing from the host",
+                   type(e).__name__, str(e)[:300])
   progs = {n: _compile(lambda s, n=n: timing.consume_outputs([fn(*a) for a in s[:n]]), [sets])
            for n in (lo, hi)}
   with jax.ensure_compile_time_eval():

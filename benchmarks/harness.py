@@ -886,17 +886,51 @@ def _derived(res: dict, case: Case, roof: Roof) -> None:
       res[f"{key}_floor_frac"] = floor / t
 
 
+def _outcomes(case: Case, args: tuple) -> Optional[list]:
+  """Per region of ``case``: how this process's compile lowered it
+  (``jaxfuse.runtime.launch.Outcome``), None for a region it did not (the
+  CPU path runs regions' original ops without lowering them)."""
+  api = jaxfuse_api()
+  launch = sys.modules.get("jaxfuse.runtime.launch")   # imported by a lowering only
+  if api.find_regions is None or launch is None or not hasattr(launch, "outcome"):
+    return None
+  return [launch.outcome(cap.region)
+          for cap in api.find_regions(jax.make_jaxpr(case.fn)(*args))]
+
+
+def lowered(case: Case, args: tuple) -> Optional[list[str]]:
+  """What jaxfuse.jit ran for each region of ``case``: its kernel's plan or
+  why XLA's ops run (under --tune=measure with the keep-or-drop timing);
+  None where nothing was lowered."""
+  try:
+    done = _outcomes(case, args)
+  except Exception as e:  # pylint: disable=broad-except
+    return [f"unknown ({type(e).__name__}: {e})"]
+  if not done or all(o is None for o in done):
+    return None
+  return [str(o) if o is not None else "not lowered" for o in done]
+
+
 def plans_run(case: Case, args: tuple) -> Optional[str]:
-  """The plans jaxfuse.jit compiled for ``case`` (read back from the plan
-  cache its compile filled): under ``--tune=measure`` they are the measured
-  choices, which can differ from the model's plans in ``plans``."""
+  """The plans jaxfuse.jit compiled for ``case``, "XLA's ops" for a region
+  it left to XLA: under ``--tune=measure`` they are the measured choices,
+  which can differ from the model's plans in ``plans``. Regions not lowered
+  in this process (the CPU path) read the plan cache the compile filled."""
   api = jaxfuse_api()
   if api.plan_region is None or api.find_regions is None:
     return None
   try:
     caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
-    best = [api.plan_region(cap.region).best for cap in caps]
-    return "; ".join(str(b) for b in best if b is not None) or None
+    done = _outcomes(case, args) or [None] * len(caps)
+    names = []
+    for cap, o in zip(caps, done):
+      if o is not None:
+        names.append(o.plan if o.fused else "XLA's ops")
+      else:
+        best = api.plan_region(cap.region).best
+        if best is not None:
+          names.append(str(best))
+    return "; ".join(names) or None
   except Exception as e:  # pylint: disable=broad-except
     return f"unknown ({type(e).__name__}: {e})"
 
@@ -1025,8 +1059,10 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         else:
           timed = runner
         impl.block(timed(prepared[:4 * k]))   # compile/warm 4K
-        if is_jaxfuse and settings.tune == "measure" and "jaxfuse" in res:
-          res["jaxfuse"]["plans_run"] = plans_run(case, sets[0])
+        if is_jaxfuse and "jaxfuse" in res:
+          res["jaxfuse"]["lowered"] = lowered(case, sets[0])
+          if settings.tune == "measure":
+            res["jaxfuse"]["plans_run"] = plans_run(case, sets[0])
         res.update(slope_time(timed, impl.block, prepared, k, settings.reps))
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         if settings.do_profile:
@@ -1173,8 +1209,10 @@ def write_outputs(prefix: str, meta: dict, rows: list[dict], summary: dict) -> l
       jf = res2.pop("jaxfuse", None)
       _flat("", res2, d)
       if jf:
-        d.update({f"jaxfuse.{k}": v for k, v in jf.items()
-                  if k in ("regions", "plans", "predicted_s", "plan_s", "tune_s", "why_not")})
+        d.update({f"jaxfuse.{k}": "; ".join(v) if isinstance(v, list) else v
+                  for k, v in jf.items()
+                  if k in ("regions", "plans", "predicted_s", "plan_s", "tune_s", "why_not",
+                           "plans_run", "lowered")})
       for k, v in r["jaxfuse_speedup"].get(name, {}).items():
         d[f"jaxfuse_speedup.{k}"] = v
       flat_rows.append(d)
@@ -1390,6 +1428,9 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
                f" predicted_us={_us(jf.get('predicted_s'))}")
       if jf.get("why_not"):
         extra += f" why_not={jf['why_not']}"
+      left = [l for l in jf.get("lowered") or () if not l.startswith("fused")]
+      if left:
+        extra += f" lowered={'; '.join(left)}"
     print(f"[{binary}] {case.name}: K={row['calls']} done in "
           f"{time.perf_counter() - t0:.1f}s{extra}")
     for name, res in row["impls"].items():

@@ -24,6 +24,7 @@ fails, the fields it would fill are None and the report says why in
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Optional
 
 import jax
@@ -65,6 +66,10 @@ class RegionReport:
   unfused_time_s: Optional[float] = None
   alternatives: list[Alternative] = dataclasses.field(default_factory=list)
   why_not: Optional[str] = None
+  # How a compile in this process lowered the region (``launch.Outcome`` as
+  # text): the kernel's plan, or why XLA's ops run (under tune='measure',
+  # with the keep-or-drop timing). None until something compiled it.
+  lowered: Optional[str] = None
   plan_time_s: Optional[float] = None
   space: Optional[dict] = None
   kernel_source: Optional[str] = None
@@ -117,6 +122,7 @@ class RegionReport:
       for j, a in enumerate(self.alternatives, 1):
         lines.append(f"  {j}. {_us(a.predicted_time_s):>10}  {a.plan}")
     lines.append(f"why not fused: {self.why_not or '-'}")
+    lines.append(f"lowered:       {self.lowered or 'not compiled in this process'}")
     for note in self.notes:
       lines.append(f"note: {note}")
     if self.kernel_source:
@@ -305,6 +311,13 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
                             min_bytes / bandwidth)
     except Exception as e:  # pylint: disable=broad-except
       rr.notes.append(f"device model failed: {_err(e)}")
+
+  # Only a process that lowered regions has imported launch (it pulls in
+  # Triton); importing it here would cost that and could find nothing.
+  launch = sys.modules.get("jaxfuse.runtime.launch")
+  if launch is not None:
+    done = launch.outcome(region)
+    rr.lowered = None if done is None else str(done)
 
   if planner is None:
     return rr

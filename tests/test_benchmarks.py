@@ -11,6 +11,7 @@ fidelity statistics) are checked directly on synthetic data.
 from __future__ import annotations
 
 import gzip
+import csv
 import json
 import math
 import os
@@ -360,3 +361,32 @@ def test_measured_runs_record_the_plans_jaxfuse_compiled(tmp_path):
     row = json.load(f)["rows"][0]
   info = row["impls"]["jaxfuse"]["jaxfuse"]
   assert info["plans_run"] and info["plans_run"] == info["plans"]
+
+
+def test_rows_record_how_jaxfuse_lowered_each_region(tmp_path, monkeypatch):
+  """``lowered`` says what ran for each region (a kernel's plan, or XLA's
+  ops and why), and ``plans_run`` names XLA's ops for a region keep-or-drop
+  left to XLA: the model's plan in ``plans`` never ran there."""
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+  settings = harness.Settings(dtype="float32", reps=1, profile="off", tune="measure")
+
+  def run(case):
+    prefix = str(tmp_path / case.name)
+    with config.override(backend="interpret"):
+      harness.main("gemm_chain", [case], gemm_chain.impls_for, settings, out=prefix,
+                   do_plot=False, baselines="xla")
+    with open(prefix + ".json") as f:
+      info = json.load(f)["rows"][0]["impls"]["jaxfuse"]["jaxfuse"]
+    with open(prefix + ".csv") as f:
+      return info, next(csv.DictReader(f))
+  info, flat = run(gemm_chain.make_case("fused", 1, 48, 40, 16, 24, dtype="float32"))
+  assert len(info["lowered"]) == 1 and info["lowered"][0].startswith("fused: grid(")
+  assert info["plans_run"] == info["lowered"][0][len("fused: "):]
+  assert flat["jaxfuse.lowered"] == info["lowered"][0]
+  monkeypatch.setattr(launch, "_candidate_plans", lambda *a, **k: (_ for _ in ()).throw(
+      launch.LeftToXLA("measured slower than XLA: fused 9.0 us vs XLA 7.0 us")))
+  info, _ = run(gemm_chain.make_case("dropped", 1, 48, 40, 16, 8, dtype="float32"))
+  assert info["lowered"] == ["XLA's ops: measured slower than XLA: fused 9.0 us vs XLA 7.0 us"]
+  assert info["plans_run"] == "XLA's ops" != info["plans"]

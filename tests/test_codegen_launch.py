@@ -334,6 +334,35 @@ def test_keep_or_drop_against_xla(monkeypatch):
   launch._xla_decisions.clear()
 
 
+def test_fused_call_records_how_it_settled_a_region(monkeypatch):
+  """``launch.outcome``: the kernel's plan with the keep-or-drop timing
+  when one was taken, or the reason XLA's ops run; nothing for a region
+  never lowered or lowered with an explicit plan."""
+  r = T.gemm_chain(M=16, N=24, K=8, H=8)
+  xs = launch.random_inputs(r, seed=2)
+  assert launch.outcome(r) is None
+  launch._xla_decisions[r.signature()] = ((5e-6, 0.01), (7e-6, 0.01))
+  try:
+    launch.fused_call(r, xs, backend="interpret")
+  finally:
+    launch._xla_decisions.pop(r.signature())
+  got = launch.outcome(r)
+  assert got.fused and got.plan == str(launch._chosen[(r.signature(), "interpret", None)].plan)
+  assert str(got).startswith("fused (measured 5.0 us fused vs 7.0 us XLA): grid(")
+  assert launch.outcome(r, "triton") is None and launch.outcome(r, "interpret") is got
+  r2 = T.gemm_chain(M=16, N=24, K=8, H=16)
+  monkeypatch.setattr(launch, "_candidate_plans", lambda *a, **k: (_ for _ in ()).throw(
+      launch.LeftToXLA("not memory-bound: intensity 300 FLOP/B >= ridge 263; left to XLA")))
+  with pytest.raises(launch.LeftToXLA):
+    launch.fused_call(r2, launch.random_inputs(r2, seed=2), backend="interpret")
+  assert str(launch.outcome(r2)) == "XLA's ops: not memory-bound: intensity 300 FLOP/B >= ridge 263; left to XLA"
+  r3 = T.gemm_chain(M=16, N=16, K=8, H=8)
+  with pytest.raises(launch.LeftToXLA):   # an explicit plan is the caller's: not recorded
+    launch.fused_call(r3, launch.random_inputs(r3, seed=2), backend="interpret",
+                      plan=[])
+  assert launch.outcome(r3) is None
+
+
 def test_undecided_keep_or_drop_asks_the_model_about_its_best_plan(monkeypatch):
   """When timing cannot decide, the verdict rests on the model's best
   prediction among the candidates, not on the measured pick's own: the

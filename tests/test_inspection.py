@@ -197,3 +197,31 @@ def test_bad_input_gets_jax_error():
   a, b, d = _g1()
   with pytest.raises(TypeError):
     inspection.inspect(gemm_chain, a, d, b)
+
+
+def test_inspect_reports_how_a_compile_lowered_each_region(monkeypatch):
+  """Before a compile the report says so; after one it says what ran: the
+  kernel's plan, or why XLA's ops run."""
+  from jaxfuse.config import config
+  from jaxfuse.runtime import launch
+  keys = jax.random.split(jax.random.key(3), 3)
+  a = jax.random.normal(keys[0], (1, 56, 16))   # a shape no other test compiles
+  b = jax.random.normal(keys[1], (1, 16, 40))
+  d = jax.random.normal(keys[2], (1, 40, 24))
+  (r,) = inspection.inspect(gemm_chain, a, b, d).regions
+  assert r.lowered is None and "lowered:       not compiled in this process" in str(r)
+  with config.override(backend="interpret"):
+    out = api.jit(gemm_chain)(a, b, d)
+  ref = np.asarray((a @ b) @ d)   # the kernel's float32 dots are TF32, as XLA's on a GPU
+  assert np.linalg.norm(np.asarray(out) - ref) / np.linalg.norm(ref) < 2e-3
+  (r,) = inspection.inspect(gemm_chain, a, b, d).regions
+  assert r.lowered.startswith("fused: grid(")
+  assert json.loads(json.dumps(r.to_dict()))["lowered"] == r.lowered
+  # A region left to XLA says why.
+  a2, b2, d2 = a[:, :32], b[:, :, :32], d[:, :32]
+  monkeypatch.setattr(launch, "_candidate_plans", lambda *x, **k: (_ for _ in ()).throw(
+      launch.LeftToXLA("measured slower than XLA: fused 9.0 us vs XLA 7.0 us")))
+  with config.override(backend="interpret"):
+    api.jit(gemm_chain)(a2, b2, d2)
+  (r,) = inspection.inspect(gemm_chain, a2, b2, d2).regions
+  assert r.lowered == "XLA's ops: measured slower than XLA: fused 9.0 us vs XLA 7.0 us"

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import math
 import os
 import threading
@@ -48,7 +49,7 @@ class LeftToXLA(CodegenError):
 
 
 __all__ = ["fused_call", "run_interpreted", "select_kernel", "measure_plans", "self_check",
-           "LeftToXLA"]
+           "LeftToXLA", "Outcome", "outcome"]
 
 _lock = threading.Lock()
 # (region signature, plan str, backend) -> GeneratedKernel, or the error that dropped it.
@@ -56,6 +57,42 @@ _kernels: dict[tuple, Any] = {}
 # (region signature, backend) -> the kernel chosen by the fallback chain.
 _chosen: dict[tuple, GeneratedKernel] = {}
 MEASURE_SEED = 7   # random inputs of measured tuning's self-check
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """How ``fused_call`` settled a region in this process: its kernel's plan
+  when fused, else why XLA's ops run; with the keep-or-drop timing when one
+  was taken (per-call seconds, ``tune='measure'`` on the GPU)."""
+  fused: bool
+  plan: Optional[str] = None
+  reason: Optional[str] = None
+  measured_fused_s: Optional[float] = None
+  measured_xla_s: Optional[float] = None
+
+  def __str__(self) -> str:
+    timed = ""
+    if self.measured_fused_s is not None and self.measured_xla_s is not None:
+      timed = (f" (measured {self.measured_fused_s * 1e6:.1f} us fused vs "
+               f"{self.measured_xla_s * 1e6:.1f} us XLA)")
+    return (f"fused{timed}: {self.plan}" if self.fused
+            else f"XLA's ops{timed}: {self.reason}")
+
+
+# (region signature, backend) -> Outcome of fused_call's own planning.
+_outcomes: dict[tuple[str, str], Outcome] = {}
+
+
+def outcome(region: ir.Region, backend: Optional[str] = None) -> Optional[Outcome]:
+  """How this process lowered ``region`` through ``fused_call`` (backend
+  'triton' or 'interpret'; None: whichever did, the GPU's first), or None
+  when it has not. ``jaxfuse.inspect`` reports it after a compile."""
+  sig = region.signature()
+  with _lock:
+    for b in ((backend,) if backend else ("triton", "interpret")):
+      if (sig, b) in _outcomes:
+        return _outcomes[(sig, b)]
+  return None
 
 
 # ------------------------------------------------------------------ CPU path
@@ -484,7 +521,7 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
 _xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
 
 
-def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
+def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
                    reps: int = 7) -> tuple[float, float]:
   """Seconds per call of ``fn`` on the device and the spread of its
   repetitions, on distinct random inputs, the calls' outputs consumed on the
@@ -493,7 +530,11 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 8, hi: int = 32,
   On a GPU with jax-triton: the slope of device spans between GPU clock
   stamps (``device_clock``). Elsewhere, or when a stamp fails: the host
   slope method (``timing.slope``), which on the H100 host measured host
-  work for calls of a few us (spreads 0.7-8, twentieth session)."""
+  work for calls of a few us (spreads 0.7-8, twentieth session).
+
+  ``lo``, ``hi``: calls per timed program. Compiling the four unrolled
+  programs is most of the decision's cost (7 s a region at 8 and 32 calls);
+  the clock's spans of 8-32 calls agreed within 2% (H100, session 21)."""
   import jax  # pylint: disable=g-import-not-at-top
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
@@ -580,6 +621,15 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
                       f"{'inconclusive' if noise else 'a tie'})")
 
 
+def _record_outcome(region: ir.Region, backend: str, out: Outcome) -> None:
+  sig = region.signature()
+  with _lock:
+    timed = _xla_decisions.get(sig)
+    if timed is not None:
+      out = dataclasses.replace(out, measured_fused_s=timed[0][0], measured_xla_s=timed[1][0])
+    _outcomes[(sig, backend)] = out
+
+
 def _best_predicted(plans: Sequence[Any]):
   """The plan of ``plans`` with the lowest predicted time (None if none is predicted)."""
   timed = [p for p in plans if getattr(p, "predicted", None) is not None]
@@ -653,10 +703,16 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
         from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
         if config.tune == "measure":
           _keep_fused(k, original, model_plan=_best_predicted(candidates))
+    except CodegenError as e:
+      if plan is None:
+        _record_outcome(region, backend, Outcome(False, reason=str(e)[:500]))
+      raise
     finally:
       _release_check_data(region)
     with _lock:
       _chosen[key] = k
+    if plan is None:
+      _record_outcome(region, backend, Outcome(True, plan=str(k.plan)))
   if backend == "triton":
     return triton_launch(k, args)
   shapes = _out_shapes(region)

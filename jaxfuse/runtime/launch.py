@@ -532,9 +532,9 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
   slope method (``timing.slope``), which on the H100 host measured host
   work for calls of a few us (spreads 0.7-8, twentieth session).
 
-  ``lo``, ``hi``: calls per timed program. Compiling the four unrolled
-  programs is most of the decision's cost (7 s a region at 8 and 32 calls);
-  the clock's spans of 8-32 calls agreed within 2% (H100, session 21)."""
+  ``lo``, ``hi``: calls per timed program; the four programs are compiled
+  for each decision, so fewer calls cost less. On the clock, spans of 4 and
+  16 calls agreed within 3% between repetitions (H100, session 21)."""
   import jax  # pylint: disable=g-import-not-at-top
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.

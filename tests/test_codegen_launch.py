@@ -254,6 +254,19 @@ def test_per_call_time_reads_the_device_clock_where_there_is_one(monkeypatch):
   assert sum("device clock failed" in m for m in logged) == 1
 
 
+def test_keep_or_drop_input_sets_are_rolled_copies_made_by_one_program(monkeypatch):
+  import jax.numpy as jnp
+  xs = [jnp.arange(12.0).reshape(3, 4), jnp.float32(2.5)]
+  compiled = []
+  real = launch._compile
+  monkeypatch.setattr(launch, "_compile", lambda *a, **k: compiled.append(1) or real(*a, **k))
+  sets = launch._shifted_sets(xs, 5)
+  assert len(compiled) == 1 and len(sets) == 5
+  for i, (m, c) in enumerate(sets):
+    np.testing.assert_array_equal(np.asarray(m), np.roll(np.arange(12.0).reshape(3, 4), i, -1))
+    assert float(c) == 2.5
+
+
 def test_stamp_kernel_reads_globaltimer_when_compiled_for_hopper():
   """The stamp cannot run in Triton's interpreter (inline PTX); compiled
   offline for sm_90 it must read %globaltimer and store both words."""

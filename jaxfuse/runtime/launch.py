@@ -536,30 +536,39 @@ def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
   for each decision, so fewer calls cost less. On the clock, spans of 4 and
   16 calls agreed within 3% between repetitions (H100, session 21)."""
   import jax  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
   dev = _on_device(random_inputs(region, seed=7))
-  with jax.ensure_compile_time_eval():
-    sets = [[_shifted(x, i) for x in dev] for i in range(hi)]
+  sets = _shifted_sets(dev, hi)
+  t_inputs = time.perf_counter() - t0
+
+  def timed(body: Callable[[int], Callable], measure: Callable[[dict], dict], how: str):
+    t1 = time.perf_counter()
+    progs = {n: _compile(body(n), [sets]) for n in (lo, hi)}
+    t2 = time.perf_counter()
+    with jax.ensure_compile_time_eval():
+      res = measure(progs)
+    # Where a decision's seconds go (the first compile of jaxfuse.jit pays them).
+    logging.info("jaxfuse: timed %.2f us per call (%s) in %.2f s: inputs %.2f, compile %.2f, "
+                 "run %.2f", res["per_call_s"] * 1e6, how, time.perf_counter() - t0, t_inputs,
+                 t2 - t1, time.perf_counter() - t2)
+    return res["per_call_s"], res["per_call_spread"]
+
   if device_clock.available():
     try:
-      progs = {n: _compile(lambda s, n=n: device_clock.stamped(
-          lambda a: [fn(*x) for x in a[:n]], s), [sets]) for n in (lo, hi)}
-      with jax.ensure_compile_time_eval():
-        res = device_clock.span_slope(lambda n: progs[n](sets), lo=lo, hi=hi, reps=reps)
-      return res["per_call_s"], res["per_call_spread"]
+      return timed(lambda n: lambda s: device_clock.stamped(lambda a: [fn(*x) for x in a[:n]], s),
+                   lambda progs: device_clock.span_slope(lambda n: progs[n](sets), lo=lo, hi=hi,
+                                                         reps=reps), "device clock")
     except Exception as e:  # pylint: disable=broad-except  (a stamp that does not build or run)
       logging.info("jaxfuse: device clock failed (%s: %s); timing from the host",
                    type(e).__name__, str(e)[:300])
-  progs = {n: _compile(lambda s, n=n: timing.consume_outputs([fn(*a) for a in s[:n]]), [sets])
-           for n in (lo, hi)}
-  with jax.ensure_compile_time_eval():
-    res = timing.slope(lambda n: progs[n](sets), jax.block_until_ready, lo=lo, hi=hi,
-                       reps=reps)
   # The median slope: the minimum of 7 slopes read 0.0-1.0 us for XLA
   # chains whose per-call time is 5-6 us (H200, 2026-11-21) and dropped
   # fused kernels twice as fast. The spread says whether to believe it.
-  return res["per_call_s"], res["per_call_spread"]
+  return timed(lambda n: lambda s: timing.consume_outputs([fn(*a) for a in s[:n]]),
+               lambda progs: timing.slope(lambda n: progs[n](sets), jax.block_until_ready,
+                                          lo=lo, hi=hi, reps=reps), "host slope")
 
 
 # Keep-or-drop believes a per-call time only when its repetitions agree
@@ -571,11 +580,20 @@ MAX_TIMING_SPREAD = 0.5
 TIMING_TIE = 0.05
 
 
-def _shifted(x, i: int):
-  """A distinct copy of device array ``x`` (a roll along its last axis for
-  set ``i``): same values, other addresses and order."""
+def _shifted_sets(xs: Sequence[Any], n: int) -> list[list[Any]]:
+  """``n`` distinct copies of the device arrays ``xs``: set ``i`` rolls each
+  array by ``i`` along its last axis (same values, other addresses and
+  order). One compiled program makes them all: eager rolls compiled one
+  program per shift and input, 1-3 s per keep-or-drop decision (H100,
+  session 21)."""
+  import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.roll(x, i, axis=-1) if x.ndim else x + 0
+
+  def copies(xs):
+    return [[jnp.roll(x, i, axis=-1) if x.ndim else x + 0 for x in xs] for i in range(n)]
+  prog = _compile(copies, [list(xs)])
+  with jax.ensure_compile_time_eval():
+    return [list(s) for s in prog(list(xs))]
 
 
 def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None:

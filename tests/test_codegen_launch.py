@@ -242,14 +242,16 @@ def test_per_call_time_reads_the_device_clock_where_there_is_one(monkeypatch):
   monkeypatch.setattr(device_clock, "span_slope",
                       lambda *a, f=device_clock.span_slope, **k: slopes.append(1) or f(*a, **k))
   fn = lambda a, b, c: [jnp.dot(jnp.dot(a, b), c)]
-  t, spread = launch._per_call_time(fn, r, lo=1, hi=2, reps=2)
-  assert slopes == [1] and len(stamps) == 4   # two stamps traced per program
-  assert np.isfinite(t) and spread >= 0       # a CPU's time: not checked against anything
+  fn2 = lambda a, b, c: [a @ (b @ c)]
+  times = launch._per_call_times([fn, fn2], r, lo=1, hi=2, reps=2)
+  assert slopes == [1, 1] and len(stamps) == 8   # two stamps traced per program, two programs each
+  for t, spread in times:
+    assert np.isfinite(t) and spread >= 0      # a CPU's time: not checked against anything
 
   def broken(*a, **k):
     raise RuntimeError("no stamp kernel")
   monkeypatch.setattr(device_clock, "stamped", broken)
-  t, spread = launch._per_call_time(fn, r, lo=1, hi=2, reps=1)
+  ((t, spread),) = launch._per_call_times([fn], r, lo=1, hi=2, reps=1)
   assert np.isfinite(t)
   assert sum("device clock failed" in m for m in logged) == 1
 
@@ -337,7 +339,7 @@ def test_keep_or_drop_against_xla(monkeypatch):
   for fused, xla, verdict, kept in cases:
     launch._xla_decisions.clear()
     times = iter((fused, xla))
-    monkeypatch.setattr(launch, "_per_call_time", lambda fn, region: next(times))
+    monkeypatch.setattr(launch, "_per_call_times", lambda fns, region: [next(times) for _ in fns])
     monkeypatch.setattr(cost_model, "slower_than_unfused", lambda *a, v=verdict: v)
     if kept:
       launch._keep_fused(K(), lambda *a: a)
@@ -397,7 +399,7 @@ def test_undecided_keep_or_drop_asks_the_model_about_its_best_plan(monkeypatch):
   for model_plan, want in ((ranked[0], ranked[0]), (None, slow)):
     launch._xla_decisions.clear()
     times = iter(((5e-6, 0.9), (5e-6, 0.1)))      # inconclusive
-    monkeypatch.setattr(launch, "_per_call_time", lambda fn, region: next(times))
+    monkeypatch.setattr(launch, "_per_call_times", lambda fns, region: [next(times) for _ in fns])
     launch._keep_fused(K(), lambda *a: a, model_plan=model_plan)
     assert asked.pop() is want
   launch._xla_decisions.clear()
@@ -412,8 +414,8 @@ def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):
     plan = None
   launch._xla_decisions.clear()
   times, timed, logged = iter(((6e-6, 0.1), (5e-6, 0.1))), [], []   # fused, then XLA
-  monkeypatch.setattr(launch, "_per_call_time",
-                      lambda fn, region: timed.append(1) or next(times))
+  monkeypatch.setattr(launch, "_per_call_times",
+                      lambda fns, region: [timed.append(1) or next(times) for _ in fns])
   monkeypatch.setattr(launch.logging, "info", lambda msg, *a: logged.append(msg % a))
   try:
     for _ in range(3):   # the region lowered three times
@@ -876,7 +878,7 @@ def test_measuring_programs_fold_no_constants():
   got = []
 
   def lowering(y):   # they run while jaxfuse's region is lowered: inside a trace
-    got.append(launch._per_call_time(_causal_attention, r, lo=1, hi=2, reps=1)[0])
+    got.append(launch._per_call_times([_causal_attention], r, lo=1, hi=2, reps=1)[0][0])
     got.extend(launch._reference_on_gpu(r, launch.random_inputs(r, 3)))
     return y + 1
   try:

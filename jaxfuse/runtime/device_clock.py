@@ -18,7 +18,7 @@ and the gaps between them, no host work outside the program's launch. Two
 programs of ``lo`` and ``hi`` calls give the per-call time as the slope of
 their spans, which removes the stamps' and the output check's own kernels.
 
-Example (what ``launch._per_call_time`` does on the GPU)::
+Example (what ``launch._per_call_times`` does on the GPU)::
 
     progs = {n: jax.jit(lambda s, n=n: stamped(lambda a: [f(*x) for x in a[:n]], s))
              for n in (8, 32)}

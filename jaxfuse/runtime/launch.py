@@ -521,54 +521,63 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
 _xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
 
 
-def _per_call_time(fn: Callable, region: ir.Region, lo: int = 4, hi: int = 16,
-                   reps: int = 7) -> tuple[float, float]:
-  """Seconds per call of ``fn`` on the device and the spread of its
-  repetitions, on distinct random inputs, the calls' outputs consumed on the
-  device (``timing.consume_outputs``).
+def _per_call_times(fns: Sequence[Callable], region: ir.Region, lo: int = 4, hi: int = 16,
+                    reps: int = 7) -> list[tuple[float, float]]:
+  """Seconds per call on the device of each of ``fns`` (implementations of
+  ``region``) and the spread of its repetitions, all timed alike on the same
+  distinct random inputs, the calls' outputs consumed on the device
+  (``timing.consume_outputs``).
 
   On a GPU with jax-triton: the slope of device spans between GPU clock
   stamps (``device_clock``). Elsewhere, or when a stamp fails: the host
   slope method (``timing.slope``), which on the H100 host measured host
   work for calls of a few us (spreads 0.7-8, twentieth session).
 
-  ``lo``, ``hi``: calls per timed program; the four programs are compiled
-  for each decision, so fewer calls cost less. On the clock, spans of 4 and
-  16 calls agreed within 3% between repetitions (H100, session 21)."""
+  ``lo``, ``hi``: calls per timed program. Two programs per function are
+  compiled for each decision, in parallel (XLA's compile leaves the GIL):
+  one after another they took 2-4 s of a region's 3-5 s (H100, session
+  21). On the clock, spans of 4 and 16 calls agreed within 3% between
+  repetitions."""
   import jax  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   # Distinct inputs per call from one base set, made on the device: NumPy
   # normals for 16 sets of large attention took seconds on the host.
-  dev = _on_device(random_inputs(region, seed=7))
-  sets = _shifted_sets(dev, hi)
+  sets = _shifted_sets(_on_device(random_inputs(region, seed=7)), hi)
   t_inputs = time.perf_counter() - t0
 
-  def timed(body: Callable[[int], Callable], measure: Callable[[dict], dict], how: str):
+  def timed(body: Callable[[Callable, int], Callable], measure: Callable, how: str):
     t1 = time.perf_counter()
-    progs = {n: _compile(body(n), [sets]) for n in (lo, hi)}
+    # Traced outside jax.ensure_compile_time_eval (see _compile).
+    lowered = {(i, n): jax.jit(body(fn, n)).lower(sets) for i, fn in enumerate(fns)
+               for n in (lo, hi)}
     t2 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+      progs = dict(zip(lowered, pool.map(lambda l: l.compile(), lowered.values())))
+    t3 = time.perf_counter()
     with jax.ensure_compile_time_eval():
-      res = measure(progs)
+      res = [measure(lambda n, i=i: progs[(i, n)](sets)) for i in range(len(fns))]
     # Where a decision's seconds go (the first compile of jaxfuse.jit pays them).
-    logging.info("jaxfuse: timed %.2f us per call (%s) in %.2f s: inputs %.2f, compile %.2f, "
-                 "run %.2f", res["per_call_s"] * 1e6, how, time.perf_counter() - t0, t_inputs,
-                 t2 - t1, time.perf_counter() - t2)
-    return res["per_call_s"], res["per_call_spread"]
+    logging.info("jaxfuse: timed %s us per call (%s) in %.2f s: inputs %.2f, lowering %.2f, "
+                 "compile %.2f, run %.2f", ", ".join(f"{r['per_call_s'] * 1e6:.2f}" for r in res),
+                 how, time.perf_counter() - t0, t_inputs, t2 - t1, t3 - t2,
+                 time.perf_counter() - t3)
+    return [(r["per_call_s"], r["per_call_spread"]) for r in res]
 
   if device_clock.available():
     try:
-      return timed(lambda n: lambda s: device_clock.stamped(lambda a: [fn(*x) for x in a[:n]], s),
-                   lambda progs: device_clock.span_slope(lambda n: progs[n](sets), lo=lo, hi=hi,
-                                                         reps=reps), "device clock")
+      return timed(lambda fn, n: lambda s: device_clock.stamped(
+          lambda a: [fn(*x) for x in a[:n]], s),
+                   lambda run: device_clock.span_slope(run, lo=lo, hi=hi, reps=reps),
+                   "device clock")
     except Exception as e:  # pylint: disable=broad-except  (a stamp that does not build or run)
       logging.info("jaxfuse: device clock failed (%s: %s); timing from the host",
                    type(e).__name__, str(e)[:300])
   # The median slope: the minimum of 7 slopes read 0.0-1.0 us for XLA
   # chains whose per-call time is 5-6 us (H200, 2026-11-21) and dropped
   # fused kernels twice as fast. The spread says whether to believe it.
-  return timed(lambda n: lambda s: timing.consume_outputs([fn(*a) for a in s[:n]]),
-               lambda progs: timing.slope(lambda n: progs[n](sets), jax.block_until_ready,
-                                          lo=lo, hi=hi, reps=reps), "host slope")
+  return timed(lambda fn, n: lambda s: timing.consume_outputs([fn(*a) for a in s[:n]]),
+               lambda run: timing.slope(run, jax.block_until_ready, lo=lo, hi=hi, reps=reps),
+               "host slope")
 
 
 # Keep-or-drop believes a per-call time only when its repetitions agree
@@ -612,8 +621,8 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
   # logged one region's timings 40 times (H100, 2026-11-22).
   first = sig not in _xla_decisions
   if first:
-    _xla_decisions[sig] = (_per_call_time(lambda *a: triton_launch(k, a), k.region),
-                           _per_call_time(original, k.region))
+    fused, xla = _per_call_times([lambda *a: triton_launch(k, a), original], k.region)
+    _xla_decisions[sig] = (fused, xla)
   (t_fused, s_fused), (t_xla, s_xla) = _xla_decisions[sig]
   if first:
     logging.info("jaxfuse: region %s measured fused %.1f us (spread %.2f), XLA %.1f us "

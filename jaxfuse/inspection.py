@@ -68,7 +68,8 @@ class RegionReport:
   why_not: Optional[str] = None
   # How a compile in this process lowered the region (``launch.Outcome`` as
   # text): the kernel's plan, or why XLA's ops run (under tune='measure',
-  # with the keep-or-drop timing). None until something compiled it.
+  # with the keep-or-drop timing). None until a GPU compile (or one with
+  # JAXFUSE_BACKEND=interpret) lowered it; a CPU compile runs the original ops.
   lowered: Optional[str] = None
   plan_time_s: Optional[float] = None
   space: Optional[dict] = None
@@ -122,7 +123,7 @@ class RegionReport:
       for j, a in enumerate(self.alternatives, 1):
         lines.append(f"  {j}. {_us(a.predicted_time_s):>10}  {a.plan}")
     lines.append(f"why not fused: {self.why_not or '-'}")
-    lines.append(f"lowered:       {self.lowered or 'not compiled in this process'}")
+    lines.append(f"lowered:       {self.lowered or '- (no lowering to a kernel recorded in this process)'}")
     for note in self.notes:
       lines.append(f"note: {note}")
     if self.kernel_source:
@@ -241,7 +242,9 @@ def inspect(fun: Callable, *args: Any, device: Any = None,
 
   ``device`` is a device model name (``'h100'``, ``'h200'``, ``'a100'``,
   ``'rtx3080'``), a ``jaxfuse.devices.DeviceSpec``, or None for the attached
-  GPU / the configured default. Nothing is compiled or run.
+  GPU / the configured default. Nothing is compiled or run; after
+  ``jaxfuse.jit`` compiled ``fun`` in this process, each region's
+  ``lowered`` says what ran (its kernel's plan, or XLA's ops and why).
 
   Example::
 

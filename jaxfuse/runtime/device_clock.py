@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import statistics
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from absl import logging
@@ -83,7 +83,8 @@ def stamp(dep: Any) -> Any:
                         custom_call_target_name=triton_call.call_target(jt))
 
 
-def stamped(calls: Callable[[Any], Any], args: Any, *, stamp_fn: Callable[[Any], Any] = None):
+def stamped(calls: Callable[[Any], Any], args: Any, *,
+            stamp_fn: Optional[Callable[[Any], Any]] = None):
   """Inside a traced function: ``calls(args)`` between two stamps.
 
   Returns ``(start, end, consumed)``: the stamps and

@@ -535,7 +535,7 @@ def _per_call_times(fns: Sequence[Callable], region: ir.Region, lo: int = 4, hi:
 
   ``lo``, ``hi``: calls per timed program. Two programs per function are
   compiled for each decision, in parallel (XLA's compile leaves the GIL):
-  one after another they took 2-4 s of a region's 3-5 s (H100, session
+  one after another they were most of a decision's 3-7 s (H100, session
   21). On the clock, spans of 4 and 16 calls agreed within 3% between
   repetitions."""
   import jax  # pylint: disable=g-import-not-at-top

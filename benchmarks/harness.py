@@ -886,53 +886,47 @@ def _derived(res: dict, case: Case, roof: Roof) -> None:
       res[f"{key}_floor_frac"] = floor / t
 
 
-def _outcomes(case: Case, args: tuple) -> Optional[list]:
-  """Per region of ``case``: how this process's compile lowered it
-  (``jaxfuse.runtime.launch.Outcome``), None for a region it did not (the
-  CPU path runs regions' original ops without lowering them)."""
+def region_outcomes(case: Case, args: tuple) -> Optional[list[tuple[Any, Any]]]:
+  """The regions jaxfuse captures in ``case`` (traced once), each with how
+  this process's compile lowered it (``jaxfuse.runtime.launch.Outcome``;
+  None for a region it did not: the CPU path runs regions' original ops
+  without lowering them). None when jaxfuse's capture does not import."""
   api = jaxfuse_api()
+  if api.find_regions is None:
+    return None
   launch = sys.modules.get("jaxfuse.runtime.launch")   # imported by a lowering only
-  if api.find_regions is None or launch is None or not hasattr(launch, "outcome"):
+  caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+  return [(cap, launch.outcome(cap.region) if hasattr(launch, "outcome") else None)
+          for cap in caps]
+
+
+def lowered(regions: Optional[list[tuple[Any, Any]]]) -> Optional[list[str]]:
+  """What jaxfuse.jit ran for each of ``regions`` (``region_outcomes``): its
+  kernel's plan or why XLA's ops run (under --tune=measure with the
+  keep-or-drop timing); None where nothing was lowered."""
+  if not regions or all(o is None for _, o in regions):
     return None
-  return [launch.outcome(cap.region)
-          for cap in api.find_regions(jax.make_jaxpr(case.fn)(*args))]
+  return [str(o) if o is not None else "not lowered" for _, o in regions]
 
 
-def lowered(case: Case, args: tuple) -> Optional[list[str]]:
-  """What jaxfuse.jit ran for each region of ``case``: its kernel's plan or
-  why XLA's ops run (under --tune=measure with the keep-or-drop timing);
-  None where nothing was lowered."""
-  try:
-    done = _outcomes(case, args)
-  except Exception as e:  # pylint: disable=broad-except
-    return [f"unknown ({type(e).__name__}: {e})"]
-  if not done or all(o is None for o in done):
-    return None
-  return [str(o) if o is not None else "not lowered" for o in done]
-
-
-def plans_run(case: Case, args: tuple) -> Optional[str]:
-  """The plans jaxfuse.jit compiled for ``case``, "XLA's ops" for a region
-  it left to XLA: under ``--tune=measure`` they are the measured choices,
-  which can differ from the model's plans in ``plans``. Regions not lowered
-  in this process (the CPU path) read the plan cache the compile filled."""
+def plans_run(regions: Optional[list[tuple[Any, Any]]]) -> Optional[str]:
+  """The plans jaxfuse.jit compiled for ``regions`` (``region_outcomes``),
+  "XLA's ops" for a region it left to XLA: under ``--tune=measure`` they are
+  the measured choices, which can differ from the model's plans in
+  ``plans``. Regions not lowered in this process (the CPU path) read the
+  plan cache the compile filled."""
   api = jaxfuse_api()
-  if api.plan_region is None or api.find_regions is None:
+  if api.plan_region is None or regions is None:
     return None
-  try:
-    caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
-    done = _outcomes(case, args) or [None] * len(caps)
-    names = []
-    for cap, o in zip(caps, done):
-      if o is not None:
-        names.append(o.plan if o.fused else "XLA's ops")
-      else:
-        best = api.plan_region(cap.region).best
-        if best is not None:
-          names.append(str(best))
-    return "; ".join(names) or None
-  except Exception as e:  # pylint: disable=broad-except
-    return f"unknown ({type(e).__name__}: {e})"
+  names = []
+  for cap, o in regions:
+    if o is not None:
+      names.append(o.plan if o.fused else "XLA's ops")
+    else:
+      best = api.plan_region(cap.region).best
+      if best is not None:
+        names.append(str(best))
+  return "; ".join(names) or None
 
 
 def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
@@ -1060,9 +1054,13 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
           timed = runner
         impl.block(timed(prepared[:4 * k]))   # compile/warm 4K
         if is_jaxfuse and "jaxfuse" in res:
-          res["jaxfuse"]["lowered"] = lowered(case, sets[0])
-          if settings.tune == "measure":
-            res["jaxfuse"]["plans_run"] = plans_run(case, sets[0])
+          try:
+            regions = region_outcomes(case, sets[0])
+            res["jaxfuse"]["lowered"] = lowered(regions)
+            if settings.tune == "measure":
+              res["jaxfuse"]["plans_run"] = plans_run(regions)
+          except Exception as e:  # pylint: disable=broad-except  (a report, never the run)
+            res["jaxfuse"]["lowered"] = [f"unknown ({type(e).__name__}: {e})"]
         res.update(slope_time(timed, impl.block, prepared, k, settings.reps))
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         if settings.do_profile:

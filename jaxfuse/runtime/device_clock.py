@@ -21,8 +21,8 @@ their spans, which removes the stamps' and the output check's own kernels.
 Example (what ``launch._per_call_times`` does on the GPU)::
 
     progs = {n: jax.jit(lambda s, n=n: stamped(lambda a: [f(*x) for x in a[:n]], s))
-             for n in (8, 32)}
-    res = span_slope(lambda n: progs[n](sets), lo=8, hi=32)
+             for n in (4, 16)}
+    res = span_slope(lambda n: progs[n](sets), lo=4, hi=16)
     res["per_call_s"], res["per_call_spread"]
 """
 

@@ -205,7 +205,27 @@ def test_attention_plans():
 def test_attention_unaligned_head_dim_80(dtype):
   r = T.attention(M=77, N=200, D=80, heads=1, causal=True, dtype=dtype)
   k = run_and_check(r, T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=32, n=64)))
-  assert k.constexprs["BLOCK_D"] == 128
+  assert k.constexprs["BLOCK_D"] == 128 and k.constexprs["BLOCK_E"] == 128
+  # q.k reduces d: 64 + 16 pieces, one dot each; the output's e stays one masked tile.
+  assert "# d in pieces of 64 + 16" in k.source and "offs_d_1 = 64 + tl.arange(0, 16)" in k.source
+  assert "mask_e" in k.source and "offs_e_0" not in k.source and "mask_d" not in k.source
+
+
+@pytest.mark.parametrize("K,pieces", [(80, (64, 16)), (72, (64, 16)), (208, (128, 64, 16))])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_single_k_tile_prints_as_pieces(K, pieces, dtype):
+  """A K loop held in one tile whose extent is not a power of two prints as
+  power-of-two pieces, one load and one chained tl.dot each; a piece
+  padded past the extent (72 = 64 + 8 of 16) is masked."""
+  r = T.gemm_chain(M=40, N=48, K=K, H=24, B=2, dtype=dtype)
+  k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])],
+                                     dict(b=1, m=16, n=16, k=tiling.next_pow2(K), h=32)))
+  assert "# k in pieces of " + " + ".join(map(str, pieces)) in k.source, k.source
+  assert k.source.count("tl.dot(") == len(pieces) + 1
+  assert ("mask_k_1" in k.source) == (sum(pieces) > K)
+  # Sequential k tiles (k=16) do not piece.
+  k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [("k", [])])], dict(b=1, m=16, n=16, k=16, h=32)))
+  assert "pieces" not in k.source
 
 
 def test_split_attention_combines_max_sum_and_acc():

@@ -194,6 +194,50 @@ def test_rule3_tiles():
   assert pruning.tile_candidates(cap.region, one) == (1,)
 
 
+def test_loop_pieces():
+  assert tiling.loop_pieces(80) == (64, 16)
+  assert tiling.loop_pieces(72) == (64, 16)        # the 16 is padded to 8 and masked
+  assert tiling.loop_pieces(208) == (128, 64, 16)
+  assert tiling.loop_pieces(96) == (64, 32)
+  assert tiling.loop_pieces(33) == (32, 16)        # 48 of 64
+  for e in (16, 64, 128, 17, 120):                 # power of two, no padding saved, 4 pieces
+    assert tiling.loop_pieces(e) == (), e
+  assert tiling.loop_pieces(1000) == ()            # more than MAX_PIECES
+
+
+def test_pieced_loops_are_single_tile_k_loops_of_inputs():
+  r = examples.gemm_chain(16, 256, 256, 80, 80, batch=True)
+  block = dict(b=1, m=64, n=64, k=128, h=128)
+  assert tiling.pieced_loops(r, block, ["k", "h"]) == {"k": (64, 16)}   # h is an output loop
+  assert tiling.pieced_loops(r, block, ["h"]) == {}                     # k sequential
+  assert tiling.pieced_loops(r, dict(block, m=8), ["k", "h"]) == {}     # no tl.dot at 8 rows
+  a = examples.attention(1, 16, 256, 256, 80)
+  assert tiling.pieced_loops(a, dict(b=1, g=1, m=64, n=64, d=128, e=128), ["d", "e"]) == {"d": (64, 16)}
+  # A computed value along the loop (the MLP's hidden activations) is not pieced.
+  from jaxfuse.codegen import testing
+  m = testing.mlp(M=64, dims=(80, 80, 32), acts=("relu",))
+  got = tiling.pieced_loops(m, dict(m=64, k0=128, k1=128, k2=32), ["k0", "k1", "k2"])
+  assert got == {"k0": (64, 16)}
+
+
+def test_model_prices_pieces_at_what_the_kernel_computes():
+  r = examples.gemm_chain(1, 64, 64, 80, 64, dtype="float16")
+  tiles = dict(b=1, m=64, n=64, k=128, h=64)
+  grid = ("b", "m")
+  expr = tiling.place(r, tiling.parse("n"), tiles, grid)
+  sized = tiling.piece_sizes(r, expr, tiles, grid)
+  assert sized == dict(tiles, k=80)
+  pieced = cost_model.predict(r, expr, sized, grid, H100)
+  padded = cost_model.predict(r, expr, tiles, grid, H100)
+  assert pieced.flops == 2 * 64 * 64 * 80 + 2 * 64 * 64 * 64
+  assert pieced.time_s < padded.time_s and pieced.smem_bytes < padded.smem_bytes
+  best = plan_region(r, "h100", use_cache=False).best
+  t = best.tile_map
+  assert t["k"] == 128, best      # k in one tile: pieced
+  # c is recomputed once per h tile on the grid, at 80 deep.
+  assert best.predicted.flops == (64 // t["h"]) * 2 * 64 * 64 * 80 + 2 * 64 * 64 * 64, best
+
+
 def test_rule4_smem():
   r = chain4(1024, 1024, 512, 512)
   t = {"m": 64, "n": 64, "k": 64, "h": 64}
@@ -890,6 +934,39 @@ def test_measured_search_measures_other_structures():
   assert (res.ranked[0].tile_map["m"], res.ranked[0].tile_map["e"]) == (16, 64)
   structures = {search._structure(r, p) for p in asked}  # pylint: disable=protected-access
   assert len(structures) >= min(search.DIVERSE_N, len(near))
+
+
+def test_measured_search_measures_siblings_of_the_fastest_structures():
+  """The second batch holds the model's next plans of the structures that
+  measured fastest, so a tile the structure does not fix (n) that the model
+  misprices within the winning structure is found. Chimera G6's shapes:
+  the whole-h structure (64 x 128 output tiles) measures at half its
+  prediction and its n=64 plans at a fifth; the model ranks another
+  structure first and puts only the n=128 plan of this one in its top."""
+  r = examples.gemm_chain(16, 256, 256, 80, 80, batch=True, dtype="float16")
+  target = (("b", "m"), None, (("b", 1), ("h", 128), ("m", 64)))
+  structure = lambda p: search._structure(r, p)  # pylint: disable=protected-access
+  model = search.search(r, H100)
+  assert structure(model.ranked[0]) != target
+  batches = []
+
+  def measure(plans):
+    batches.append(list(plans))
+    return [p.predicted.time_s * (1.0 if structure(p) != target else
+                                  0.2 if p.tile_map["n"] == 64 else 0.5) for p in plans]
+  res = search.search(r, H100, measure=measure)
+  first, second = batches[0], batches[1]
+  assert not any(structure(p) == target and p.tile_map["n"] == 64 for p in first)
+  assert 0 < len(second) <= search.SIBLING_STRUCTURES * search.SIBLINGS
+  times = dict(zip(map(str, first), measure(first)))
+  by_structure = {}
+  for p in first:
+    by_structure[structure(p)] = min(by_structure.get(structure(p), math.inf), times[str(p)])
+  fastest = sorted(by_structure, key=by_structure.get)[:search.SIBLING_STRUCTURES]
+  assert {structure(p) for p in second} <= set(fastest)
+  assert not {str(p) for p in second} & set(times)
+  best = res.ranked[0]
+  assert structure(best) == target and best.tile_map["n"] == 64, best
 
 
 def test_tf32_operands_read_against_their_memory_order_are_counted():

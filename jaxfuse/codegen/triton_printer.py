@@ -28,6 +28,7 @@ from jaxfuse import ir
 from jaxfuse.codegen import rewrite, streaming
 from jaxfuse.planner.plan import Plan
 from jaxfuse.planner.pruning import dot_hazard  # the printer refuses what the planner prunes
+from jaxfuse.planner import tiling
 from jaxfuse.planner.tiling import LoopNode, Stmt, next_pow2
 
 __all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "dot_hazard", "print_kernel"]
@@ -146,6 +147,7 @@ class _Tile:
   order: tuple[str, ...]
   dtype: str            # IR-style dtype of the register tile
   zpad: frozenset = frozenset()   # loops along which padded lanes hold 0
+  pieces: tuple = ()    # one variable per piece of a pieced loop (var is the first)
 
 
 @dataclasses.dataclass
@@ -252,6 +254,13 @@ class _Printer:
     hazard = dot_hazard(r, tiles, tf32=False)
     if hazard:
       raise CodegenError(hazard)
+    # Single tiles of K-only loops print as power-of-two pieces (64 + 16 for 80).
+    self.pieces: dict[str, tuple[tuple[int, int], ...]] = {}
+    for l, sizes in tiling.pieced_loops(r, self.T, [x for x in self.order
+                                                    if self.kind[x] == "single"]).items():
+      starts = [sum(sizes[:i]) for i in range(len(sizes))]
+      self.pieces[l] = tuple(zip(starts, sizes))
+    self.piece: dict[str, int] = {}   # loop -> the piece being printed
     # Names of loop extents and tiles in the kernel signature.
     taken = {self._sanitize(v.name) for v in r.values}
     self.EXT, self.BLK = {}, {}
@@ -312,11 +321,24 @@ class _Printer:
     return tuple(l for l in self.order if l in ls and self.T[l] > 1)
 
   def needs_mask(self, l: str) -> bool:
+    if l in self.pieces:
+      start, size = self.pieces[l][self.piece[l]]
+      return start + size > self.ext[l]
     return self.T[l] > 1 and self.ext[l] % self.T[l] != 0
 
+  def _suffix(self, l: str) -> str:
+    return f"_{self.piece[l]}" if l in self.pieces else ""
+
   def idx1(self, l: str) -> str:
-    """1-D offsets (tile > 1) or scalar index (tile 1) of loop ``l``."""
-    return f"offs_{l}" if self.T[l] > 1 else f"i_{l}"
+    """1-D offsets (tile > 1) or scalar index (tile 1) of loop ``l`` (of
+    the current piece for a pieced loop)."""
+    return f"offs_{l}{self._suffix(l)}" if self.T[l] > 1 else f"i_{l}"
+
+  def mask_var(self, l: str) -> str:
+    return f"mask_{l}{self._suffix(l)}"
+
+  def blk(self, l: str) -> str:
+    return str(self.pieces[l][self.piece[l]][1]) if l in self.pieces else self.BLK[l]
 
   def expand(self, expr: str, src: Sequence[str], dst: Sequence[str]) -> str:
     """Broadcasts a tile with dims ``src`` to dims ``dst`` (src within dst)."""
@@ -346,7 +368,7 @@ class _Printer:
     ms = [l for l in dims if self.needs_mask(l)]
     if not ms:
       return None
-    return " & ".join(self.expand(f"mask_{l}", (l,), dims) for l in ms)
+    return " & ".join(self.expand(self.mask_var(l), (l,), dims) for l in ms)
 
   def f32(self, t: _Tile) -> str:
     if t.dtype in ("float16", "bfloat16"):
@@ -354,7 +376,7 @@ class _Printer:
     return t.var
 
   def shape(self, dims: Sequence[str]) -> str:
-    return "(" + ", ".join(self.BLK[l] for l in dims) + ("," if len(dims) == 1 else "") + ")"
+    return "(" + ", ".join(self.blk(l) for l in dims) + ("," if len(dims) == 1 else "") + ")"
 
   # ----------------------------------------------------------- the kernel
   def signature(self, extra_ptrs: Sequence[str]) -> str:
@@ -427,6 +449,15 @@ class _Printer:
           self.emit(f"offs_{l} = pid_{l} * {self.BLK[l]} + tl.arange(0, {self.BLK[l]})")
         else:
           self.emit(f"i_{l} = pid_{l}")
+      elif k == "single" and l in self.pieces:
+        self.emit(f"# {l} in pieces of " + " + ".join(str(n) for _, n in self.pieces[l]))
+        for i, (start, size) in enumerate(self.pieces[l]):
+          self.piece[l] = i
+          self.emit(f"offs_{l}_{i} = " + (f"{start} + " if start else "") + f"tl.arange(0, {size})")
+          if self.needs_mask(l):
+            self.emit(f"{self.mask_var(l)} = offs_{l}_{i} < {self.EXT[l]}")
+        del self.piece[l]
+        continue
       elif k == "single":
         if T > 1:
           self.emit(f"offs_{l} = tl.arange(0, {self.BLK[l]})")
@@ -454,6 +485,21 @@ class _Printer:
     return " + ".join(terms) if terms else "0"
 
   def emit_load(self, v: str) -> None:
+    pl = [l for l in self.bl(v) if l in self.pieces]
+    if not pl:
+      return self._emit_load(v)
+    l, = pl   # pieced loops are the K loop of their dots: one per operand
+    tiles = []
+    for i in range(len(self.pieces[l])):
+      self.piece[l] = i
+      self._emit_load(v)
+      tiles.append(self.lookup(v))
+    del self.piece[l]
+    zpad = frozenset().union(*(t.zpad for t in tiles))
+    self.bind(v, _Tile(tiles[0].var, tiles[0].order, tiles[0].dtype, zpad,
+                       tuple(t.var for t in tiles)))
+
+  def _emit_load(self, v: str) -> None:
     buf = self.inputs.get(v)
     if buf is None:
       raise CodegenError(f"plan loads {v}, which is not a region input")
@@ -664,7 +710,7 @@ class _Printer:
     x = t.var
     for l in red:
       if l in t.order and self.needs_mask(l) and l not in t.zpad:
-        x = f"tl.where({self.expand(f'mask_{l}', (l,), t.order)}, {x}, 0.0)"
+        x = f"tl.where({self.expand(self.mask_var(l), (l,), t.order)}, {x}, 0.0)"
     return x
 
   def contraction_expr(self, op: ir.Contraction, acc: Optional[str],
@@ -688,25 +734,40 @@ class _Printer:
                and all(self.T[l] >= 16 for l in M + N + K)
                and set(a.order) == set(bat + M + K) and set(b.order) == set(bat + K + N)
                and dtA in _FLOAT and dtB in _FLOAT)
-    xa, xb = self.masked_operand(a, red_in), self.masked_operand(b, red_in)
+    pk = next((l for l in red_in if l in self.pieces), None)
+    if pk is not None and not (use_dot and a.pieces and b.pieces):
+      raise CodegenError(f"internal: pieced loop {pk} in {op.out}, which is not one tl.dot")
     if use_dot:
       if dtA == dtB and dtA in ("float16", "bfloat16"):
         ddt, prec = _TL_DTYPE[dtA], ""
       else:
         ddt, prec = "tl.float32", f', input_precision="{_INPUT_PRECISION[op.precision]}"'
-      ea = self.permute(xa, a.order, tuple(bat + M + K))
-      eb = self.permute(xb, b.order, tuple(bat + K + N))
-      ea = f"{ea}.to({ddt})" if not (a.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != a.var else ea
-      eb = f"{eb}.to({ddt})" if not (b.dtype == dtB and _TL_DTYPE[dtB] == ddt) or xb != b.var else eb
-      if prec and op.precision == "default":
-        # float16 operands are exact in TF32; only float32 ones need rounding.
-        self.helpers.add("tf32")
-        ea = f"tf32_({ea})" if "float32" in (dtA, a.dtype) else ea
-        eb = f"tf32_({eb})" if "float32" in (dtB, b.dtype) else eb
+
+      def operands(ta: _Tile, tb: _Tile) -> tuple[str, str]:
+        xa, xb = self.masked_operand(ta, red_in), self.masked_operand(tb, red_in)
+        ea = self.permute(xa, ta.order, tuple(bat + M + K))
+        eb = self.permute(xb, tb.order, tuple(bat + K + N))
+        ea = f"{ea}.to({ddt})" if not (ta.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != ta.var else ea
+        eb = f"{eb}.to({ddt})" if not (tb.dtype == dtB and _TL_DTYPE[dtB] == ddt) or xb != tb.var else eb
+        if prec and op.precision == "default":
+          # float16 operands are exact in TF32; only float32 ones need rounding.
+          self.helpers.add("tf32")
+          ea = f"tf32_({ea})" if "float32" in (dtA, ta.dtype) else ea
+          eb = f"tf32_({eb})" if "float32" in (dtB, tb.dtype) else eb
+        return ea, eb
       order = tuple(bat + M + N)
-      if acc is not None:
-        return f"tl.dot({ea}, {eb}, {acc}{prec})", order
-      return f"tl.dot({ea}, {eb}{prec})", order
+      expr = acc
+      # A pieced K loop: one dot per piece, chained through the accumulator.
+      for i in range(len(self.pieces[pk]) if pk else 1):
+        ta, tb = a, b
+        if pk:
+          self.piece[pk] = i
+          ta, tb = (dataclasses.replace(t, var=t.pieces[i]) for t in (a, b))
+        ea, eb = operands(ta, tb)
+        expr = f"tl.dot({ea}, {eb}, {expr}{prec})" if expr is not None else f"tl.dot({ea}, {eb}{prec})"
+      self.piece.pop(pk, None)
+      return expr, order
+    xa, xb = self.masked_operand(a, red_in), self.masked_operand(b, red_in)
     # Broadcast multiply and sum (tiny tiles, several loops per role).
     U = tuple(l for l in self.order if l in A or l in B)
     numel = math.prod(self.T[l] for l in U)

@@ -42,6 +42,7 @@ __all__ = [
     "batch_loops", "free_spatial_loops", "dot_loops", "tiled_loops",
     "default_grid", "enumerate_skeletons", "strip_loops", "place",
     "streamable_loops", "statement_contexts", "reduced_by", "next_pow2",
+    "loop_pieces", "pieced_loops", "piece_sizes",
 ]
 
 
@@ -49,6 +50,101 @@ def next_pow2(x: int) -> int:
   """The smallest power of two >= ``x`` (1 for x <= 1): Triton blocks are
   powers of two, so every tile is one."""
   return 1 << max(int(x) - 1, 0).bit_length()
+
+
+# A loop that stays in one tile but whose extent is not a power of two
+# (head dims of 80) is printed as power-of-two pieces (64 + 16) instead of
+# one tile padded to 128: 5-24% faster on Chimera G6/G9 and attention S6
+# (H100, 2026-11-22, benchmarks/RESULTS.md, twenty-second session). Pieces
+# are >= MIN_PIECE (tl.dot's K); at most MAX_PIECES of them.
+MIN_PIECE = 16
+MAX_PIECES = 3
+
+
+def loop_pieces(extent: int) -> tuple[int, ...]:
+  """Power-of-two pieces, largest first, that cover ``extent`` (the last one
+  padded up to ``MIN_PIECE``), or ``()`` when pieces would not beat one
+  padded tile (a power-of-two extent, more than ``MAX_PIECES`` pieces, or
+  no padding saved).
+
+  Example::
+
+      loop_pieces(80)    # (64, 16)
+      loop_pieces(208)   # (128, 64, 16)
+      loop_pieces(64)    # ()
+  """
+  out, rest = [], int(extent)
+  while rest > 0:
+    p = max(MIN_PIECE, 1 << (rest.bit_length() - 1))
+    out.append(p)
+    rest -= p
+  if len(out) < 2 or len(out) > MAX_PIECES or sum(out) >= next_pow2(extent):
+    return ()
+  return tuple(out)
+
+
+def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
+                 ) -> dict[str, tuple[int, ...]]:
+  """The loops the code generator prints as pieces (``loop_pieces``), with
+  their pieces. ``block``: each loop's printed (power-of-two) tile;
+  ``single``: the loops held in one tile (neither program ids nor
+  sequential). A loop qualifies when it is in ``single``, its tile is its
+  padded extent, and it is a K dim only: every value along it is a region
+  input that only contractions reducing it read, each printed as one
+  ``tl.dot`` (one M, N and K loop of tile >= 16, at most one batch loop).
+  Then a piece is one load and one ``tl.dot`` into the same accumulator,
+  and nothing else sees the loop."""
+  from jaxfuse import ir  # pylint: disable=import-outside-toplevel
+  vm = region.value_map
+  ext = region.loop_extents
+  inputs = {b.value for b in region.inputs}
+  outputs = {b.value for b in region.outputs}
+  readers: dict[str, list] = {}
+  for op in region.ops:
+    for v in op.inputs:
+      readers.setdefault(v, []).append(op)
+  floats = ("float16", "bfloat16", "float32", "float64")
+
+  def blocked(v):
+    return {l for l in vm[v].loops if block[l] > 1}
+
+  def one_dot(op, l) -> bool:
+    a, b, o = blocked(op.lhs), blocked(op.rhs), blocked(op.out)
+    red = {x for x in op.reduce if block[x] > 1}
+    bat, m, n, k = a & b & o, (a & o) - b, (b & o) - a, a & b & red
+    return (k == {l} and len(m) == 1 and len(n) == 1 and len(bat) <= 1
+            and not (red - (a & b)) and a == bat | m | k and b == bat | k | n
+            and all(block[x] >= MIN_PIECE for x in m | n | k)
+            and vm[op.lhs].dtype in floats and vm[op.rhs].dtype in floats)
+
+  out = {}
+  for l in single:
+    pieces = loop_pieces(ext[l])
+    if not pieces or block[l] != next_pow2(ext[l]):
+      continue
+    along = [v.name for v in region.values if l in v.loops]
+    if all(v in inputs and v not in outputs and readers.get(v)
+           and all(isinstance(op, ir.Contraction) and l in op.reduce and one_dot(op, l)
+                   for op in readers[v])
+           for v in along):
+      out[l] = pieces
+  return out
+
+
+def piece_sizes(region, expr: "TilingExpr", tiles: Mapping[str, int],
+                grid: Sequence[str]) -> dict[str, int]:
+  """``tiles`` with each loop the code generator prints as pieces
+  (``pieced_loops``) at the pieces' total: the work, registers and shared
+  memory the printed kernel has for it (80 for 64 + 16, not 128)."""
+  ext = region.loop_extents
+  seq = set(expr.loops())
+  single = [l for l in ext if l not in seq and l not in grid]
+  block = {l: (min(next_pow2(tiles[l]), next_pow2(ext[l])) if l in single
+               else next_pow2(tiles[l])) for l in ext}
+  sized = dict(tiles)
+  for l, pieces in pieced_loops(region, block, single).items():
+    sized[l] = sum(pieces)
+  return sized
 
 
 class PlacementError(ValueError):

@@ -936,39 +936,6 @@ def test_measured_search_measures_other_structures():
   assert len(structures) >= min(search.DIVERSE_N, len(near))
 
 
-def test_measured_search_measures_siblings_of_the_fastest_structures():
-  """The second batch holds the model's next plans of the structures that
-  measured fastest, so a tile the structure does not fix (n) that the model
-  misprices within the winning structure is found. Chimera G6's shapes:
-  the whole-h structure (64 x 128 output tiles) measures at half its
-  prediction and its n=64 plans at a fifth; the model ranks another
-  structure first and puts only the n=128 plan of this one in its top."""
-  r = examples.gemm_chain(16, 256, 256, 80, 80, batch=True, dtype="float16")
-  target = (("b", "m"), None, (("b", 1), ("h", 128), ("m", 64)))
-  structure = lambda p: search._structure(r, p)  # pylint: disable=protected-access
-  model = search.search(r, H100)
-  assert structure(model.ranked[0]) != target
-  batches = []
-
-  def measure(plans):
-    batches.append(list(plans))
-    return [p.predicted.time_s * (1.0 if structure(p) != target else
-                                  0.2 if p.tile_map["n"] == 64 else 0.5) for p in plans]
-  res = search.search(r, H100, measure=measure)
-  first, second = batches[0], batches[1]
-  assert not any(structure(p) == target and p.tile_map["n"] == 64 for p in first)
-  assert 0 < len(second) <= search.SIBLING_STRUCTURES * search.SIBLINGS
-  times = dict(zip(map(str, first), measure(first)))
-  by_structure = {}
-  for p in first:
-    by_structure[structure(p)] = min(by_structure.get(structure(p), math.inf), times[str(p)])
-  fastest = sorted(by_structure, key=by_structure.get)[:search.SIBLING_STRUCTURES]
-  assert {structure(p) for p in second} <= set(fastest)
-  assert not {str(p) for p in second} & set(times)
-  best = res.ranked[0]
-  assert structure(best) == target and best.tile_map["n"] == 64, best
-
-
 def test_tf32_operands_read_against_their_memory_order_are_counted():
   from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
   h100 = get_device("h100")

@@ -26,8 +26,7 @@ a given seed.
 With a ``measure`` callback, the model's top n plans are measured, and
 with them the model's best plan of each other structure (``DIVERSE_N``
 structures predicted within ``DIVERSE_MAX_RATIO`` of the best; structure:
-grid, split, output tiles), in one batch; then the model's next plans of
-the structures that measured fastest (``SIBLINGS``); the best measured
+grid, split, output tiles), in one batch; the best measured
 plan is then measured with other ``num_warps``/``num_stages``
 (``LAUNCH_KNOBS``). Where this departs from Alg. 1, which measures the top
 n of every generation and stops on measured improvement: the population
@@ -358,8 +357,6 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     batch = top + leaders[:DIVERSE_N]
     if not _measure_into(measure, batch, measured):
       measure = None
-    elif not _measure_into(measure, _siblings(region, ranked, measured), measured):
-      measure = None
 
   # Rank every valid plan seen: measured ones by measurement, unmeasured
   # ones by prediction scaled to this region's measurements (median
@@ -427,44 +424,6 @@ def _class_leaders(region: ir.Region, ranked: list, taken: list) -> list:
     if k not in done:
       done.add(k)
       out.append((c, p))
-  return out
-
-
-# After the first batch, the model's next plans of the structures that
-# measured fastest. Why: a structure's leader carries the model's choice of
-# the tiles that do not define the structure (n of the GEMM chain). On
-# Chimera G6 the leader of one structure ran 4.36 us and its n=64 sibling
-# 3.75 us, while the other structure's pick that won ran 4.19 us (H100,
-# 2026-11-22, benchmarks/RESULTS.md twenty-third session).
-SIBLING_STRUCTURES = 2
-SIBLINGS = 2
-
-
-def _siblings(region: ir.Region, ranked: list, measured: dict) -> list:
-  """Up to ``SIBLINGS`` unmeasured (candidate, plan) pairs, the model's best
-  first, of each of the ``SIBLING_STRUCTURES`` structures whose best
-  measured plan ran fastest."""
-  def kernel(p):   # a grid loop of one tile launches the same kernel
-    return (_structure(region, p), str(p.expr), p.tiles, p.num_warps, p.num_stages)
-  best: dict = {}
-  done = set()
-  for c, p in ranked:
-    t = measured.get(c)
-    if t is None:
-      continue
-    done.add(kernel(p))
-    if math.isfinite(t):
-      k = _structure(region, p)
-      best[k] = min(best.get(k, math.inf), t)
-  out = []
-  for k in sorted(best, key=best.get)[:SIBLING_STRUCTURES]:
-    mine = [(c, p) for c, p in ranked if _structure(region, p) == k]
-    n = 0
-    for c, p in mine:
-      if n < SIBLINGS and kernel(p) not in done:
-        out.append((c, p))
-        done.add(kernel(p))
-        n += 1
   return out
 
 

@@ -833,6 +833,8 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
       why[i] = _BUDGET_SPENT
   if errors is not None:
     errors.extend(why)
+  for p, t, w in zip(plans, times, why):
+    logging.vlog(1, "jaxfuse: measured %s: %s", p, f"{t * 1e6:.2f} us" if w is None else w)
   logging.info("jaxfuse: measured %d of %d plans in %.2f s (%s; reference wait %.2f s%s)",
                sum(math.isfinite(t) for t in times), len(plans), time.perf_counter() - t0,
                ", ".join(f"{k} {v:.2f}" for k, v in (fast.phases if fast else {}).items()),

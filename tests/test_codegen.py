@@ -211,6 +211,17 @@ def test_attention_unaligned_head_dim_80(dtype):
   assert "mask_e" in k.source and "offs_e_0" not in k.source and "mask_d" not in k.source
 
 
+def test_split_causal_attention_with_a_pieced_head_dim():
+  """Pieces in a split plan: the main kernel's q and k load in pieces; the
+  combine pass, re-tiled, loads none of them."""
+  r = T.attention(M=40, N=96, D=80, Dv=48, heads=2, causal=True, dtype="float16")
+  plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16), split=("n", 3))
+  k = run_and_check(r, plan)
+  main, combine = k.source.split("def fused_kernel_combine")
+  assert "# d in pieces of 64 + 16" in main and "offs_d_1" in main
+  assert "Q_ptr +" not in combine
+
+
 @pytest.mark.parametrize("K,pieces", [(80, (64, 16)), (72, (64, 16)), (208, (128, 64, 16))])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_single_k_tile_prints_as_pieces(K, pieces, dtype):

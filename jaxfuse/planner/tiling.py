@@ -54,9 +54,10 @@ def next_pow2(x: int) -> int:
 
 # A loop that stays in one tile but whose extent is not a power of two
 # (head dims of 80) is printed as power-of-two pieces (64 + 16) instead of
-# one tile padded to 128: 5-24% faster on Chimera G6/G9 and attention S6
-# (H100, 2026-11-22, benchmarks/RESULTS.md, twenty-second session). Pieces
-# are >= MIN_PIECE (tl.dot's K); at most MAX_PIECES of them.
+# one tile padded to 128: every plan of Chimera G6/G9 and attention S6
+# measured ran 3-12% faster, 27-32% where the output width is split on the
+# grid (H100, 2026-11-22, benchmarks/RESULTS.md, twenty-third session).
+# Pieces are >= MIN_PIECE (tl.dot's K); at most MAX_PIECES of them.
 MIN_PIECE = 16
 MAX_PIECES = 3
 

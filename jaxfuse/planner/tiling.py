@@ -96,8 +96,13 @@ def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
   Then a piece is one load and one ``tl.dot`` into the same accumulator,
   and nothing else sees the loop."""
   from jaxfuse import ir  # pylint: disable=import-outside-toplevel
-  vm = region.value_map
   ext = region.loop_extents
+  # The search asks for every candidate plan: most regions have no loop to
+  # piece, and say so before the readers are collected.
+  cands = {l: p for l in single if (p := loop_pieces(ext[l])) and block[l] == next_pow2(ext[l])}
+  if not cands:
+    return {}
+  vm = region.value_map
   inputs = {b.value for b in region.inputs}
   outputs = {b.value for b in region.outputs}
   readers: dict[str, list] = {}
@@ -110,6 +115,9 @@ def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
     return {l for l in vm[v].loops if block[l] > 1}
 
   def one_dot(op, l) -> bool:
+    # The printer's tl.dot test (contraction_expr's use_dot) on the values'
+    # blocked loops; should the two ever disagree, the printer raises a
+    # CodegenError and the region falls back to its next plan.
     a, b, o = blocked(op.lhs), blocked(op.rhs), blocked(op.out)
     red = {x for x in op.reduce if block[x] > 1}
     bat, m, n, k = a & b & o, (a & o) - b, (b & o) - a, a & b & red
@@ -119,10 +127,7 @@ def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
             and vm[op.lhs].dtype in floats and vm[op.rhs].dtype in floats)
 
   out = {}
-  for l in single:
-    pieces = loop_pieces(ext[l])
-    if not pieces or block[l] != next_pow2(ext[l]):
-      continue
+  for l, pieces in cands.items():
     along = [v.name for v in region.values if l in v.loops]
     if all(v in inputs and v not in outputs and readers.get(v)
            and all(isinstance(op, ir.Contraction) and l in op.reduce and one_dot(op, l)

@@ -220,6 +220,26 @@ def test_pieced_loops_are_single_tile_k_loops_of_inputs():
   assert got == {"k0": (64, 16)}
 
 
+def test_dot_roles_is_the_printers_tl_dot_test():
+  t = dict(b=1, g=4, m=64, n=64, k=32)
+  f16 = ("float16", "float16")
+  assert tiling.dot_roles("mk", "kn", "mn", "k", t, f16) == (set(), {"m"}, {"n"}, {"k"})
+  assert tiling.dot_roles("gmk", "gkn", "gmn", "k", t, f16) == ({"g"}, {"m"}, {"n"}, {"k"})
+  assert tiling.dot_roles("mk", "kn", "mn", "k", dict(t, k=8), f16) is None         # K < 16
+  assert tiling.dot_roles("mk", "kn", "mn", "k", t, ("int32", "float16")) is None   # not floats
+  assert tiling.dot_roles("bmk", "kn", "bmn", "k", t, f16) is None                  # two M loops
+  assert tiling.dot_roles("mk", "n", "mn", "k", t, f16) is None                     # k in one operand
+  # The printer prints a contraction with dot_roles' answer as tl.dot, else
+  # as a broadcast product: the same region at K tiles of 32 and 8.
+  r = examples.gemm_chain(1, 64, 64, 32, 64, batch=False)
+  plan = "grid(m) (n(k(La,Lbb,Cc),Ld,Ce),Se)  tiles(m=64, n=64, k={k}, h=64)  warps=4 stages=2"
+  from jaxfuse.codegen.triton_printer import print_kernel
+  from jaxfuse.planner.plan import parse_plan
+  assert print_kernel(r, parse_plan(plan.format(k=32))).source.count("tl.dot(") == 2
+  src8 = print_kernel(r, parse_plan(plan.format(k=8))).source
+  assert src8.count("tl.dot(") == 1 and "tl.sum(" in src8
+
+
 def test_model_prices_pieces_at_what_the_kernel_computes():
   r = examples.gemm_chain(1, 64, 64, 80, 64, dtype="float16")
   tiles = dict(b=1, m=64, n=64, k=128, h=64)

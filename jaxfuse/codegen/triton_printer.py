@@ -70,7 +70,7 @@ COMBINE_MIN_TILE = 16
 
 _TL_DTYPE = {"float16": "tl.float16", "bfloat16": "tl.bfloat16", "float32": "tl.float32",
              "float64": "tl.float64", "int32": "tl.int32", "int64": "tl.int64", "bool": "tl.int1"}
-_FLOAT = ("float16", "bfloat16", "float32", "float64")
+_FLOAT = tiling.FLOAT_DTYPES
 # ir.PRECISIONS -> tl.dot's input_precision for float32 operands.
 _INPUT_PRECISION = {"default": "tf32", "tf32x3": "tf32x3", "ieee": "ieee"}
 _RESERVED = {"tl", "triton", "libdevice", "range", "float", "int", "min", "max", "len", "pid"}
@@ -724,16 +724,11 @@ class _Printer:
     red_in = [l for l in op.reduce if self.T[l] > 1]
     out_dims = self.bl(op.out)
     A, B = set(a.order), set(b.order)
-    bat = [l for l in self.order if l in A and l in B and l in out_dims]
-    M = [l for l in self.order if l in A and l in out_dims and l not in B]
-    N = [l for l in self.order if l in B and l in out_dims and l not in A]
-    K = [l for l in self.order if l in A and l in B and l in red_in]
-    only = [l for l in red_in if (l in A) != (l in B)]
     dtA, dtB = self.vm[op.lhs].dtype, self.vm[op.rhs].dtype
-    use_dot = (len(M) == 1 and len(N) == 1 and len(K) == 1 and len(bat) <= 1 and not only
-               and all(self.T[l] >= 16 for l in M + N + K)
-               and set(a.order) == set(bat + M + K) and set(b.order) == set(bat + K + N)
-               and dtA in _FLOAT and dtB in _FLOAT)
+    roles = tiling.dot_roles(A, B, out_dims, red_in, self.T, (dtA, dtB))
+    use_dot = roles is not None
+    if use_dot:
+      bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
     pk = next((l for l in red_in if l in self.pieces), None)
     if pk is not None and not (use_dot and a.pieces and b.pieces):
       raise CodegenError(f"internal: pieced loop {pk} in {op.out}, which is not one tl.dot")

@@ -58,8 +58,37 @@ def next_pow2(x: int) -> int:
 # measured ran 3-12% faster, 27-32% where the output width is split on the
 # grid (H100, 2026-11-22, benchmarks/RESULTS.md, twenty-third session).
 # Pieces are >= MIN_PIECE (tl.dot's K); at most MAX_PIECES of them.
-MIN_PIECE = 16
+MIN_DOT_TILE = 16   # tl.dot's smallest M, N and K tile
+MIN_PIECE = MIN_DOT_TILE
 MAX_PIECES = 3
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dot_roles(lhs: Iterable[str], rhs: Iterable[str], out: Iterable[str],
+              reduced: Iterable[str], block: Mapping[str, int],
+              dtypes: Sequence[str]) -> Optional[tuple[set, set, set, set]]:
+  """The (batch, M, N, K) loop sets of a contraction the code generator
+  prints as one ``tl.dot``, or None when it prints a broadcast product.
+
+  ``lhs``, ``rhs``, ``out``: the loops of its operand and result tiles that
+  are larger than 1; ``reduced``: its reduced loops larger than 1;
+  ``block``: each loop's tile; ``dtypes``: the operands' dtypes. One place
+  for the test, so that the planner's pieces rule (``pieced_loops``) and the
+  printer agree on which contractions are dots.
+
+  Example::
+
+      dot_roles("mk", "kn", "mn", "k", {"m": 64, "n": 64, "k": 32},
+                ("float16", "float16"))   # (set(), {"m"}, {"n"}, {"k"})
+  """
+  a, b, o, red = set(lhs), set(rhs), set(out), set(reduced)
+  bat, m, n, k = a & b & o, (a & o) - b, (b & o) - a, a & b & red
+  if (len(m) == 1 and len(n) == 1 and len(k) == 1 and len(bat) <= 1
+      and red <= a & b and a == bat | m | k and b == bat | k | n
+      and all(block[x] >= MIN_DOT_TILE for x in m | n | k)
+      and all(dt in FLOAT_DTYPES for dt in dtypes)):
+    return bat, m, n, k
+  return None
 
 
 def loop_pieces(extent: int) -> tuple[int, ...]:
@@ -109,22 +138,15 @@ def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
   for op in region.ops:
     for v in op.inputs:
       readers.setdefault(v, []).append(op)
-  floats = ("float16", "bfloat16", "float32", "float64")
 
   def blocked(v):
     return {l for l in vm[v].loops if block[l] > 1}
 
   def one_dot(op, l) -> bool:
-    # The printer's tl.dot test (contraction_expr's use_dot) on the values'
-    # blocked loops; should the two ever disagree, the printer raises a
-    # CodegenError and the region falls back to its next plan.
-    a, b, o = blocked(op.lhs), blocked(op.rhs), blocked(op.out)
-    red = {x for x in op.reduce if block[x] > 1}
-    bat, m, n, k = a & b & o, (a & o) - b, (b & o) - a, a & b & red
-    return (k == {l} and len(m) == 1 and len(n) == 1 and len(bat) <= 1
-            and not (red - (a & b)) and a == bat | m | k and b == bat | k | n
-            and all(block[x] >= MIN_PIECE for x in m | n | k)
-            and vm[op.lhs].dtype in floats and vm[op.rhs].dtype in floats)
+    roles = dot_roles(blocked(op.lhs), blocked(op.rhs), blocked(op.out),
+                      [x for x in op.reduce if block[x] > 1], block,
+                      (vm[op.lhs].dtype, vm[op.rhs].dtype))
+    return roles is not None and roles[3] == {l}
 
   out = {}
   for l, pieces in cands.items():

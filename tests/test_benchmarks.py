@@ -97,6 +97,29 @@ def test_interrupted_run_keeps_finished_cases(tmp_path, monkeypatch):
   assert data["rows"][0]["impls"]["xla"]["status"] == "ok"
 
 
+def test_slope_windows_last_min_window_ms(monkeypatch):
+  """--min_window_ms reaches the slope method: every timed program repeats
+  until its window lasts that long."""
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
+  seen = []
+  real = timing.slope
+
+  def slope(*args, **kwargs):
+    seen.append(kwargs["min_window_s"])
+    return real(*args, **kwargs)
+  monkeypatch.setattr(timing, "slope", slope)
+  case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
+  roof = harness.get_roof("float32")
+  for ms in (50.0, 7.0):
+    seen.clear()
+    settings = harness.Settings(dtype="float32", reps=1, profile="off", min_window_ms=ms,
+                                details=False)
+    harness.run_case(case, [harness.xla_impl(case.fn)], settings, roof)
+    assert seen == [ms * 1e-3]
+  assert harness.Settings().min_window_ms == 50.0
+
+
 def test_gemm_chain_cpu_outputs_returned(tmp_path):
   prefix = tmp_path / "gr"
   out = _run(["-m", "benchmarks.gemm_chain", "--shapes=1x64x32x16x16", "--reps=1",

@@ -37,8 +37,8 @@ from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
     flatten, hoist_consts, is_lit, trace)
 from jaxfuse.capture_ir import (
-    CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS,
-    Reject, build_region)
+    CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
+    Reject, build_region, window_starts)
 
 __all__ = ["CapturedRegion", "find_regions", "rewrite"]
 
@@ -66,6 +66,9 @@ class CapturedRegion:
       ``region.inputs`` order, returns the outputs in ``region.outputs`` order.
     source: ``file:line`` of the first contraction, or "".
     path: where it was found, e.g. ``"scan/body"``; "" for the top level.
+    same_as: for each region input, the index of the first region input
+      that receives the same array (itself when none before it does): the
+      windows of one array (``jnp.split(qkv, 3, -1)``) are one input each.
 
   Example::
 
@@ -76,6 +79,7 @@ class CapturedRegion:
   jaxpr: ClosedJaxpr
   source: str
   path: str
+  same_as: tuple[int, ...] = ()
 
 
 # --------------------------------------------------------------------------
@@ -238,6 +242,11 @@ class _LevelAnalysis:
     return ok
 
   def prologue_ok(self, p: Item, dep) -> bool:
+    if p.prim in WINDOW_PRIMS:
+      # A static window of a value computed outside: the kernel reads it in
+      # place (the value becomes the region input; capture_ir.window_starts).
+      return (p.idx not in self.taken and not dep(p) and window_starts(p) is not None
+              and not self.const_like(p.invars[0]))
     if not _is_cheap(p) or p.prim in REDUCE_PRIMS or p.idx in self.taken:
       return False
     if dep(p):
@@ -306,7 +315,19 @@ class _LevelAnalysis:
         if (prologue and len(members) - len(removed) < _MAX_PROLOGUE
             and self.prologue_ok(p, dep)):
           members.add(p.idx)
-          stack.append(p)
+          if p.prim not in WINDOW_PRIMS:   # a window's operand stays an input
+            stack.append(p)
+    # A window is read in place only when its operand is read by nothing else
+    # in the region (else it stays XLA's copy, as before).
+    for i in sorted(members - removed):
+      w = self.items[i]
+      if w.prim in WINDOW_PRIMS:
+        src = w.invars[0]
+        p = lvl.producer.get(src)
+        if (p is not None and p.idx in members) or any(
+            src in self.items[j].invars for j in members
+            if self.items[j].prim not in WINDOW_PRIMS):
+          members.discard(i)
     # A custom call (e.g. jax.nn.softmax on jax >= 0.11) whose ops are all in
     # the region and partly replaced is absorbed whole: its chain-independent
     # ops (such as a cast of its -inf argument) are replaced too.
@@ -357,9 +378,18 @@ class _LevelAnalysis:
       for pos, a in enumerate(it.invars):
         if isinstance(a, FVar) and not internal(a):
           key = a if not split_inputs else ((g, a) if g is not None else (i, pos))
+          if it.prim in WINDOW_PRIMS:
+            key = ("window", i)
           nv.append(use(a, key))
         else:
           nv.append(a)
+      if it.prim in WINDOW_PRIMS and not internal(it.invars[0]):
+        # One input buffer per window the region reads, all of them the
+        # same array (capture_ir gives each its offset).
+        reads = {x for j in order if j != i for x in self.items[j].invars if isinstance(x, FVar)}
+        for _ in range(sum(o in reads for o in it.outvars) - 1):
+          inputs.append(nv[0])
+          input_src.append(it.invars[0])
       sub_items[i] = Item(it.idx, it.eqn, nv, it.outvars, it.groups)
     outputs: list[FVar] = []
     for i in sorted(removed):
@@ -460,8 +490,10 @@ def _analyze(closed: ClosedJaxpr, path: str) -> tuple[Level, list[_Found]]:
     return flatten(closed, opaque), []
   for f in found:
     # ir.simplify drops identity ops such as softmax's max(-inf, .).
+    first = {}
+    same_as = tuple(first.setdefault(id(v), i) for i, v in enumerate(f.inputs))
     f.captured = CapturedRegion(ir.simplify(f.region), _region_jaxpr(lvl, f),
-                                _source(f.chain[0]), path)
+                                _source(f.chain[0]), path, same_as)
   return lvl, found
 
 

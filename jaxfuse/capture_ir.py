@@ -29,8 +29,8 @@ import numpy as np
 from jaxfuse import ir
 from jaxfuse.capture_flat import FVar, Item, is_lit
 
-__all__ = ["Reject", "build_region", "dot_precision", "CONTRACTION_DTYPES", "PRIMITIVES",
-           "LAYOUT_PRIMS", "POINTWISE_PRIMS", "REDUCE_PRIMS"]
+__all__ = ["Reject", "build_region", "dot_precision", "window_starts", "CONTRACTION_DTYPES",
+           "PRIMITIVES", "LAYOUT_PRIMS", "POINTWISE_PRIMS", "REDUCE_PRIMS", "WINDOW_PRIMS"]
 
 
 class Reject(Exception):
@@ -59,6 +59,30 @@ LAYOUT_PRIMS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze",
                           "optimization_barrier_identity"})
 REDUCE_PRIMS = frozenset({"reduce_max", "reduce_sum", "reduce_min"})
 PRIMITIVES = POINTWISE_PRIMS | LAYOUT_PRIMS | REDUCE_PRIMS | {"iota", "dot_general"}
+# Static windows of a region input (x[:, :64], jnp.split(qkv, 3, -1)): the
+# kernel reads them in place, an offset into the whole input, where XLA
+# would otherwise copy each window out for the custom call.
+WINDOW_PRIMS = frozenset({"slice", "split"})
+
+
+def window_starts(it: Item) -> list[tuple[int, ...]] | None:
+  """Start index of each output of a unit-stride ``slice`` or a ``split``
+  into its operand, or None when ``it`` is not such a window."""
+  if len(it.invars) != 1 or is_lit(it.invars[0]):
+    return None
+  rank = len(it.invars[0].aval.shape)
+  if it.prim == "slice":
+    if any(s not in (None, 1) for s in (it.params.get("strides") or ())):
+      return None
+    return [tuple(int(x) for x in it.params["start_indices"])]
+  if it.prim == "split":
+    axis = int(it.params["axis"]) % max(rank, 1)
+    out, at = [], 0
+    for size in it.params["sizes"]:
+      out.append(tuple(at if i == axis else 0 for i in range(rank)))
+      at += int(size)
+    return out
+  return None
 
 
 # jax.lax.DotAlgorithmPreset names -> ir.PRECISIONS for float32 operands.
@@ -228,6 +252,10 @@ class _Builder:
     self.ops: list = []
     self.counters: dict[str, int] = {}
     self.squeezed: dict[tuple, str] = {}
+    # Window inputs: the outputs each input's window op yields to the
+    # region, in input order, and each such output's start index.
+    self.window_outs: dict[Any, list] = {}
+    self.window_start: dict[Any, tuple[int, ...]] = {}
 
   # ---- pass 1 -----------------------------------------------------------
   def ax(self, a) -> list[list[Dim]]:
@@ -237,9 +265,38 @@ class _Builder:
       return []
     return self.axes[a]
 
+  def find_windows(self) -> None:
+    """Records the window ops reading region inputs (see WINDOW_PRIMS). A
+    windowed input must be read by window ops alone, and appear in
+    ``inputs`` once per window the region reads (capture lists it so)."""
+    read: dict = {}
+    for it in self.items:
+      for a in it.invars:
+        if not is_lit(a):
+          read.setdefault(a, []).append(it)
+    ins = set(self.inputs)
+    for it in self.items:
+      if it.prim not in WINDOW_PRIMS:
+        continue
+      src = it.invars[0]
+      starts = window_starts(it)
+      if starts is None or src not in ins:
+        raise Reject(f"{it.prim} of a value other than a region input")
+      if any(r.prim not in WINDOW_PRIMS for r in read[src]):
+        raise Reject(f"a region input is read both whole and through {it.prim}")
+      used = [(o, st) for o, st in zip(it.outvars, starts) if o in read]
+      self.window_outs.setdefault(src, []).extend(o for o, _ in used)
+      for o, st in used:
+        self.window_start[o] = st
+    for src, outs in self.window_outs.items():
+      if not outs or self.inputs.count(src) != len(outs):
+        raise Reject("one region input per window read")
+
   def unify(self) -> None:
+    self.find_windows()
     for v in self.inputs:
-      self.axes[v] = [[Dim(s)] for s in v.aval.shape]
+      if v not in self.window_outs:
+        self.axes[v] = [[Dim(s)] for s in v.aval.shape]
     for it in self.items:
       fn = getattr(self, "u_" + it.prim, None)
       if it.prim in POINTWISE_PRIMS:
@@ -337,6 +394,13 @@ class _Builder:
     dims = tuple(d % max(len(it.invars[0].aval.shape), 1) for d in it.params["dimensions"])
     src = self.ax(it.invars[0])
     self.axes[it.outvars[0]] = [x for i, x in enumerate(src) if i not in dims]
+
+  def u_slice(self, it: Item) -> None:
+    for o in it.outvars:
+      if o in self.window_start:
+        self.axes[o] = [_fresh(s) for s in o.aval.shape]
+
+  u_split = u_slice
 
   def u_expand_dims(self, it: Item) -> None:  # pragma: no cover - not a jax primitive today
     raise Reject("expand_dims")
@@ -493,12 +557,20 @@ class _Builder:
         carriers[name] = carriers.get(name, 0) + 1
     shared_unit = {n for n, c in carriers.items() if c > 1}
     in_bufs = []
+    seen_windows: dict = {}
     for i, v in enumerate(self.inputs):
       dt = _dtype_name(v.aval.dtype)
-      loops = [l for l in self.loops_of(v) if self.ext[l] != 1 or l in shared_unit]
+      view, offset = v, 0
+      if v in self.window_outs:
+        k = seen_windows[v] = seen_windows.get(v, -1) + 1
+        view = self.window_outs[v][k]
+        base = ir.contiguous_strides(v.aval.shape)
+        offset = sum(s * b for s, b in zip(self.window_start[view], base))
+      loops = [l for l in self.loops_of(view) if self.ext[l] != 1 or l in shared_unit]
       name = self.fresh("x", loops, dt)
-      self.val[v] = name
-      in_bufs.append(ir.Buffer(name, tuple(v.aval.shape), self._strides(v, loops)))
+      self.val[view] = name
+      in_bufs.append(ir.Buffer(name, tuple(v.aval.shape),
+                               self._strides(view, loops, v.aval.shape), offset))
     for it in self.items:
       fn = getattr(self, "e_" + it.prim, None)
       if fn is None:
@@ -543,9 +615,10 @@ class _Builder:
     return sorted(names, key=lambda n: (pref.index(n) if len(n) == 1 and n in pref
                                         else len(pref), n))
 
-  def _strides(self, v, loops: Sequence[str]) -> tuple:
-    shape = v.aval.shape
-    base = ir.contiguous_strides(shape)
+  def _strides(self, v, loops: Sequence[str], shape=None) -> tuple:
+    """Element strides of ``loops`` in ``v``'s row-major layout, or in that
+    of ``shape`` (the whole input a window ``v`` lies in)."""
+    base = ir.contiguous_strides(v.aval.shape if shape is None else shape)
     out = {}
     for ax, s in zip(self.axes[v], base):
       ls = [l for d in ax for l in leaves(d)]
@@ -559,6 +632,14 @@ class _Builder:
   def e_view(self, it: Item) -> None:
     for a, o in zip(it.invars, it.outvars):
       self.val[o] = self.opnd(a)
+
+  def e_slice(self, it: Item) -> None:
+    # The region's windows were bound to their input buffers; an output the
+    # region does not read needs nothing.
+    for o in it.outvars:
+      if o in self.window_start and o not in self.val:
+        raise Reject(f"{it.prim}: window not bound")  # pragma: no cover - find_windows
+  e_split = e_slice
 
   def _out(self, it: Item):
     o = it.outvars[0]

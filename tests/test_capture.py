@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxfuse
 from jaxfuse import capture, ir
 
 try:
@@ -135,9 +136,11 @@ def one_region(f, *args) -> capture.CapturedRegion:
 
 def check_region_matches_jaxpr(r: capture.CapturedRegion, rtol=1e-4, atol=1e-5):
   ins = []
-  for b in r.region.inputs:
+  for i, b in enumerate(r.region.inputs):
     dt = r.region.value(b.value).dtype
-    if dt == "bool":
+    if r.same_as and r.same_as[i] != i:
+      ins.append(ins[r.same_as[i]])   # a window of an array already drawn
+    elif dt == "bool":
       ins.append(RNG.standard_normal(b.shape) > 0)
     else:
       ins.append((RNG.standard_normal(b.shape) * 0.5).astype(ir.np_dtype(dt)))
@@ -282,8 +285,9 @@ def test_extra_output_and_const_input():
   assert outs == {("b", "m", "n"), ("b", "m", "h")}
   const_r = next(r for r in rs if r is not attn_r)
   # The closed-over array is read twice with different index maps (two
-  # buffers, so that no loop is both reduced and kept).
-  assert [b.shape for b in const_r.region.inputs] == [(1, 6, 8), (8, 6), (8, 6)]
+  # buffers, so that no loop is both reduced and kept); v[0] is a window
+  # read in place from v.
+  assert [b.shape for b in const_r.region.inputs] == [(2, 6, 8), (8, 6), (8, 6)]
   assert len(const_r.region.loops) == 4
   for r in rs:
     check_region_matches_jaxpr(r)
@@ -611,3 +615,73 @@ def test_dot_algorithms_a_triton_dot_cannot_compute_are_left_to_xla():
   with pytest.raises(ir.IRError, match="precision 'tf64'"):
     ir.Region(r.loops, r.values, r.inputs, r.outputs,
               (dataclasses.replace(r.ops[0], precision="tf64"), *r.ops[1:]))
+
+
+# --------------------------------------------------------------------------
+# Static windows of an input are read in place
+# --------------------------------------------------------------------------
+
+def packed_attention(qkv):
+  """qkv [b, t, 3*h*d]: jnp.split into q, k, v, then 4 heads of 8."""
+  q, k, v = jnp.split(qkv, 3, axis=-1)
+  b, t, _ = q.shape
+  q, k, v = (x.reshape(b, t, 4, 8).transpose(0, 2, 1, 3) for x in (q, k, v))
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 8.0
+  return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+
+
+def windowed_chain(x, w1, w2):
+  return (x[:, 8:40, 4:28] @ w1) @ w2
+
+
+def test_split_windows_are_offsets_into_the_packed_input():
+  qkv = rand(2, 12, 96)
+  r = one_region(packed_attention, qkv)
+  # One input buffer per window, each the whole packed array at its offset.
+  assert [b.shape for b in r.region.inputs] == [(2, 12, 96)] * 3
+  assert [b.offset for b in r.region.inputs] == [0, 32, 64]
+  assert r.same_as == (0, 0, 0)
+  q = r.region.inputs[0]
+  assert q.stride("b") == 12 * 96 and q.stride("m") == 96 and q.stride("k") == 1
+  assert q.stride("g") == 8
+  # The rewritten program passes the packed array itself: no split left.
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(packed_attention)(qkv).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  check_region_matches_jaxpr(r)
+
+
+def test_slice_window_reads_the_input_in_place():
+  x, w1, w2 = rand(3, 48, 32), rand(24, 16), rand(16, 8)
+  r = one_region(windowed_chain, x, w1, w2)
+  xb = r.region.inputs[0]
+  assert xb.shape == (3, 48, 32) and xb.offset == 8 * 32 + 4
+  assert r.region.loop_extents["m"] == 32 and r.region.loop_extents["k"] == 24
+  check_region_matches_jaxpr(r)
+
+
+def test_window_of_an_input_the_region_reads_whole_stays_a_copy():
+  # The second dot reads x whole: the window stays XLA's slice, as before.
+  def f(x, w):
+    return (x[:, :, :16] @ w) @ x
+  x, w = rand(2, 16, 32), rand(16, 16)
+  r = one_region(f, x, w)
+  assert all(b.offset == 0 for b in r.region.inputs)
+  assert [b.shape for b in r.region.inputs] == [(2, 16, 16), (16, 16), (2, 16, 32)]
+  check_region_matches_jaxpr(r)
+
+
+def test_two_windows_of_one_input():
+  def f(x, w):
+    return (x[:, :8] @ w) @ x[:, 8:, :8]
+  x, w = rand(2, 16, 16), rand(16, 8)
+  r = one_region(f, x, w)
+  offs = sorted(b.offset for b in r.region.inputs if b.shape == (2, 16, 16))
+  assert offs == [0, 8 * 16]
+  check_region_matches_jaxpr(r)
+
+
+def test_strided_slice_is_not_a_window():
+  x, w1, w2 = rand(2, 48, 16), rand(16, 16), rand(16, 8)
+  r = one_region(lambda x, w1, w2: (x[:, ::2] @ w1) @ w2, x, w1, w2)
+  assert [b.shape for b in r.region.inputs][0] == (2, 24, 16)
+  check_region_matches_jaxpr(r)

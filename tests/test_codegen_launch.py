@@ -945,3 +945,36 @@ def test_self_check_tolerance_follows_the_float32_dot_precision():
   assert launch.tolerance(T.with_precision(g32, "ieee")) == pytest.approx(1e-5)
   g16 = examples.gemm_chain(1, 64, 64, 64, 64)
   assert launch.tolerance(g16) == launch.tolerance(T.with_precision(g16, "ieee")) == 2e-3
+
+
+def test_windows_of_an_input_run_in_place_through_the_kernel(caplog):
+  """jnp.split / basic slicing of an input: the kernel (Triton's interpreter)
+  reads the windows at their offsets in the whole array, and matches jax.jit."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+
+  def packed(qkv):
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    b, t, _ = q.shape
+    q, k, v = (x.reshape(b, t, 2, 16).transpose(0, 2, 1, 3) for x in (q, k, v))
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+
+  def windowed(x, w1, w2):
+    return (x[:, 8:40, 16:48] @ w1) @ w2
+
+  rng = np.random.default_rng(3)
+  cases = [(packed, (rng.standard_normal((2, 32, 96)),)),
+           (windowed, (rng.standard_normal((2, 48, 64)), rng.standard_normal((32, 16)) / 6,
+                       rng.standard_normal((16, 16)) / 4))]
+  for fn, args in cases:
+    args = tuple(jnp.asarray(a, jnp.float32) for a in args)
+    prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(fn)(*args).jaxpr.eqns]
+    assert prims == ["jaxfuse_region"], prims   # no slice or split left to XLA
+    with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+      got = jaxfuse.jit(fn)(*args)
+    assert not [r for r in caplog.records if "original ops" in r.getMessage()]
+    want = jax.jit(fn)(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)

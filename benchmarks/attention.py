@@ -46,9 +46,13 @@ harness.define_flags(default_cases="all",
                      shapes_help="Extra cases 'BxHxMxNxD' (batch, heads, "
                      "queries, keys, head dim), suffix 'c' for causal; "
                      "comma-separated; with --cases unset only these run.")
-flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd"],
+flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd", "packed"],
                   "Layout of q/k/v in the plain JAX function that jax.jit and "
-                  "jaxfuse.jit compile: [B, heads, T, D] or [B, T, heads, D].")
+                  "jaxfuse.jit compile: [B, heads, T, D], [B, T, heads, D], or "
+                  "'packed': one [B, T, 3*heads*D] array (a fused QKV "
+                  "projection's output) that the function splits with "
+                  "jnp.split (self-attention cases only: S1-S6, the large "
+                  "cases, --shapes with M == N).")
 
 FLAGS = flags.FLAGS
 
@@ -63,8 +67,18 @@ MCFUSER = {name: (*dims, _MCFUSER_NETWORKS[name]) for name, *dims in examples.MC
 LARGE = {f"L-T{t}-d{d}": (8, 16, t, d) for t in (2048, 4096) for d in (64, 128)}
 
 
-def make_attention(causal: bool, scale: float, layout: str) -> Callable:
+def unpack_qkv(qkv, heads: int):
+  """[B, T, 3*heads*D] -> q, k, v of [B, T, heads, D] (jnp.split: views of
+  the packed array that jaxfuse reads in place)."""
+  b, t, _ = qkv.shape
+  return tuple(x.reshape(b, t, heads, -1) for x in jnp.split(qkv, 3, axis=-1))
+
+
+def make_attention(causal: bool, scale: float, layout: str, heads: int = 0) -> Callable:
   """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile)."""
+  if layout == "packed":
+    inner = make_attention(causal, scale, "bthd")
+    return lambda qkv: inner(*unpack_qkv(qkv, heads))
   qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
   pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
 
@@ -89,13 +103,18 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
               causal: bool, layout: str, group: str, dtype: str,
               extra: dict | None = None) -> harness.Case:
   scale = 1.0 / math.sqrt(dk)
-  fn = make_attention(causal, scale, layout)
+  if layout == "packed" and (m != n or dk != dv):
+    raise ValueError(f"--layout=packed needs self-attention (M == N, K == H); "
+                     f"case {name} has M={m}, N={n}, K={dk}, H={dv}")
+  fn = make_attention(causal, scale, layout, h)
 
   def shape(t, d):
     return (b, h, t, d) if layout == "bhtd" else (b, t, h, d)
 
   def make_inputs(key, dt):
     kq, kk, kv = jax.random.split(key, 3)
+    if layout == "packed":
+      return (harness.normal(kq, (b, m, 3 * h * dk), dt),)
     return (harness.normal(kq, shape(m, dk), dt), harness.normal(kk, shape(n, dk), dt),
             harness.normal(kv, shape(n, dv), dt))
 
@@ -116,6 +135,8 @@ def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
+      if layout == "packed" and (m != n or dk != dv):
+        continue   # S7-S9 attend to fewer keys than queries: no packed form
       c = make_case(s + sfx, 1, h, m, n, dk, dv, causal=causal, layout=layout,
                     group="MCFuser Table III" + (" causal" if causal else ""),
                     dtype=dtype, extra={"network": net})
@@ -187,9 +208,12 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   p = case.params
   causal, scale, layout = p["causal"], p["scale"], p["layout"]
   # Everything below but the plain function wants [B, T, N, H] (jax) or
-  # [B, N, T, H] (torch); convert outside timing.
+  # [B, N, T, H] (torch); convert outside timing (for 'packed': q, k and v
+  # split into their own arrays, each baseline's best case).
   to_btnh = (lambda q, k, v: (_swap(q), _swap(k), _swap(v))) if layout == "bhtd" else None
   from_btnh = _swap if layout == "bhtd" else None
+  if layout == "packed":
+    to_btnh = lambda qkv: tuple(jnp.asarray(x) for x in unpack_qkv(qkv, p["heads"]))
 
   def dpa(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
@@ -204,7 +228,8 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=causal, scale=scale)
 
-  def torch_prep(q, k, v):
+  def torch_prep(*args):
+    q, k, v = args if layout != "packed" else unpack_qkv(args[0], p["heads"])
     xs = (q, k, v) if layout == "bhtd" else (_swap(q), _swap(k), _swap(v))
     return tuple(harness.jax_to_torch(x).contiguous() for x in xs)
 

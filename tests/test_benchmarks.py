@@ -150,6 +150,28 @@ def test_attention_cpu_script(tmp_path):
     assert row["impls"][name]["status"].startswith("skipped"), row["impls"][name]
 
 
+def test_attention_packed_layout_reads_one_qkv_array():
+  """--layout=packed: the plain function takes a fused QKV projection's
+  output and splits it; jaxfuse reads the three windows in place, and the
+  baselines get q, k and v split before timing."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention, harness  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases("packed", "float32", "1x2x32x32x16")
+  assert groups["mcfuser"] == ["S1", "S2", "S3", "S4", "S5", "S6"]   # S7-S9: M != N
+  case = cases["B1-H2-M32-N32-D16"]
+  (qkv,) = case.make_inputs(jax.random.key(0), "float32")
+  assert qkv.shape == (1, 32, 3 * 2 * 16)
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(case.fn)(qkv).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  want = jax.jit(case.fn)(qkv)
+  dpa = next(i for i in attention.impls_for(case) if i.name == "dpa-xla")
+  got = dpa.build()([dpa.prepare((qkv,))])
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="--layout=packed"):
+    attention.all_cases("packed", "float32", "1x2x32x48x16")
+
+
 def test_mlp_chain_cpu(tmp_path):
   prefix = tmp_path / "mlp"
   out = _run(["-m", "benchmarks.mlp_chain", "--shapes=4x32x64x32x16", "--reps=1",

@@ -216,6 +216,26 @@ def test_attention_bthd_layout_folds_into_strides():
   check_region_matches_jaxpr(r)
 
 
+def test_computed_operand_is_the_left_one_of_its_contraction():
+  # jnp.einsum("bhqk,bkhd->bqhd", p, v) is traced as dot(v, p): the IR puts
+  # the softmax weights left of v (tl.dot's register operand), so the kernel
+  # keeps them in registers instead of storing them to shared memory.
+  def attention_tokens_major(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+  q, k, v = rand(2, 32, 3, 16), rand(2, 32, 3, 16), rand(2, 32, 3, 16)
+  r = one_region(attention_tokens_major, q, k, v)
+  inputs = set(r.region.input_names)
+  pv = r.region.contractions[1]
+  assert pv.lhs not in inputs and pv.rhs in inputs
+  from jaxfuse.codegen.triton_printer import print_kernel  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  best = plan_region(r.region, "h100", use_cache=False).best
+  src = print_kernel(r.region, best).source
+  assert "tl.dot(" in src and "tl.trans(acc" not in src, src
+  check_region_matches_jaxpr(r)
+
+
 @pytest.mark.parametrize("act1,act2", [("relu", "gelu_tanh"), ("gelu_erf", "silu"),
                                        ("tanh", "relu")])
 def test_mlp3(act1, act2):

@@ -566,11 +566,14 @@ class Region:
     def idx(v):
       return f"{v}[{','.join(vm[v].loops)}]"
 
+    def at(b):   # a window's offset keys the signature (kernels bake it in)
+      return f"  offset({b.offset})" if b.offset else ""
+
     for b in self.inputs:
       v = vm[b.value]
       st = ",".join(f"{l}:{s}" for l, s in b.strides)
       lines.append(f"  in  {v.name}: {v.dtype}{list(b.shape)}  {idx(v.name)}"
-                   f"  strides({st})")
+                   f"  strides({st}){at(b)}")
     for op in self.ops:
       out = vm[op.out]
       lhs = f"  {idx(op.out)} {out.dtype} = "
@@ -588,7 +591,7 @@ class Region:
       v = vm[b.value]
       st = ",".join(f"{l}:{s}" for l, s in b.strides)
       lines.append(f"  out {v.name}: {v.dtype}{list(b.shape)}  {idx(v.name)}"
-                   f"  strides({st})")
+                   f"  strides({st}){at(b)}")
     return "\n".join(lines)
 
   def einsum_summary(self) -> str:

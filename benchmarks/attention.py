@@ -213,7 +213,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   to_btnh = (lambda q, k, v: (_swap(q), _swap(k), _swap(v))) if layout == "bhtd" else None
   from_btnh = _swap if layout == "bhtd" else None
   if layout == "packed":
-    to_btnh = lambda qkv: tuple(jnp.asarray(x) for x in unpack_qkv(qkv, p["heads"]))
+    to_btnh = lambda qkv: unpack_qkv(qkv, p["heads"])
 
   def dpa(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(

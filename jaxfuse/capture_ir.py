@@ -636,11 +636,8 @@ class _Builder:
       self.val[o] = self.opnd(a)
 
   def e_slice(self, it: Item) -> None:
-    # The region's windows were bound to their input buffers; an output the
-    # region does not read needs nothing.
-    for o in it.outvars:
-      if o in self.window_start and o not in self.val:
-        raise Reject(f"{it.prim}: window not bound")  # pragma: no cover - find_windows
+    """Nothing to emit: ``emit`` bound each window the region reads to its
+    own input buffer (find_windows rejects any other slice or split)."""
   e_split = e_slice
 
   def _out(self, it: Item):

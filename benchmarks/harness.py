@@ -86,6 +86,7 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}
 # updates): 2-3 us per call for jax.jit and jaxfuse alike on 2-5 us kernels
 # (H200, fifth session), more than some whole calls cost inside a program.
 CALL_OUTPUTS = ("consumed", "returned")
+SLOPE_INPUTS = ("separate", "stacked")
 
 
 def define_flags(default_cases: str = "all", default_baselines: str = "all",
@@ -117,6 +118,14 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
                     "outputs: 'consumed' keeps them on the device (behind an "
                     "optimization barrier, one element of each returned), "
                     "'returned' returns them all from the program.")
+  flags.DEFINE_enum("slope_inputs", "separate", list(SLOPE_INPUTS),
+                    "How the K-call programs get their K input sets: "
+                    "'separate' passes each set's arrays as arguments (3 "
+                    "buffers per call for a GEMM chain; jax spends ~2 us of "
+                    "host time per argument buffer on an H100 host), "
+                    "'stacked' passes one array per input holding every set, "
+                    "and call i reads x[i] (jax and jaxfuse programs only; "
+                    "torch baselines keep separate inputs).")
   flags.DEFINE_enum("tune", "model", ["model", "measure"],
                     "jaxfuse search: the analytical model alone, or measured "
                     "refinement of the top candidates on the GPU.")
@@ -477,6 +486,32 @@ class JaxImpl(Impl):
     compiled = self._jit(many_consumed)
     return lambda sets: compiled(*sets)
 
+  def build_stacked(self, stacked: Any, consumed: bool) -> Callable[[list], Any]:
+    """``build`` (``build_timed`` when ``consumed``) for
+    ``--slope_inputs=stacked``: the program for n calls takes ``stacked``
+    (``stack_sets`` of the prepared sets) and call i reads ``x[i]`` of each
+    input, a static window. The runner takes the same ``sets[:n]`` as
+    ``build``'s and uses only their count: set i is ``x[i]``.
+    Why: jax's host work grows with a program's argument buffers (about 2 us
+    each on the H100 host, twenty-fourth session), which the slope does not
+    remove because K calls pass 3K of them."""
+    from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
+    fn = self.fn
+    compiled: dict[int, Callable] = {}
+
+    def program(n: int) -> Callable:
+      def many(st):
+        outs = [stacked_call(fn, i)(st) for i in range(n)]
+        return timing.consume_outputs(outs) if consumed else outs
+      return self._jit(many)
+
+    def runner(sets: list) -> Any:
+      n = len(sets)
+      if n not in compiled:
+        compiled[n] = program(n)
+      return compiled[n](stacked)
+    return runner
+
   def _jit(self, f: Callable) -> Callable:
     return jaxfuse_api().jit(f) if self.compiler == "jaxfuse" else jax.jit(f)
 
@@ -495,6 +530,16 @@ class JaxImpl(Impl):
 
   def profile(self, runner, sets, iters):
     return jax_kernel_profile(lambda: self.block(runner(sets)), iters)
+
+
+def stack_sets(sets: Sequence[Any]) -> Any:
+  """One array per input leaf holding every set (``--slope_inputs=stacked``)."""
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *sets)
+
+
+def stacked_call(fn: Callable, i: int) -> Callable[[Any], Any]:
+  """``fn`` on set ``i`` of ``stack_sets``' result, read as static windows."""
+  return lambda st: fn(*jax.tree_util.tree_map(lambda a: a[i], st))
 
 
 class TorchImpl(Impl):
@@ -831,6 +876,7 @@ class Settings:
   profile: str = "auto"
   tune: str = "model"
   call_outputs: str = "consumed"
+  slope_inputs: str = "separate"
   seed: int = 0
   fresh_cache: bool = True
   tol: float = 0.0
@@ -842,7 +888,8 @@ class Settings:
     return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), calls=FLAGS.calls,
                min_window_ms=max(0.0, FLAGS.min_window_ms),
                mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
-               tune=FLAGS.tune, call_outputs=FLAGS.call_outputs, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
+               tune=FLAGS.tune, call_outputs=FLAGS.call_outputs,
+               slope_inputs=FLAGS.slope_inputs, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
                tol=FLAGS.tol, details=FLAGS.jaxfuse_details)
 
   @property
@@ -898,16 +945,18 @@ def _derived(res: dict, case: Case, roof: Roof) -> None:
       res[f"{key}_floor_frac"] = floor / t
 
 
-def region_outcomes(case: Case, args: tuple) -> Optional[list[tuple[Any, Any]]]:
-  """The regions jaxfuse captures in ``case`` (traced once), each with how
-  this process's compile lowered it (``jaxfuse.runtime.launch.Outcome``;
-  None for a region it did not: the CPU path runs regions' original ops
-  without lowering them). None when jaxfuse's capture does not import."""
+def region_outcomes(case: Case, args: tuple, fn: Optional[Callable] = None
+                    ) -> Optional[list[tuple[Any, Any]]]:
+  """The regions jaxfuse captures in ``case`` (``fn``, default ``case.fn``,
+  traced once on ``args``), each with how this process's compile lowered it
+  (``jaxfuse.runtime.launch.Outcome``; None for a region it did not: the
+  CPU path runs regions' original ops without lowering them). None when
+  jaxfuse's capture does not import."""
   api = jaxfuse_api()
   if api.find_regions is None:
     return None
   launch = sys.modules.get("jaxfuse.runtime.launch")   # imported by a lowering only
-  caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+  caps = api.find_regions(jax.make_jaxpr(fn or case.fn)(*args))
   return [(cap, launch.outcome(cap.region) if hasattr(launch, "outcome") else None)
           for cap in caps]
 
@@ -1039,7 +1088,9 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
       continue
     try:
       prepared = [impl.prepare(s) for s in sets]
-      runner = impl.build()
+      stacked = (stack_sets(prepared) if settings.slope_inputs == "stacked"
+                 and isinstance(impl, JaxImpl) else None)
+      runner = impl.build_stacked(stacked, False) if stacked is not None else impl.build()
       # jaxfuse plans at compile time: both the K and the 4K function (and
       # the inspection) must see the same settings.
       is_jaxfuse = isinstance(impl, JaxImpl) and impl.compiler == "jaxfuse"
@@ -1060,6 +1111,8 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         res["rel_err"] = max(e[0] for e in errs)
         res["max_err"] = max(e[1] for e in errs)
         timed = impl.build_timed(settings.call_outputs)
+        if stacked is not None and timed is not None:
+          timed = impl.build_stacked(stacked, True)
         if timed is not None:
           check_consumed(timed(prepared[:k]), out, tol)
         else:
@@ -1067,7 +1120,9 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         impl.block(timed(prepared[:4 * k]))   # compile/warm 4K
         if is_jaxfuse and "jaxfuse" in res:
           try:
-            regions = region_outcomes(case, sets[0])
+            # What ran: in stacked mode the regions read windows of x[i].
+            regions = (region_outcomes(case, sets[0]) if stacked is None else
+                       region_outcomes(case, (stacked,), stacked_call(case.fn, 0)))
             res["jaxfuse"]["lowered"] = lowered(regions)
             if settings.tune == "measure":
               res["jaxfuse"]["plans_run"] = plans_run(regions)
@@ -1076,6 +1131,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
                                settings.min_window_ms))
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
+        res["slope_inputs"] = "separate" if stacked is None else "stacked"
         if settings.do_profile:
           ks = impl.profile(runner, prepared[:k], settings.profile_iters)
           if ks is not None and (ks.count > 0 or ks.total_us > 0):
@@ -1421,7 +1477,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
       "host": platform.node(), "versions": versions(), "settings": dataclasses.asdict(settings),
       "roof": dataclasses.asdict(roof), "jaxfuse_path": note, "argv": sys.argv,
       "method": ("per-call = slope between K and 4K unrolled independent calls "
-                 f"(median of reps; call outputs {settings.call_outputs}); kernel = "
+                 f"(median of reps; call outputs {settings.call_outputs}; inputs "
+                 f"{settings.slope_inputs}); kernel = "
                  "profiler GPU kernel time per call (outputs returned)"),
   }
   print(f"[{binary}] device {meta['device']} (backend {meta['backend']}), dtype "

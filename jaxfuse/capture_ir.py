@@ -561,8 +561,8 @@ class _Builder:
     seen_windows: dict = {}
     for i, v in enumerate(self.inputs):
       dt = _dtype_name(v.aval.dtype)
-      view, offset = v, 0
-      if v in self.window_outs:
+      view, offset, window = v, 0, v in self.window_outs
+      if window:
         k = seen_windows[v] = seen_windows.get(v, -1) + 1
         view = self.window_outs[v][k]
         base = ir.contiguous_strides(v.aval.shape)
@@ -572,7 +572,7 @@ class _Builder:
       self.input_names.add(name)
       self.val[view] = name
       in_bufs.append(ir.Buffer(name, tuple(v.aval.shape),
-                               self._strides(view, loops, v.aval.shape), offset))
+                               self._strides(view, loops, v.aval.shape), offset, window))
     for it in self.items:
       fn = getattr(self, "e_" + it.prim, None)
       if fn is None:

@@ -40,7 +40,7 @@ import numpy as np
 __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
-    "evaluate", "simplify", "contiguous_strides", "dtype_itemsize",
+    "evaluate", "simplify", "contiguous_strides", "dtype_itemsize", "WINDOW_ALIGN",
 ]
 
 
@@ -161,6 +161,12 @@ class Value:
       raise IRError(f"value {self.name}: unsupported dtype {self.dtype}")
 
 
+# A window's offset is passed to its kernel in multiples of this many
+# elements (16 elements: at least 32 bytes for 16-bit types, more than the
+# 16-byte alignment Triton assumes of a pointer argument).
+WINDOW_ALIGN = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class Buffer:
   """A region input or output in device memory.
@@ -169,11 +175,32 @@ class Buffer:
   array to its element stride (row-major strides of ``shape``, possibly
   several loops per axis when a reshape split or merged dims). Loops of the
   value that are absent here broadcast (stride 0).
+
+  ``window``: the buffer is a static window of a larger array (capture's
+  slices and splits of a region input, read in place at ``offset``). A
+  window's offset reaches the kernel at launch, so windows of the same shape
+  at different offsets (the layers of stacked weights, the parts of a packed
+  QKV) share one plan and one compiled kernel. Only ``static_offset``, the
+  offset modulo ``WINDOW_ALIGN``, is printed into the kernel and keys the
+  signature: it fixes the pointer's alignment, which vectorized loads need
+  to know when the kernel compiles.
   """
   value: str
   shape: tuple[int, ...]
   strides: tuple[tuple[str, int], ...]
   offset: int = 0
+  window: bool = False
+
+  @property
+  def launch_offset(self) -> int:
+    """The part of ``offset`` the kernel takes as an argument (a multiple of
+    ``WINDOW_ALIGN``; 0 unless ``window``)."""
+    return self.offset - self.offset % WINDOW_ALIGN if self.window else 0
+
+  @property
+  def static_offset(self) -> int:
+    """The part of ``offset`` printed into the kernel."""
+    return self.offset - self.launch_offset
 
   @property
   def loops(self) -> tuple[str, ...]:
@@ -368,6 +395,10 @@ class Region:
         raise IRError(f"buffer of {v.name}: negative stride")
     if is_output and set(b.loops) != set(v.loops):
       raise IRError(f"output {v.name} must store every loop of the value")
+    if is_output and b.window:
+      raise IRError(f"output {v.name}: only inputs can be windows")
+    if b.offset < 0:
+      raise IRError(f"buffer of {v.name}: negative offset")
     # The highest offset must lie inside the array.
     last = b.offset + sum(s * (extents[l] - 1) for l, s in b.strides)
     if last >= max(b.size, 1):
@@ -526,7 +557,7 @@ class Region:
                            for v in self.values if v.name in vmap),
                           key=lambda v: (v.name[0], int(v.name[1:]))))
     inputs = tuple(Buffer(vmap[b.value], b.shape,
-                          tuple((lmap[l], s) for l, s in b.strides), b.offset)
+                          tuple((lmap[l], s) for l, s in b.strides), b.offset, b.window)
                    for b in self.inputs)
     outputs = tuple(Buffer(vmap[b.value], b.shape,
                            tuple((lmap[l], s) for l, s in b.strides), b.offset)
@@ -544,9 +575,15 @@ class Region:
         ops.append(Iota(vmap[op.out], lmap[op.loop]))
     return Region(loops, values, inputs, outputs, tuple(ops), name=self.name)
 
+  def launch_offsets(self) -> tuple[int, ...]:
+    """The offsets a kernel of this region takes at launch: one per window
+    input, in input order (``Buffer.launch_offset``)."""
+    return tuple(b.launch_offset for b in self.inputs if b.window)
+
   def signature(self) -> str:
-    """Stable hash of the canonical form (names, shapes, dtypes, strides)."""
-    text = self.canonical().to_text(with_header=True)
+    """Stable hash of the canonical form (names, shapes, dtypes, strides,
+    and of a window only its static offset: see ``Buffer.window``)."""
+    text = self.canonical().to_text(with_header=True, offsets=False)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
   def __hash__(self):
@@ -556,7 +593,9 @@ class Region:
     return isinstance(other, Region) and self.signature() == other.signature()
 
   # -- printing -----------------------------------------------------------
-  def to_text(self, with_header: bool = True) -> str:
+  def to_text(self, with_header: bool = True, offsets: bool = True) -> str:
+    """The region as text. ``offsets=False`` prints a window's static offset
+    only (what the signature and the printed kernel depend on)."""
     vm = self.value_map
     lines = []
     if with_header:
@@ -566,7 +605,10 @@ class Region:
     def idx(v):
       return f"{v}[{','.join(vm[v].loops)}]"
 
-    def at(b):   # a window's offset keys the signature (kernels bake it in)
+    def at(b):
+      if b.window:
+        return (f"  window(offset {b.offset})" if offsets else
+                f"  window(offset {WINDOW_ALIGN}*i+{b.static_offset})")
       return f"  offset({b.offset})" if b.offset else ""
 
     for b in self.inputs:

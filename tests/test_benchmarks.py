@@ -120,6 +120,35 @@ def test_slope_windows_last_min_window_ms(monkeypatch):
   assert harness.Settings().min_window_ms == 50.0
 
 
+def test_stacked_slope_inputs_pass_one_array_per_input():
+  """--slope_inputs=stacked: the K-call program takes one array per input
+  holding every set and call i reads x[i]; its outputs equal the separate
+  programs' call for call, jaxfuse reads the layers as windows in place,
+  and the row records the mode."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
+  sets = [case.make_inputs(jax.random.key(i), "float32") for i in range(4)]
+  impl = harness.xla_impl(case.fn)
+  want = impl.build()(sets[:3])
+  got = impl.build_stacked(harness.stack_sets(sets), consumed=False)(sets[:3])
+  for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  stacked = [np.stack([np.asarray(s[j]) for s in sets]) for j in range(len(sets[0]))]
+  jx = jaxfuse.fused_jaxpr(lambda *st: [case.fn(*(a[i] for a in st)) for i in range(2)])(*stacked)
+  assert [e.primitive.name for e in jx.jaxpr.eqns] == ["jaxfuse_region"] * 2
+  roof = harness.get_roof("float32")
+  settings = harness.Settings(dtype="float32", reps=1, profile="off", min_window_ms=1.0,
+                              details=False, slope_inputs="stacked")
+  row = harness.run_case(case, [harness.jaxfuse_impl(case.fn), impl], settings, roof)
+  for name in ("jaxfuse", "xla"):
+    res = row["impls"][name]
+    assert res["status"] == "ok" and res["correct"], res
+    assert res["slope_inputs"] == "stacked"
+  assert harness.Settings().slope_inputs == "separate"
+
+
 def test_gemm_chain_cpu_outputs_returned(tmp_path):
   prefix = tmp_path / "gr"
   out = _run(["-m", "benchmarks.gemm_chain", "--shapes=1x64x32x16x16", "--reps=1",

@@ -980,28 +980,77 @@ def test_windows_of_an_input_run_in_place_through_the_kernel(caplog):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
 
 
-def test_regions_that_differ_only_in_window_offsets_get_their_own_kernels(caplog):
-  """Two chains over different windows of one array: same shapes, different
-  offsets. The offset is part of the region's signature, which keys the
-  plan and kernel caches, so neither reuses the other's kernel."""
+def test_windows_at_other_offsets_share_one_kernel_launched_at_their_own_offsets(caplog):
+  """Chains over the layers of stacked arrays (``x[i]``) and over two halves
+  of one array: same shapes, different offsets. A window's offset is a
+  launch argument, so each group shares one signature and one kernel; each
+  region must still read its own window (a kernel launched at another
+  region's offsets gives the wrong layer). An offset that is not a multiple
+  of ``WINDOW_ALIGN`` changes the pointer's alignment, so it keys its own
+  kernel."""
   import logging  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
 
-  def two(x, w1, w2):
-    return (x[:, :32] @ w1) @ w2, (x[:, 32:] @ w1) @ w2
+  def layers(x, w1, w2):
+    return [(x[i] @ w1[i]) @ w2[i] for i in range(3)]
+
+  def halves(x, w1, w2):
+    # offsets 0, 32*32 and 8: the last one's residue differs
+    return (x[:, :32] @ w1) @ w2, (x[:, 32:] @ w1) @ w2, (x[:, :, 8:24] @ w1[:16]) @ w2
 
   rng = np.random.default_rng(5)
-  args = (jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.float32),
-          jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32),
-          jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32))
-  a, b = capture.find_regions(jax.make_jaxpr(two)(*args))
-  assert [x.offset for x in a.region.inputs][0] != [x.offset for x in b.region.inputs][0]
-  assert a.region.signature() != b.region.signature()
-  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
-    got = jaxfuse.jit(two)(*args)
-  assert not [r for r in caplog.records if "original ops" in r.getMessage()]
-  for g, w in zip(got, jax.jit(two)(*args)):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=2e-3)
+  f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  cases = [(layers, (f32(3, 64, 32), f32(3, 32, 16) / 6, f32(3, 16, 16) / 4), 1),
+           (halves, (f32(2, 64, 32), f32(32, 16) / 6, f32(16, 16) / 4), 3)]
+  for fn, args, groups in cases:
+    caps = capture.find_regions(jax.make_jaxpr(fn)(*args))
+    assert len(caps) == 3
+    offsets = {c.region.launch_offsets() for c in caps}
+    assert len(offsets) == 3, offsets          # every region reads its own windows
+    sigs = {c.region.signature() for c in caps}
+    assert len(sigs) == (1 if groups == 1 else 2), sigs
+    with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+      got = jaxfuse.jit(fn)(*args)
+    assert not [r for r in caplog.records if "original ops" in r.getMessage()]
+    for sig in sigs:   # one kernel per signature, whatever the offsets
+      assert len([k for k in launch._chosen if k[0] == sig and k[1] == "interpret"]) == 1
+    for g, w in zip(got, jax.jit(fn)(*args)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=2e-3)
+
+
+def test_window_offsets_are_launch_arguments_of_the_printed_kernel():
+  """The printed kernel takes each window's offset as an unspecialized int
+  and prints only the part below ``WINDOW_ALIGN``; the region's text shows
+  the whole offset, its signature only that part."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture, codegen  # pylint: disable=g-import-not-at-top
+
+  def f(x, w1, w2):
+    return (x[:, 1:33, 8:24] @ w1) @ w2
+
+  args = (jnp.zeros((2, 40, 32), jnp.float16), jnp.zeros((16, 16), jnp.float16),
+          jnp.zeros((16, 16), jnp.float16))
+  (cap,) = capture.find_regions(jax.make_jaxpr(f)(*args))
+  r = cap.region
+  (xb,) = [b for b in r.inputs if b.window]
+  assert xb.offset == 32 + 8 and xb.launch_offset == 32 and xb.static_offset == 8
+  assert r.launch_offsets() == (32,)
+  assert "window(offset 40)" in r.to_text()
+  assert "window(offset 16*i+8)" in r.to_text(offsets=False)
+  moved = ir.Region(r.loops, r.values, (dataclasses.replace(xb, offset=8 + 16 * 7),)
+                    + r.inputs[1:], r.outputs, r.ops, name=r.name)
+  assert moved.signature() == r.signature()
+  assert ir.Region(r.loops, r.values, (dataclasses.replace(xb, offset=9),) + r.inputs[1:],
+                   r.outputs, r.ops, name=r.name).signature() != r.signature()
+  best = plan_region(r, "h100", use_cache=False).best
+  src = codegen.source(r, best)
+  assert src == codegen.source(moved, best)
+  name = xb.value
+  assert f"do_not_specialize=['{name}_off']" in src
+  assert f"{name}_ptr = {name}_ptr + ({name}_off // 16) * 16" in src
+  assert f"tl.load({name}_ptr + 8 + " in src   # the static part stays in the address

@@ -149,10 +149,14 @@ def _patch_interpreter_bf16_dot() -> None:
   builder_cls.create_dot = create_dot
 
 
-def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray],
+                    offsets: Optional[Sequence[int]] = None) -> list[np.ndarray]:
   """Runs ``kernel`` in Triton's interpreter on NumPy inputs; returns outputs.
 
   Float outputs start as NaN, so elements the kernel does not write show up.
+  ``offsets``: the window inputs' launch offsets (``Region.launch_offsets``)
+  of the region being run; default: those of ``kernel.region``. A kernel is
+  shared by regions that differ only in them.
 
   Example::
 
@@ -165,6 +169,7 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> li
   r = kernel.region
   if len(arrays) != len(r.inputs):
     raise ValueError(f"region takes {len(r.inputs)} inputs, got {len(arrays)}")
+  offs = _launch_offsets(kernel, offsets)
   vm = r.value_map
   ins = []
   for b, a in zip(r.inputs, arrays):
@@ -183,10 +188,11 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray]) -> li
   _patch_interpreter_bf16_dot()
   with interpret_env(True):
     if kernel.combine_fn is None:
-      kernel.fn[kernel.grid](*ins, *outs, **kernel.constexprs)
+      kernel.fn[kernel.grid](*ins, *offs, *outs, **kernel.constexprs)
     else:
-      kernel.fn[kernel.grid](*ins, *scratch, **kernel.constexprs)
-      kernel.combine_fn[kernel.combine_grid](*ins, *scratch, *outs, **kernel.combine_constexprs)
+      kernel.fn[kernel.grid](*ins, *offs, *scratch, **kernel.constexprs)
+      kernel.combine_fn[kernel.combine_grid](*ins, *offs, *scratch, *outs,
+                                             **kernel.combine_constexprs)
   return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, r.outputs)]
 
 
@@ -405,10 +411,25 @@ def _out_shapes(region: ir.Region):
   return [jax.ShapeDtypeStruct(tuple(b.shape), ir.np_dtype(vm[b.value].dtype)) for b in region.outputs]
 
 
-def triton_launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
-  """``jax_triton.triton_call`` of a generated kernel (plus its combine pass)."""
+def _launch_offsets(kernel: GeneratedKernel, offsets: Optional[Sequence[int]]) -> list[int]:
+  """The window offsets to pass ``kernel`` (see ``run_interpreted``)."""
+  want = len(kernel.region.launch_offsets())
+  offs = kernel.region.launch_offsets() if offsets is None else tuple(offsets)
+  if len(offs) != want:
+    raise ValueError(f"offsets: the kernel takes {want} window offsets, got {len(offs)}")
+  if any(int(o) % ir.WINDOW_ALIGN or o < 0 for o in offs):
+    raise ValueError(f"offsets: {offs} are not non-negative multiples of {ir.WINDOW_ALIGN}")
+  return [int(o) for o in offs]
+
+
+def triton_launch(kernel: GeneratedKernel, args: Sequence[Any],
+                  offsets: Optional[Sequence[int]] = None) -> list[Any]:
+  """``jax_triton.triton_call`` of a generated kernel (plus its combine pass).
+  ``offsets``: as in ``run_interpreted``."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  offs = _launch_offsets(kernel, offsets)
+  args = [*args, *offs]   # the window offsets follow the input pointers
   jt = triton_call.jax_triton_module()
   kw = dict(kernel.launch_options, custom_call_target_name=triton_call.call_target(jt))
   outs = _out_shapes(kernel.region)
@@ -740,12 +761,14 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
       _chosen[key] = k
     if plan is None:
       _record_outcome(region, backend, Outcome(True, plan=str(k.plan)))
+  # ``k`` may be another region's (same signature): launch at this one's offsets.
+  offsets = region.launch_offsets()
   if backend == "triton":
-    return triton_launch(k, args)
+    return triton_launch(k, args, offsets)
   shapes = _out_shapes(region)
 
   def host(*xs):
-    return tuple(run_interpreted(k, [np.asarray(x) for x in xs]))
+    return tuple(run_interpreted(k, [np.asarray(x) for x in xs], offsets))
 
   try:
     res = jax.pure_callback(host, tuple(shapes), *args, vmap_method="sequential")
@@ -866,7 +889,8 @@ def start_reference(region: ir.Region, seed: int, xs: Optional[list[np.ndarray]]
   way. Why a thread: its XLA compile took 1.0-1.5 s per region, a quarter
   of the tuning budget (H100, 2026-11-21); it runs without the GIL while
   the model searches and the candidates compile."""
-  fut, mine = _one_entry(_last_reference, (region.signature(), seed))
+  # The reference depends on where the windows lie, which the signature omits.
+  fut, mine = _one_entry(_last_reference, (region.signature(), seed, region.launch_offsets()))
   if not mine:
     return fut
 
@@ -935,6 +959,7 @@ class _TorchMeasurer:
     (one scratch for all sets: their launches run one after another)."""
     import torch  # pylint: disable=g-import-not-at-top
     in_sets = [self.ins] if in_sets is None else in_sets
+    in_sets = [[*ins, *_launch_offsets(k, self.region.launch_offsets())] for ins in in_sets]
     kw = k.launch_options
     if k.combine_fn is None:
       return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]

@@ -241,7 +241,8 @@ def test_computed_operand_is_the_left_one_of_its_contraction():
 def test_mlp3(act1, act2):
   x, w1, w2, w3 = rand(2, 9, 8), rand(8, 24), rand(24, 16), rand(16, 5)
   r = one_region(lambda *a: mlp3(*a, ACTS[act1], ACTS[act2]), x, w1, w2, w3)
-  assert r.region.loop_extents == {"b": 2, "m": 9, "k": 8, "n": 24, "p": 16, "h": 5}
+  # b and m are both M loops of every contraction, contiguous: one loop (ir.coalesce_loops)
+  assert r.region.loop_extents == {"b": 18, "k": 8, "n": 24, "p": 16, "h": 5}
   assert len(r.region.contractions) == 3
   check_region_matches_jaxpr(r)
 
@@ -705,3 +706,46 @@ def test_strided_slice_is_not_a_window():
   r = one_region(lambda x, w1, w2: (x[:, ::2] @ w1) @ w2, x, w1, w2)
   assert [b.shape for b in r.region.inputs][0] == (2, 24, 16)
   check_region_matches_jaxpr(r)
+
+
+def test_batched_activations_times_a_weight_coalesce_into_one_m_loop():
+  """``x[b,m,k] @ w[k,n]`` (jnp.matmul of a [B, T, D] array) has two M loops,
+  b and m; Triton's dot takes one, so without merging them the kernel was a
+  broadcast product that took minutes to compile. Contiguous b and m merge
+  (also through a window of x); a transposed activation whose output is
+  not laid out alike keeps both loops, and an attention's batch loops (in
+  both operands) are left alone."""
+  rng = np.random.default_rng(0)
+
+  def chain(x, w1, w2):
+    return (x @ w1) @ w2
+
+  def windowed(x, w1, w2):
+    return (x[:, :, 8:24] @ w1) @ w2
+
+  def transposed(x, w1, w2):
+    return (x.transpose(1, 0, 2) @ w1) @ w2
+
+  w1 = jnp.asarray(rng.standard_normal((16, 32)) / 4, jnp.float32)
+  w2 = jnp.asarray(rng.standard_normal((32, 16)) / 6, jnp.float32)
+  for fn, x, merged in ((chain, rng.standard_normal((4, 24, 16)), True),
+                        (windowed, rng.standard_normal((4, 24, 40)), True),
+                        (transposed, rng.standard_normal((24, 4, 16)), False)):
+    x = jnp.asarray(x, jnp.float32)
+    (cap,) = capture.find_regions(jax.make_jaxpr(fn)(x, w1, w2))
+    r = cap.region
+    c0 = r.contractions[0]
+    m_loops = set(r.value_map[c0.lhs].loops) & set(r.value_map[c0.out].loops)
+    assert (len(m_loops) == 1) == merged, r
+    if merged:
+      assert sorted(r.loop_extents.values()) == [16, 16, 32, 96]   # b*m = 4*24
+    (got,) = ir.evaluate(r, [np.asarray(x), np.asarray(w1), np.asarray(w2)])
+    np.testing.assert_allclose(got, np.asarray(jax.jit(fn)(x, w1, w2)), rtol=1e-4, atol=1e-4)
+
+  def attention(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+  q = jnp.zeros((2, 3, 16, 8), jnp.float32)
+  (cap,) = capture.find_regions(jax.make_jaxpr(attention)(q, q, q))
+  ext = cap.region.loop_extents   # batch loops b and g (heads) in both operands stay apart
+  assert sorted(ext.values()) == [2, 3, 8, 8, 16, 16], ext

@@ -428,10 +428,13 @@ def test_planner_pick_with_a_batch_of_one_uses_tl_dot():
   import jax.numpy as jnp
   from jaxfuse import capture
   from jaxfuse.planner import plan_region
-  x = jnp.zeros((1, 64, 32), jnp.float16)
+  # x is a transposed view, so its size-1 loop does not merge into m
+  # (ir.coalesce_loops), as it does for a contiguous [1, 64, 32] array.
+  x = jnp.zeros((64, 1, 32), jnp.float16)
   w1 = jnp.zeros((32, 64), jnp.float16)
   w2 = jnp.zeros((64, 32), jnp.float16)
-  [cap] = capture.find_regions(jax.make_jaxpr(lambda x, a, b: jnp.tanh(x @ a) @ b)(x, w1, w2))
+  [cap] = capture.find_regions(jax.make_jaxpr(
+      lambda x, a, b: jnp.tanh(x.transpose(1, 0, 2) @ a) @ b)(x, w1, w2))
   r = cap.region
   one = [l.name for l in r.loops if l.extent == 1]
   assert one and not set(one) & set(tiling.batch_loops(r))

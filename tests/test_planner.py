@@ -187,8 +187,10 @@ def test_rule3_tiles():
   import jax
   import jax.numpy as jnp
   from jaxfuse import capture
-  x, a, b = (jnp.zeros(s, jnp.float16) for s in ((1, 64, 32), (32, 64), (64, 32)))
-  [cap] = capture.find_regions(jax.make_jaxpr(lambda x, a, b: (x @ a) @ b)(x, a, b))
+  # (a transposed view: a contiguous [1, 64, 32] would merge it into m)
+  x, a, b = (jnp.zeros(s, jnp.float16) for s in ((64, 1, 32), (32, 64), (64, 32)))
+  [cap] = capture.find_regions(jax.make_jaxpr(
+      lambda x, a, b: (x.transpose(1, 0, 2) @ a) @ b)(x, a, b))
   [one] = [l.name for l in cap.region.loops if l.extent == 1]
   assert one not in tiling.batch_loops(cap.region)
   assert pruning.tile_candidates(cap.region, one) == (1,)
@@ -994,3 +996,30 @@ def test_tf32_operands_read_against_their_memory_order_are_counted():
     trips = lambda l, q=q: math.ceil(g.loop_extents[l] / q.tile_map[l])
     assert cost_model.tf32_transposed_elements(g, q.expr, q.tile_map, trips,
                                                h100.mma_rows) == want, rows
+
+
+def test_broadcast_products_too_large_to_compile_are_refused():
+  """A contraction that is not one tl.dot prints as a broadcast product;
+  past MAX_BROADCAST_PRODUCT elements the planner and printer refuse it
+  (2^20 of them compiled for 91-372 s). Tiles the printer pads to a dot
+  are not counted."""
+  from jaxfuse.planner import pruning  # pylint: disable=g-import-not-at-top
+  # c0[b,m,n] = sum_k x[b,m,k] * w[k,n]: two M loops (not coalescible here:
+  # the IR is built directly), so never one tl.dot.
+  r = ir.Region(
+      loops=(ir.Loop("b", 4), ir.Loop("m", 64), ir.Loop("n", 64), ir.Loop("k", 64)),
+      values=(ir.Value("x", ("b", "m", "k"), "float16"), ir.Value("w", ("k", "n"), "float16"),
+              ir.Value("c", ("b", "m", "n"), "float16")),
+      inputs=(ir.Buffer("x", (4, 64, 128), (("b", 8192), ("m", 128), ("k", 1))),
+              ir.Buffer("w", (64, 64), (("k", 64), ("n", 1)))),
+      outputs=(ir.Buffer("c", (4, 64, 64), (("b", 4096), ("m", 64), ("n", 1))),),
+      ops=(ir.Contraction("c", "x", "w", ("k",)),))
+  op = r.contractions[0]
+  assert pruning.broadcast_product(r, op, {"b": 4, "m": 16, "n": 64, "k": 64}) == 4 * 16 * 64 * 64
+  assert pruning.dot_hazard(r, {"b": 4, "m": 16, "n": 64, "k": 64}) is not None
+  assert pruning.dot_hazard(r, {"b": 2, "m": 8, "n": 32, "k": 64}) is None   # 2^15 elements
+  assert pruning.broadcast_product(r, op, {"b": 1, "m": 8, "n": 64, "k": 64}) is None  # padded dot
+  res = plan_region(r, "h100", use_cache=False)
+  assert res.best is not None
+  tiles = res.best.tile_map
+  assert pruning.dot_hazard(r, tiles) is None

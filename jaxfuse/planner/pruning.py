@@ -74,7 +74,7 @@ from jaxfuse.planner import tiling
 
 __all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
            "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
-           "rule4_ok", "dot_hazard", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
+           "rule4_ok", "dot_hazard", "broadcast_product", "MAX_BROADCAST_PRODUCT", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
            "SMEM_SLACK"]
 
 SMEM_SLACK = 1.2
@@ -156,12 +156,40 @@ HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 TF32_MAX_COMPUTED_RED = 256
 
 
+# A contraction that is not one tl.dot (``tiling.dot_roles``) is printed as a
+# broadcast product summed over K. Triton's compile time grows with its
+# elements: 2^20 of them (x[b,m,k] @ w[k,n] with b and m tiles of 16, before
+# ``ir.coalesce_loops``) took 91-372 s for sm_90 (2026-11-22). Larger
+# products are refused; the search then ranks other tiles or leaves the
+# region to XLA.
+MAX_BROADCAST_PRODUCT = 2**16
+
+
+def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, int]
+                      ) -> Optional[int]:
+  """Elements of ``op``'s broadcast product at tiles ``tile`` (loop -> tile,
+  at most the padded extent), or None when it is printed as one tl.dot."""
+  vm = region.value_map
+
+  def big(v):
+    return {l for l in vm[v].loops if tile[l] > 1}
+  dtypes = (vm[op.lhs].dtype, vm[op.rhs].dtype)
+  # The printer pads a dot's held tiles under MIN_DOT_TILE up to it: count
+  # only products that no padding makes a dot.
+  padded = {l: max(v, tiling.MIN_DOT_TILE) if v > 1 else v for l, v in tile.items()}
+  if tiling.dot_roles(big(op.lhs), big(op.rhs), big(op.out),
+                      {l for l in op.reduce if tile[l] > 1}, padded, dtypes) is not None:
+    return None
+  return math.prod(tile[l] for l in set(vm[op.lhs].loops) | set(vm[op.rhs].loops))
+
+
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
                ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS``) or, with ``tf32``, one that spills registers (see
-  ``TF32_MAX_COMPUTED_RED``), or None.
-  The search drops such plans, and the printer refuses the miscompiles
+  (see ``HAZARD_ROWS``), a broadcast product too large to compile
+  (``MAX_BROADCAST_PRODUCT``) or, with ``tf32``, a dot that spills
+  registers (see ``TF32_MAX_COMPUTED_RED``), or None.
+  The search drops such plans, and the printer refuses the first two
   (``CodegenError``) should one be handed over."""
   vm = region.value_map
   ext = region.loop_extents
@@ -169,6 +197,12 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
 
   def t(l):
     return min(int(tiles[l]), tiling.next_pow2(ext[l]))
+  tile = {l: t(l) for l in ext}
+  for op in region.contractions:
+    n = broadcast_product(region, op, tile)
+    if n is not None and n > MAX_BROADCAST_PRODUCT:
+      return (f"{op.out}: a broadcast product of {n} elements (not one tl.dot), "
+              f"which compiles for minutes (limit {MAX_BROADCAST_PRODUCT})")
   for op in region.contractions:
     for computed, other in ((op.lhs, op.rhs), (op.rhs, op.lhs)):
       if computed not in produced:

@@ -400,12 +400,15 @@ class _Printer:
         n = self._sanitize(b.value)
         self.emit(f"{n}_ptr = {n}_ptr + ({n}_off // {a}) * {a}")
 
-  def signature(self, extra_ptrs: Sequence[str]) -> str:
+  def signature(self, extra_ptrs: Sequence[str], outputs: bool = True) -> str:
+    """Inputs, window offsets, ``extra_ptrs`` (scratch), outputs (not for a
+    split plan's main kernel, which writes only scratch), constexprs."""
     ptrs = [f"{self._sanitize(b.value)}_ptr" for b in self.r.inputs]
     ptrs += self.offset_args()
     ptrs += list(extra_ptrs)
-    ptrs += [f"{self._sanitize(b.value)}_out_ptr" if b.value in self.inputs
-             else f"{self._sanitize(b.value)}_ptr" for b in self.r.outputs]
+    if outputs:
+      ptrs += [f"{self._sanitize(b.value)}_out_ptr" if b.value in self.inputs
+               else f"{self._sanitize(b.value)}_ptr" for b in self.r.outputs]
     consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
     consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
     return ", ".join(ptrs + consts)
@@ -1349,7 +1352,7 @@ class _Printer:
     for h in sorted(self.helpers):
       src += ["@triton.jit", _HELPERS[h], "", ""]
     src.append(self.decorator())
-    sig_main = self.signature(extra) if not self.split else self._split_signature(extra)
+    sig_main = self.signature(extra, outputs=not self.split)
     src.append(f"def {self.name}({sig_main}):")
     src += main_lines
     if self.split:
@@ -1360,14 +1363,6 @@ class _Printer:
                          num_stages=int(self.plan.num_stages), combine_name=combine_name,
                          combine_grid=combine_grid, scratch=scratch,
                          combine_constexprs=combine_constexprs)
-
-  def _split_signature(self, extra) -> str:
-    # The main kernel of a split plan writes only scratch: inputs + scratch.
-    ptrs = [f"{self._sanitize(b.value)}_ptr" for b in self.r.inputs] + self.offset_args()
-    ptrs += list(extra)
-    consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
-    consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
-    return ", ".join(ptrs + consts)
 
   def _reset_state(self) -> None:
     self.scopes = [{}]

@@ -959,7 +959,8 @@ class _TorchMeasurer:
     (one scratch for all sets: their launches run one after another)."""
     import torch  # pylint: disable=g-import-not-at-top
     in_sets = [self.ins] if in_sets is None else in_sets
-    in_sets = [[*ins, *_launch_offsets(k, self.region.launch_offsets())] for ins in in_sets]
+    offs = _launch_offsets(k, self.region.launch_offsets())
+    in_sets = [[*ins, *offs] for ins in in_sets]
     kw = k.launch_options
     if k.combine_fn is None:
       return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]

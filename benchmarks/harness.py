@@ -967,7 +967,24 @@ def lowered(regions: Optional[list[tuple[Any, Any]]]) -> Optional[list[str]]:
   keep-or-drop timing); None where nothing was lowered."""
   if not regions or all(o is None for _, o in regions):
     return None
-  return [str(o) if o is not None else "not lowered" for _, o in regions]
+  return [str(o) + _parts_lowered(cap, o) if o is not None else "not lowered"
+          for cap, o in regions]
+
+
+def _parts_lowered(cap: Any, outcome: Any) -> str:
+  """For a chain left to XLA: how its parts (captured again with fewer
+  contractions, ``jaxfuse.runtime.primitive._lower_parts``) were lowered."""
+  launch = sys.modules.get("jaxfuse.runtime.launch")
+  n = len(cap.region.contractions)
+  if outcome.fused or n < 2 or not hasattr(launch, "outcome"):
+    return ""
+  try:
+    parts = jaxfuse_api().find_regions(cap.jaxpr, max_contractions=n - 1)
+  except TypeError:   # a jaxfuse without parts
+    return ""
+  done = [launch.outcome(p.region) for p in parts]
+  return "".join(f"; part {p.region.einsum_summary()}: {o}" for p, o in zip(parts, done)
+                 if o is not None)
 
 
 def plans_run(regions: Optional[list[tuple[Any, Any]]]) -> Optional[str]:

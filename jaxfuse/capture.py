@@ -4,7 +4,10 @@ A *region* is a linear chain of two or more ``dot_general``s (float16,
 bfloat16 or float32), each consuming the previous one's output through cheap
 ops (scale, bias, casts, masks incl. causal masks from iota, activations, row
 reductions forming softmax, layout ops), plus the pointwise epilogue of the
-last contraction and the pointwise/layout prologue of its other operands.
+last contraction and the pointwise/layout prologue of its other operands. A
+single contraction is a region too when XLA would run part of its epilogue
+in kernels of its own after the GEMM (GELU, SiLU; ``ir.xla_epilogue_split``):
+fusing the epilogue saves those kernels' passes over the GEMM's result.
 Regions are expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold
 into the index maps of the region's input/output buffers.
 
@@ -123,8 +126,9 @@ def _is_cheap(it: Item) -> bool:
 class _LevelAnalysis:
   """Finds the regions of one flattened level."""
 
-  def __init__(self, lvl: Level):
+  def __init__(self, lvl: Level, limit: int = _MAX_CONTRACTIONS):
     self.lvl = lvl
+    self.limit = limit   # most contractions per region
     self.items = lvl.items
     self._const_like: dict[int, bool] = {}
     self.taken: set[int] = set()   # items replaced by regions found so far
@@ -403,20 +407,49 @@ class _LevelAnalysis:
     return _Found(chain, order, removed, inputs, input_src, outputs, region,
                   sub_items, group_invars)
 
+  def reread_after(self, d: Item) -> bool:
+    """Cheap pre-check for single contractions: is a value computed
+    pointwise from ``d``'s result read by two or more ops? (Building the
+    region of every lone GEMM of a large program would cost seconds.)"""
+    stack = list(d.outvars)
+    seen: set = set()
+    while stack:
+      v = stack.pop()
+      users = [c for c in self.lvl.consumers.get(v, ()) if c.prim not in WINDOW_PRIMS]
+      if len({c.idx for c in users}) > 1:
+        return True
+      for c in users:
+        if c.idx not in seen and c.prim in POINTWISE_PRIMS | LAYOUT_PRIMS and len(seen) < _MAX_REACH:
+          seen.add(c.idx)
+          stack.extend(c.outvars)
+    return False
+
+  def separate_epilogue(self, f: _Found) -> bool:
+    """Does ``f`` replace an op that XLA would run after its GEMM, in a
+    kernel of its own?"""
+    return ir.xla_epilogue_split(ir.simplify(f.region)) is not None
+
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
     taken = self.taken
 
     def attempt(chain: list[Item]):
       n = len(chain)
-      for length in range(min(n, _MAX_CONTRACTIONS), 1, -1):
+      for length in range(min(n, self.limit), 0, -1):
         for start in range(n - length + 1):
           sub = chain[start:start + length]
           f = None
           why = None
           for epi, split, pro in _VARIANTS:
+            if length == 1 and epi == "none":
+              continue   # a single contraction is fused for its epilogue only
             try:
               f = self.candidate(sub, epi, split, pro)
+              if length == 1 and not self.separate_epilogue(f):
+                # Less inclusive variants have no more epilogue to cut.
+                why = "a single contraction whose epilogue XLA fuses into its GEMM"
+                f = None
+                break
               if f.removed & taken:
                 # Its epilogue/prologue overlaps a region already formed (the
                 # layout ops between attention and an output projection): a
@@ -445,8 +478,14 @@ class _LevelAnalysis:
           attempt(chain[start + length:])
           return
 
-    for ch in self.chains():
+    chains = self.chains()
+    for ch in chains:
       attempt(ch)
+    in_chains = {d.idx for ch in chains for d in ch}
+    for d in self.items:
+      if (_is_dot(d) and d.idx not in in_chains and d.idx not in taken
+          and self.reread_after(d)):
+        attempt([d])
     # Each region's inputs must exist outside every region, or be another
     # region's output; drop regions that would read a value a neighbour
     # computes internally (rare: overlapping prologues).
@@ -477,11 +516,12 @@ def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
   return bad
 
 
-def _analyze(closed: ClosedJaxpr, path: str) -> tuple[Level, list[_Found]]:
+def _analyze(closed: ClosedJaxpr, path: str,
+             limit: int = _MAX_CONTRACTIONS) -> tuple[Level, list[_Found]]:
   opaque: frozenset = frozenset()
   for _ in range(_MAX_BARRIER_ROUNDS):
     lvl = flatten(closed, opaque)
-    found = _LevelAnalysis(lvl).regions()
+    found = _LevelAnalysis(lvl, limit).regions()
     bad = _laminar_violations(lvl, found)
     if not bad:
       break
@@ -529,8 +569,10 @@ def _read(env: dict, a):
 class _Emitter:
   """Re-emits a level by binding primitives inside a jax.make_jaxpr trace."""
 
-  def __init__(self, lvl: Level, found: Sequence[_Found], bind_region, path: str):
+  def __init__(self, lvl: Level, found: Sequence[_Found], bind_region, path: str,
+               limit: int = _MAX_CONTRACTIONS):
     self.lvl = lvl
+    self.limit = limit
     self.found = list(found)
     self.bind_region = bind_region
     self.path = path
@@ -551,7 +593,8 @@ class _Emitter:
     prim = it.prim
     bind = self.bind_region
     if prim == "scan":
-      body, ch = _rewrite_closed(p["jaxpr"], bind, _join(self.path, "scan/body"))
+      body, ch = _rewrite_closed(p["jaxpr"], bind, _join(self.path, "scan/body"),
+                                 self.limit)
       if not ch:
         return invals, None
       self.changed = True
@@ -561,8 +604,10 @@ class _Emitter:
         params["linear"] = (False,) * len(consts) + tuple(p["linear"])
       return list(consts) + invals, params
     if prim == "while":
-      cj, c1 = _rewrite_closed(p["cond_jaxpr"], bind, _join(self.path, "while/cond"))
-      bj, c2 = _rewrite_closed(p["body_jaxpr"], bind, _join(self.path, "while/body"))
+      cj, c1 = _rewrite_closed(p["cond_jaxpr"], bind, _join(self.path, "while/cond"),
+                               self.limit)
+      bj, c2 = _rewrite_closed(p["body_jaxpr"], bind, _join(self.path, "while/body"),
+                               self.limit)
       if not (c1 or c2):
         return invals, None
       self.changed = True
@@ -575,7 +620,7 @@ class _Emitter:
       return new_in, params
     if prim == "cond":
       branches = p["branches"]
-      res = [_rewrite_closed(b, bind, _join(self.path, f"cond/branch{i}"))
+      res = [_rewrite_closed(b, bind, _join(self.path, f"cond/branch{i}"), self.limit)
              for i, b in enumerate(branches)]
       if not any(ch for _, ch in res):
         return invals, None
@@ -597,14 +642,15 @@ class _Emitter:
       params = dict(p, branches=tuple(new_branches))
       return [invals[0]] + all_consts + invals[1:], params
     if prim in ("remat2", "checkpoint", "remat"):
-      body, ch = _rewrite_closed(ClosedJaxpr(p["jaxpr"], ()), bind, _join(self.path, "remat"))
+      body, ch = _rewrite_closed(ClosedJaxpr(p["jaxpr"], ()), bind, _join(self.path, "remat"),
+                                 self.limit)
       if not ch:
         return invals, None
       self.changed = True
       body, consts = hoist_consts(body)
       return list(consts) + invals, dict(p, jaxpr=body.jaxpr)
     if prim in CUSTOM_CALLS and "call_jaxpr" in p:
-      body, ch = _rewrite_closed(p["call_jaxpr"], bind, _join(self.path, prim))
+      body, ch = _rewrite_closed(p["call_jaxpr"], bind, _join(self.path, prim), self.limit)
       if not ch:
         return invals, None
       self.changed = True
@@ -774,11 +820,12 @@ def _count_dots(jaxpr, limit: int = 2) -> int:
   return n
 
 
-def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str) -> tuple[ClosedJaxpr, bool]:
-  if _count_dots(closed.jaxpr) < 2:
+def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str,
+                    limit: int = _MAX_CONTRACTIONS) -> tuple[ClosedJaxpr, bool]:
+  if _count_dots(closed.jaxpr, 1) < 1:
     return closed, False
-  lvl, found = _analyze(closed, path)
-  em = _Emitter(lvl, found, bind_region, path)
+  lvl, found = _analyze(closed, path, limit)
+  em = _Emitter(lvl, found, bind_region, path, limit)
 
   def fn(*args):
     env = dict(zip(lvl.invars, args))
@@ -795,8 +842,22 @@ def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str) -> tuple[Closed
 # Public API
 # --------------------------------------------------------------------------
 
-def find_regions(closed_jaxpr: ClosedJaxpr) -> list[CapturedRegion]:
+def _check_limit(max_contractions: int | None) -> int:
+  if max_contractions is None:
+    return _MAX_CONTRACTIONS
+  if isinstance(max_contractions, bool) or not isinstance(max_contractions, int) \
+      or max_contractions < 1:
+    raise ValueError(f"max_contractions must be a positive int, got {max_contractions!r}")
+  return min(max_contractions, _MAX_CONTRACTIONS)
+
+
+def find_regions(closed_jaxpr: ClosedJaxpr, *,
+                 max_contractions: int | None = None) -> list[CapturedRegion]:
   """Returns every fusible region of ``closed_jaxpr``, nested bodies included.
+
+  ``max_contractions`` caps the contractions per region (default: the
+  longest chain capture fuses); a chain left to XLA is captured again below
+  its length, so that its parts can still be fused.
 
   Example::
 
@@ -807,34 +868,36 @@ def find_regions(closed_jaxpr: ClosedJaxpr) -> list[CapturedRegion]:
   if not isinstance(closed_jaxpr, ClosedJaxpr):
     raise TypeError(f"find_regions: closed_jaxpr must be a ClosedJaxpr, got "
                     f"{type(closed_jaxpr).__name__}")
+  limit = _check_limit(max_contractions)
   out: list[CapturedRegion] = []
-  _collect(closed_jaxpr, "", out)
+  _collect(closed_jaxpr, "", out, limit)
   return out
 
 
-def _collect(closed: ClosedJaxpr, path: str, out: list) -> None:
-  if _count_dots(closed.jaxpr) < 2:
+def _collect(closed: ClosedJaxpr, path: str, out: list, limit: int) -> None:
+  if _count_dots(closed.jaxpr, 1) < 1:
     return
-  lvl, found = _analyze(closed, path)
+  lvl, found = _analyze(closed, path, limit)
   out.extend(f.captured for f in found)
   for it in lvl.items:
     p = it.params
     if it.prim == "scan":
-      _collect(p["jaxpr"], _join(path, "scan/body"), out)
+      _collect(p["jaxpr"], _join(path, "scan/body"), out, limit)
     elif it.prim == "while":
-      _collect(p["cond_jaxpr"], _join(path, "while/cond"), out)
-      _collect(p["body_jaxpr"], _join(path, "while/body"), out)
+      _collect(p["cond_jaxpr"], _join(path, "while/cond"), out, limit)
+      _collect(p["body_jaxpr"], _join(path, "while/body"), out, limit)
     elif it.prim == "cond":
       for i, b in enumerate(p["branches"]):
-        _collect(b, _join(path, f"cond/branch{i}"), out)
+        _collect(b, _join(path, f"cond/branch{i}"), out, limit)
     elif it.prim in ("remat2", "checkpoint", "remat"):
-      _collect(ClosedJaxpr(p["jaxpr"], ()), _join(path, "remat"), out)
+      _collect(ClosedJaxpr(p["jaxpr"], ()), _join(path, "remat"), out, limit)
     elif it.prim in CUSTOM_CALLS and "call_jaxpr" in p:
-      _collect(p["call_jaxpr"], _join(path, it.prim), out)
+      _collect(p["call_jaxpr"], _join(path, it.prim), out, limit)
 
 
 def rewrite(closed_jaxpr: ClosedJaxpr,
-            bind_region: Callable[..., Sequence[Any] | None]) -> ClosedJaxpr:
+            bind_region: Callable[..., Sequence[Any] | None], *,
+            max_contractions: int | None = None) -> ClosedJaxpr:
   """Returns ``closed_jaxpr`` with each region replaced by ``bind_region``.
 
   ``bind_region(captured, *inputs)`` is called while tracing the new jaxpr,
@@ -843,6 +906,7 @@ def rewrite(closed_jaxpr: ClosedJaxpr,
   region's original ops. Regions inside scan/while/cond/remat bodies and
   custom-derivative calls are rewritten inside those bodies. When no
   region is replaced, ``closed_jaxpr`` itself is returned.
+  ``max_contractions`` as in ``find_regions``.
 
   Example::
 
@@ -853,8 +917,9 @@ def rewrite(closed_jaxpr: ClosedJaxpr,
                     f"{type(closed_jaxpr).__name__}")
   if not callable(bind_region):
     raise TypeError("rewrite: bind_region must be callable")
+  limit = _check_limit(max_contractions)
   try:
-    new, _ = _rewrite_closed(closed_jaxpr, bind_region, "")
+    new, _ = _rewrite_closed(closed_jaxpr, bind_region, "", limit)
   except Exception as e:  # pylint: disable=broad-except
     # Never break the user's program: keep the original ops.
     logging.warning("jaxfuse capture: rewrite failed, regions left to XLA (%s: %s)",

@@ -75,9 +75,14 @@ class RegionReport:
   space: Optional[dict] = None
   kernel_source: Optional[str] = None
   notes: list[str] = dataclasses.field(default_factory=list)
+  # A chain the model leaves to XLA as a whole is captured again with fewer
+  # contractions per region, as its lowering does: its parts, each reported
+  # like a region (e.g. the GEMM and GELU of a compute-bound FFN chain).
+  parts: list["RegionReport"] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
+    d["parts"] = [p.to_dict() for p in self.parts]
     d["plan"] = None if self.plan is None else str(self.plan)
     d["alternatives"] = [dataclasses.asdict(a) for a in self.alternatives]
     d["space"] = None if self.space is None else {str(k): _plain(v)
@@ -129,6 +134,11 @@ class RegionReport:
     if self.kernel_source:
       lines.append("kernel source:")
       lines += ["  " + l for l in self.kernel_source.splitlines()]
+    if self.parts:
+      lines.append(f"parts:         {len(self.parts)} region(s) with fewer contractions, "
+                   "lowered on their own when the whole chain is left to XLA")
+      for j, part in enumerate(self.parts, 1):
+        lines += ["  " + l for l in part._lines(j, len(self.parts))]  # pylint: disable=protected-access
     return lines
 
 
@@ -359,7 +369,23 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
           else None)) for p in rest]
   if best is not None:
     rr.kernel_source = _kernel_source(region, best, rr.notes)
+  if len(region.contractions) > 1 and (rr.why_not or rr.mbci is False):
+    rr.parts = _parts(captured, spec, devices, planner, dev_name, rr.notes)
   return rr
+
+
+def _parts(captured: Any, spec: Any, devices: Any, planner: Any,
+           dev_name: Optional[str], notes: list[str]) -> list[RegionReport]:
+  """Reports of the regions found again in a region's own ops with fewer
+  contractions (``primitive._lower_parts`` lowers those)."""
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  try:
+    found = capture.find_regions(
+        captured.jaxpr, max_contractions=len(captured.region.contractions) - 1)
+  except Exception as e:  # pylint: disable=broad-except
+    notes.append(f"capture of its parts failed ({_err(e)})")
+    return []
+  return [_region_report(c, spec, devices, planner, dev_name) for c in found]
 
 
 def _kernel_source(region: ir.Region, plan: Any, notes: list[str]) -> Optional[str]:

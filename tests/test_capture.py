@@ -749,3 +749,57 @@ def test_batched_activations_times_a_weight_coalesce_into_one_m_loop():
   (cap,) = capture.find_regions(jax.make_jaxpr(attention)(q, q, q))
   ext = cap.region.loop_extents   # batch loops b and g (heads) in both operands stay apart
   assert sorted(ext.values()) == [2, 3, 8, 8, 16, 16], ext
+
+
+# --------------------------------------------------------------------------
+# Single contractions fused for their epilogue
+# --------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu_erf": lambda h: jax.nn.gelu(h, approximate=False),
+    "gelu_tanh": lambda h: jax.nn.gelu(h, approximate=True),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "exp": jnp.exp,
+    "none": lambda h: h,
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_single_contraction_is_a_region_only_when_xla_would_cut_its_epilogue(act):
+  """GELU and SiLU read the biased GEMM result twice, so XLA runs them after
+  its GEMM in kernels of their own (H100, 2026-11-22): a region. relu, tanh
+  and exp fuse into XLA's GEMM: left alone."""
+  f = lambda x, w, b: ACTIVATIONS[act](x @ w + b)
+  args = (rand(2, 6, 8), rand(8, 12), rand(12))
+  rs = regions_of(f, *args)
+  if act in ("gelu_erf", "gelu_tanh", "silu"):
+    assert len(rs) == 1
+    r = rs[0]
+    assert len(r.region.contractions) == 1
+    assert ir.xla_epilogue_split(r.region) is not None
+    check_region_matches_jaxpr(r)
+    _check_rewrite(f, *args, expect_calls=1)
+  else:
+    assert rs == []
+
+
+def test_max_contractions_captures_the_parts_of_a_chain():
+  """An FFN chain is one region; below its length, its first GEMM with the
+  GELU is (the second GEMM's epilogue is plain: XLA's)."""
+  def ffn(x, w1, b1, w2, b2):
+    return jax.nn.gelu(x @ w1 + b1, approximate=False) @ w2 + b2
+  args = (rand(6, 8), rand(8, 16), rand(16), rand(16, 8), rand(8))
+  closed = jax.make_jaxpr(ffn)(*args)
+  [whole] = capture.find_regions(closed)
+  assert len(whole.region.contractions) == 2
+  [part] = capture.find_regions(whole.jaxpr, max_contractions=1)
+  assert len(part.region.contractions) == 1
+  assert [v.shape for v in part.region.inputs] == [(6, 8), (8, 16), (16,)]
+  check_region_matches_jaxpr(part)
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match="max_contractions"):
+      capture.find_regions(closed, max_contractions=bad)
+    with pytest.raises(ValueError, match="max_contractions"):
+      capture.rewrite(closed, lambda cap, *xs: None, max_contractions=bad)

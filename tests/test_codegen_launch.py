@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -1054,3 +1056,108 @@ def test_window_offsets_are_launch_arguments_of_the_printed_kernel():
   assert f"do_not_specialize=['{name}_off']" in src
   assert f"{name}_ptr = {name}_ptr + ({name}_off // 16) * 16" in src
   assert f"tl.load({name}_ptr + 8 + " in src   # the static part stays in the address
+
+
+def _ffn(x, w1, b1, w2, b2):
+  return jax.nn.gelu(x @ w1 + b1, approximate=False) @ w2 + b2
+
+
+def _ffn_args(m=32, d=32, f=64, dtype="float16"):
+  rng = np.random.default_rng(11)
+  shapes = [(m, d), (d, f), (f,), (f, d), (d,)]
+  scales = [1.0, d ** -0.5, 0.1, f ** -0.5, 0.1]
+  return tuple(jax.numpy.asarray(rng.standard_normal(s) * c, dtype) for s, c in zip(shapes, scales))
+
+
+def test_gemm_gelu_runs_one_kernel_in_the_interpreter(caplog):
+  """A single contraction with a GELU epilogue (a region because XLA runs the
+  GELU apart) runs as one kernel and matches a float32 reference."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+
+  fn = lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=False)
+  x, w, b = _ffn_args()[:3]
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(x, w, b))
+  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+    got = jaxfuse.jit(fn)(x, w, b)
+  assert not [r for r in caplog.records if "original ops" in r.getMessage()]
+  assert launch.outcome(cap.region, "interpret").fused
+  want = fn(*(a.astype("float32") for a in (x, w, b)))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+def test_chain_left_to_xla_lowers_its_parts(monkeypatch, caplog):
+  """A chain decided against (LeftToXLA) is captured again with fewer
+  contractions and its GEMM-GELU part is lowered as a region; a chain whose
+  kernel failed runs its original ops, with no second attempt."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import primitive  # pylint: disable=g-import-not-at-top
+
+  args = _ffn_args()
+  want = jax.jit(_ffn)(*args)
+  real = launch.fused_call
+  for error in (launch.LeftToXLA("test: the chain is left to XLA"), RuntimeError("test: boom")):
+    seen = []
+
+    def fused_call(region, xs, error=error, seen=seen, **kw):
+      seen.append(len(region.contractions))
+      if len(region.contractions) > 1:
+        raise error
+      return real(region, xs, **kw)
+
+    monkeypatch.setattr(launch, "fused_call", fused_call)
+    primitive._warned.clear()
+    with config.override(backend="interpret"), caplog.at_level(logging.INFO):
+      got = jax.jit(jaxfuse.fuse(_ffn))(*args)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    if isinstance(error, launch.LeftToXLA):
+      assert seen == [2, 1]
+      assert any("lowers as 1 part(s)" in r.getMessage() for r in caplog.records)
+    else:
+      assert seen == [2]
+  primitive._warned.clear()
+
+
+def test_compute_bound_gemm_gelu_is_left_to_the_model_not_the_mbci_rule():
+  """BERT-Base's FFN at 512 tokens: the chain is left to XLA, its GEMM-GELU
+  part, compute-bound (279 FLOP/B against the H100's ridge of 263), is
+  planned and kept: the model prices XLA's separate GELU kernel."""
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.devices import get_device, is_mbci  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+  closed = jax.make_jaxpr(_ffn)(spec(1, 512, 768), spec(768, 3072), spec(3072), spec(3072, 768),
+                                spec(768))
+  [chain] = capture.find_regions(closed)
+  [part] = capture.find_regions(chain.jaxpr, max_contractions=1)
+  h100 = get_device("h100")
+  with config.override(tune="model", device="h100"):
+    with pytest.raises(launch.LeftToXLA, match="left to XLA"):
+      launch._candidate_plans(chain.region, None, backend="triton")
+    plans = launch._candidate_plans(part.region, None, backend="triton")
+  assert plans and plans[0].predicted is not None
+  # A single contraction is fused for its epilogue: no MBCI rule for it.
+  gelu = lambda x, w: jax.nn.gelu(x @ w, approximate=False)
+  [big] = capture.find_regions(jax.make_jaxpr(gelu)(spec(4096, 4096), spec(4096, 4096)))
+  assert not is_mbci(big.region, h100)[0]
+  with config.override(tune="model", device="h100"):
+    try:
+      launch._candidate_plans(big.region, None, backend="triton")
+    except launch.LeftToXLA as e:
+      assert "memory-bound" not in str(e)
+  # XLA's GELU kernel: the biased result read once and the output written once.
+  cut = ir.xla_epilogue_split(part.region)
+  assert cut is not None
+  gelu_s = 2 * 512 * 3072 * 2 / h100.mem_bandwidth_Bps + h100.min_kernel_s
+  r = part.region
+  plain = dataclasses.replace(r, ops=r.ops[:1], outputs=(
+      dataclasses.replace(r.outputs[0], value=r.ops[0].out),))
+  assert cost_model.unfused_time(part.region, h100) == pytest.approx(
+      cost_model.unfused_time(plain, h100) + gelu_s)

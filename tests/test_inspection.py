@@ -225,3 +225,24 @@ def test_inspect_reports_how_a_compile_lowered_each_region(monkeypatch):
     api.jit(gemm_chain)(a2, b2, d2)
   (r,) = inspection.inspect(gemm_chain, a2, b2, d2).regions
   assert r.lowered == "XLA's ops: measured slower than XLA: fused 9.0 us vs XLA 7.0 us"
+
+
+def test_chain_left_to_xla_reports_its_parts():
+  """BERT-Base's FFN at batch 1: the chain is left to XLA on the model's
+  word; its GEMM-GELU part is reported as a region of its own, fused, with
+  XLA's separate GELU kernel in its unfused time."""
+  def ffn(x, w1, b1, w2, b2):
+    return jax.nn.gelu(x @ w1 + b1, approximate=False) @ w2 + b2
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+  rep = inspection.inspect(ffn, sd(1, 512, 768), sd(768, 3072), sd(3072), sd(3072, 768),
+                           sd(768), device="h100")
+  [r] = rep.regions
+  assert r.einsum == "bk,kn->bn ; bn,nh->bh" and r.why_not
+  [p] = r.parts
+  assert p.einsum == "bk,km->bm" and p.why_not is None and p.plan is not None
+  assert p.predicted_time_s < p.unfused_time_s
+  assert "parts:         1 region(s)" in str(rep)
+  d = json.loads(json.dumps(rep.to_dict()))
+  assert d["regions"][0]["parts"][0]["einsum"] == "bk,km->bm"
+  # A fused chain has no parts.
+  assert inspection.inspect(attention, *_s2(), device="h100").regions[0].parts == []

@@ -1,5 +1,7 @@
 """Chain IR: invariants, canonical signature, and the NumPy evaluator."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -189,3 +191,25 @@ def test_unfused_intensity_counts_intermediates():
   assert r.unfused_bytes() == r.min_bytes() + 2 * c_bytes
   assert r.unfused_intensity() == r.flops() / r.unfused_bytes()
   assert r.unfused_intensity() < r.arithmetic_intensity()
+
+
+def test_xla_epilogue_split_finds_the_value_read_twice():
+  """GELU reads the biased GEMM result twice: XLA cuts its epilogue there.
+  A single-use epilogue (relu) and a chain of two contractions have no cut."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+  gelu = lambda x, w, b: jax.nn.gelu(x @ w + b)
+  [r] = capture.find_regions(jax.make_jaxpr(gelu)(sd(8, 16), sd(16, 32), sd(32)))
+  cut = ir.xla_epilogue_split(r.region)
+  add = next(op for op in r.region.ops if isinstance(op, ir.Elementwise))
+  assert add.fn == "add" and cut == add.out
+  dot = r.region.contractions[0]
+  relu = (dot, ir.Elementwise(add.out, "max", (dot.out, ir.Literal(0.0, "float16"))))
+  region = dataclasses.replace(r.region, ops=relu, outputs=(
+      dataclasses.replace(r.region.outputs[0], value=add.out),))
+  assert ir.xla_epilogue_split(region) is None
+  chain = lambda a, b, d: jax.nn.gelu(a @ b) @ d
+  [c] = capture.find_regions(jax.make_jaxpr(chain)(sd(8, 16), sd(16, 32), sd(32, 8)))
+  assert ir.xla_epilogue_split(c.region) is None

@@ -545,7 +545,8 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
 def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   """The region as XLA runs it unfused: each contraction one library GEMM
   (``_library_gemm_time``), each reduction one memory-bound kernel over its
-  input (elementwise ops fuse into those kernels).
+  input, elementwise ops fused into those kernels, except a single
+  contraction's epilogue after ``ir.xla_epilogue_split`` (one more kernel).
 
   Why: a fused plan predicted slower than this is left to XLA under
   tune=model. On an H200 (fourth session) this estimate was 0.6-1.7x XLA's
@@ -565,6 +566,15 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
       src = vm[op.inputs[0]]
       n = math.prod(ext[l] for l in src.loops)
       total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+  cut = ir.xla_epilogue_split(region)
+  if cut is not None:
+    # The epilogue after the cut: one elementwise kernel that reads the cut
+    # value and writes the result. Single contractions only: the keep-or-
+    # drop margin of chains (UNFUSED_MARGIN) was fit with every elementwise
+    # op priced as fused.
+    src = vm[cut]
+    n = math.prod(ext[l] for l in src.loops)
+    total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
   return total
 
 

@@ -527,7 +527,10 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     # always runs them.
     dev = get_device(res.device or None)
     mbci, ai, ridge = is_mbci(region, dev)
-    if not mbci:
+    # A single contraction is fused for its epilogue (capture takes one only
+    # when XLA would run part of it apart), not because it is memory-bound:
+    # the model or the measurement decides it alone.
+    if not mbci and len(region.contractions) > 1:
       raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                       f"{ridge:.0f}; left to XLA")
     if not measured:

@@ -193,6 +193,28 @@ def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
     return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, f"{backend} kernel", e)
+    if _is_decision(e) and len(region.contractions) > 1:
+      return _lower_parts(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+    return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+
+
+def _lower_parts(ctx, *args, region, jaxpr, name):
+  """A chain left to XLA as a whole: its original ops, captured again with
+  fewer contractions per region, so that a part worth fusing still is (an
+  FFN's GEMM-GELU-GEMM is compute-bound, its first GEMM with the GELU is
+  worth a kernel). Each part is lowered, and decided, like any region."""
+  try:
+    from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+    parts = capture.rewrite(jaxpr, _bind_captured,
+                            max_contractions=len(region.contractions) - 1)
+    if parts is jaxpr:
+      return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+    logging.info("jaxfuse: region %s (%s) lowers as %d part(s) with fewer contractions",
+                 name, region.einsum_summary(), count_regions(parts.jaxpr))
+    return mlir.lower_fun(functools.partial(_eval_original, jaxpr=parts),
+                          multiple_results=True)(ctx, *args)
+  except Exception as e:  # pylint: disable=broad-except
+    _warn_fallback(region, name, "re-capture of its parts", e)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 

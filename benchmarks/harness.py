@@ -39,6 +39,7 @@ Example (a binary)::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import dataclasses
@@ -961,6 +962,23 @@ def region_outcomes(case: Case, args: tuple, fn: Optional[Callable] = None
           for cap in caps]
 
 
+def join_counted(texts: Iterable[str]) -> str:
+  """``texts`` joined by "; ", each distinct text once, in first-seen order,
+  with " (xN)" where it came N > 1 times (a model's layers repeat a region).
+
+  Example::
+
+    join_counted(["a", "b", "a"]) == "a (x2); b"
+  """
+  counts = collections.Counter()
+  order = []
+  for t in texts:
+    if t not in counts:
+      order.append(t)
+    counts[t] += 1
+  return "; ".join(t if counts[t] == 1 else f"{t} (x{counts[t]})" for t in order)
+
+
 def lowered(regions: Optional[list[tuple[Any, Any]]]) -> Optional[list[str]]:
   """What jaxfuse.jit ran for each of ``regions`` (``region_outcomes``): its
   kernel's plan or why XLA's ops run (under --tune=measure with the
@@ -1038,7 +1056,7 @@ def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
       if preds:
         info["predicted_s"] = float(sum(preds))
       info["plans"] = "; ".join(r["plan"] for r in regs if r["plan"]) or None
-      info["why_not"] = "; ".join(str(r["why_not"]) for r in regs if r["why_not"]) or None
+      info["why_not"] = join_counted(str(r["why_not"]) for r in regs if r["why_not"]) or None
     except Exception as e:
       info["inspect_error"] = f"{type(e).__name__}: {e}"
   # This runs before the first compile, on the run's fresh cache, so the
@@ -1515,7 +1533,7 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
         extra += f" why_not={jf['why_not']}"
       left = [l for l in jf.get("lowered") or () if not l.startswith("fused")]
       if left:
-        extra += f" lowered={'; '.join(left)}"
+        extra += f" lowered={join_counted(left)}"
     print(f"[{binary}] {case.name}: K={row['calls']} done in "
           f"{time.perf_counter() - t0:.1f}s{extra}")
     for name, res in row["impls"].items():

@@ -464,3 +464,12 @@ def test_rows_record_how_jaxfuse_lowered_each_region(tmp_path, monkeypatch):
   info, _ = run(gemm_chain.make_case("dropped", 1, 48, 40, 16, 8, dtype="float32"))
   assert info["lowered"] == ["XLA's ops: measured slower than XLA: fused 9.0 us vs XLA 7.0 us"]
   assert info["plans_run"] == "XLA's ops" != info["plans"]
+
+
+def test_join_counted_names_each_text_once_with_its_count():
+  # A model's layers repeat one region's why_not; the progress line and the
+  # JSON say it once, with how many regions it stands for.
+  from benchmarks import harness  # pylint: disable=g-import-not-at-top
+  assert harness.join_counted(["a", "b", "a", "a"]) == "a (x3); b"
+  assert harness.join_counted(x for x in ["b", "a"]) == "b; a"
+  assert harness.join_counted([]) == ""

@@ -305,9 +305,10 @@ NARROW_ACC_REGS_PER_THREAD = 128
 
 
 def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
-  """num_warps: 8 when the contractions' fp32 tiles exceed what 4 warps
-  hold in registers (``register_budget_bytes(4)``) and every contraction
-  has at least 128 rows, else 4.
+  """num_warps: 8 when every contraction has at least 128 rows and either
+  the contractions' fp32 tiles exceed what 4 warps hold in registers
+  (``register_budget_bytes(4)``) or the region is one contraction with an
+  elementwise epilogue (no reduction); else 4.
 
   Why 128 rows: a Hopper warpgroup (4 warps) issues wgmma on 64 rows, so
   8 warps on a 64-row tile split the columns instead and exchange row
@@ -317,10 +318,18 @@ def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
   3.1 vs 2.8 us on GEMM chain G3. Why registers: 128-row tiles that fit
   in 4 warps' registers ran faster with 4 warps than with 8 (attention
   8x16x2048, d=64, 128x128 scores: 353 vs 494 us; d=128, 128x64 scores:
-  632 vs 698 us).
+  632 vs 698 us). Why one contraction: a GEMM with an elementwise
+  epilogue keeps no row statistics, and a second warpgroup halves each
+  thread's share of the epilogue; with 128x128 tiles 8 warps ran 5-20%
+  faster than 4 (GEMM + bias + SiLU, M=128-4096, K=768-1024, N=3072-4096,
+  H100, 2026-11-22, benchmarks/RESULTS.md twenty-sixth session).
   """
   rows = tile_rows(region, tiles)
-  return 8 if rows >= 128 and accumulator_bytes(region, tiles) > register_budget_bytes(4, rows) else 4
+  if rows < 128:
+    return 4
+  if len(region.contractions) == 1 and not any(isinstance(op, ir.Reduction) for op in region.ops):
+    return 8
+  return 8 if accumulator_bytes(region, tiles) > register_budget_bytes(4, rows) else 4
 
 
 def tile_rows(region: ir.Region, tiles: Mapping[str, int]) -> int:

@@ -150,13 +150,22 @@ def _is_decision(err: BaseException) -> bool:
   return isinstance(err, LeftToXLA)
 
 
+def _first_time(region: ir.Region, what: str) -> bool:
+  """True once per (region, what): a region is lowered again for every
+  program that holds it (each layer, each K-call benchmark program), and
+  its log line should appear once."""
+  key = (region.signature(), what)
+  if key in _warned:
+    return False
+  _warned.add(key)
+  return True
+
+
 def _warn_fallback(region: ir.Region, name: str, what: str,
                    err: BaseException) -> None:
   """One log line per (region, what); repeated lowerings stay quiet."""
-  key = (region.signature(), what)
-  if key in _warned:
+  if not _first_time(region, what):
     return
-  _warned.add(key)
   msg = str(err).splitlines()[0] if str(err) else ""
   if _is_decision(err):
     # A decision (compute-bound, or predicted/measured slower), not a fault.
@@ -209,8 +218,9 @@ def _lower_parts(ctx, *args, region, jaxpr, name):
                             max_contractions=len(region.contractions) - 1)
     if parts is jaxpr:
       return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
-    logging.info("jaxfuse: region %s (%s) lowers as %d part(s) with fewer contractions",
-                 name, region.einsum_summary(), count_regions(parts.jaxpr))
+    if _first_time(region, "parts"):
+      logging.info("jaxfuse: region %s (%s) lowers as %d part(s) with fewer contractions",
+                   name, region.einsum_summary(), count_regions(parts.jaxpr))
     return mlir.lower_fun(functools.partial(_eval_original, jaxpr=parts),
                           multiple_results=True)(ctx, *args)
   except Exception as e:  # pylint: disable=broad-except

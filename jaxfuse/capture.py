@@ -54,6 +54,8 @@ _MAX_BARRIER_ROUNDS = 32
 _MAX_CONTRACTIONS = 4
 # Candidate variants tried per chain, most inclusive first:
 # (epilogue, one input buffer per use, prologue).
+# Most sibling contractions one region takes (``_LevelAnalysis.sibling_regions``).
+_MAX_PARTS = 8
 _VARIANTS = (("all", False, True), ("all", True, True), ("pointwise", False, True),
              ("none", False, True), ("none", True, True), ("all", False, False),
              ("none", True, False))
@@ -263,7 +265,7 @@ class _LevelAnalysis:
   def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool,
                 prologue: bool = True) -> _Found:
     """The region of ``chain``: its middle ops, an epilogue ('all',
-    'pointwise' or 'none'), the prologue of its other operands (when
+    'pointwise', 'elementwise' (no layout ops) or 'none'), the prologue of its other operands (when
     ``prologue``), inputs (one buffer per use when ``split_inputs``) and
     outputs. Raises Reject when it is not valid to fuse."""
     lvl = self.lvl
@@ -282,6 +284,8 @@ class _LevelAnalysis:
       allowed = PRIMITIVES - REDUCE_PRIMS - {"dot_general", "iota"}
       if epilogue == "pointwise":
         allowed = allowed - {"broadcast_in_dim"}
+      elif epilogue == "elementwise":
+        allowed = allowed & POINTWISE_PRIMS
       dep = lvl.depends(removed)   # sees the items added below (same set)
       while stack:
         v = stack.pop()
@@ -429,6 +433,94 @@ class _LevelAnalysis:
     kernel of its own?"""
     return ir.xla_epilogue_split(ir.simplify(f.region)) is not None
 
+  def sibling_regions(self) -> list[_Found]:
+    """Regions of sibling contractions: dots left to XLA that read one
+    operand the same way (``x @ wq``, ``x @ wk``, ``x @ wv``), none reading
+    another's result, whose single-contraction regions (with their
+    pointwise epilogues) are alike up to the arrays they read. Each group
+    becomes one region with a part loop (``ir.with_parts``): XLA would merge
+    their dots into one GEMM and then run one kernel per sibling."""
+    groups: dict = {}
+    for d in self.items:
+      if not _is_dot(d) or d.idx in self.taken:
+        continue
+      for pos in (0, 1):
+        a = d.invars[pos]
+        if isinstance(a, FVar) and not self.const_like(a):
+          key = (a, pos, tuple(tuple(x.aval.shape) for x in d.invars),
+                 tuple(_dtype(x) for x in d.invars), repr(sorted(d.params.items(), key=str)))
+          groups.setdefault(key, []).append(d)
+    out: list[_Found] = []
+    used: set[int] = set()
+    for ds in groups.values():
+      ds = [d for d in ds if d.idx not in used]
+      if not 2 <= len(ds) <= _MAX_PARTS:
+        continue
+      try:
+        f = self.parts_candidate(ds)
+      except Reject as e:
+        logging.vlog(1, "jaxfuse capture: %d sibling contractions at eqn %d left to XLA: %s",
+                     len(ds), ds[0].idx, e)
+        continue
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("jaxfuse capture: sibling contractions at eqn %d left to XLA after an "
+                        "internal error (%s: %s)", ds[0].idx, type(e).__name__, e)
+        continue
+      if f.removed & (self.taken | set().union(*(g.removed for g in out))):
+        continue
+      used.update(d.idx for d in ds)
+      out.append(f)
+    return out
+
+  def parts_candidate(self, ds: list[Item]) -> _Found:
+    """One region over the sibling dots ``ds`` (see ``sibling_regions``), or
+    Reject."""
+    members = None
+    # Elementwise epilogues first: a layout op after the GEMM (the reshape
+    # and transpose to heads) would split its N loop in the output, and the
+    # kernel would no longer be one tl.dot; the consumer reads the layout
+    # through its own strides instead.
+    for epi, pro in (("elementwise", True), ("pointwise", True), ("all", True),
+                     ("elementwise", False)):
+      try:
+        fs = [self.candidate([d], epi, False, pro) for d in ds]   # arrays read once each
+      except Reject:
+        continue
+      sigs = {ir.simplify(f.region).signature() for f in fs}
+      if len(sigs) == 1 and len({len(f.inputs) for f in fs}) == 1:
+        members = fs
+        break
+    if members is None:
+      raise Reject("the siblings' regions differ")
+    if any(f.removed & g.removed or f.removed & set(g.items)
+           for i, f in enumerate(members) for g in members[i + 1:]):
+      raise Reject("the siblings share ops")
+    produced = {o for f in members for i in f.items for o in self.items[i].outvars}
+    if any(a in produced for f in members for a in f.input_src):
+      raise Reject("a sibling reads another's result")
+    first = members[0]
+    per_part = [j for j in range(len(first.inputs))
+                if any(f.input_src[j] is not first.input_src[j] for f in members[1:])]
+    if len(per_part) == len(first.inputs):
+      raise Reject("the siblings share no input")
+    inputs, input_src = [], []
+    for j in range(len(first.inputs)):
+      for f in (members if j in per_part else members[:1]):
+        inputs.append(f.inputs[j])
+        input_src.append(f.input_src[j])
+    outputs = [f.outputs[o] for o in range(len(first.outputs)) for f in members]
+    if len({len(f.outputs) for f in members}) != 1:
+      raise Reject("the siblings' outputs differ")
+    region = ir.with_parts(first.region, len(members), per_part)
+    sub_items, group_invars, items, removed = {}, {}, set(), set()
+    for f in members:
+      sub_items.update(f.sub_items)
+      group_invars.update(f.group_invars)
+      items.update(f.items)
+      removed |= f.removed
+    return _Found(list(ds), sorted(items), removed, inputs, input_src, outputs, region,
+                  sub_items, group_invars)
+
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
     taken = self.taken
@@ -486,6 +578,9 @@ class _LevelAnalysis:
       if (_is_dot(d) and d.idx not in in_chains and d.idx not in taken
           and self.reread_after(d)):
         attempt([d])
+    for f in self.sibling_regions():
+      taken.update(f.removed)
+      found.append(f)
     # Each region's inputs must exist outside every region, or be another
     # region's output; drop regions that would read a value a neighbour
     # computes internally (rare: overlapping prologues).

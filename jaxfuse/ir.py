@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -177,6 +177,14 @@ class Buffer:
   several loops per axis when a reshape split or merged dims). Loops of the
   value that are absent here broadcast (stride 0).
 
+  ``part_loop``: the buffer is ``shape[0]`` separate arrays of shape
+  ``shape[1:]``, one per index of that loop (sibling projections
+  ``x @ wq``, ``x @ wk``, ``x @ wv`` read three weights and write three
+  results: one region whose loop p picks the part). Its stride over
+  ``part_loop`` is virtual, ``prod(shape[1:])``, as if the parts were
+  stacked, so the planner's data-movement model sees an ordinary buffer;
+  the kernel takes one pointer per part and picks it by p's index.
+
   ``window``: the buffer is a static window of a larger array (capture's
   slices and splits of a region input, read in place at ``offset``). A
   window's offset reaches the kernel at launch, so windows of the same shape
@@ -191,6 +199,18 @@ class Buffer:
   strides: tuple[tuple[str, int], ...]
   offset: int = 0
   window: bool = False
+  part_loop: str = ""
+
+  @property
+  def parts(self) -> int:
+    """How many arrays the buffer is: ``shape[0]`` for a part buffer (see
+    ``Region.part_loop``), else 1."""
+    return int(self.shape[0]) if self.part_loop else 1
+
+  @property
+  def operand_shape(self) -> tuple[int, ...]:
+    """The shape of each array the kernel takes for this buffer."""
+    return tuple(self.shape[1:]) if self.part_loop else tuple(self.shape)
 
   @property
   def launch_offset(self) -> int:
@@ -344,6 +364,15 @@ class Region:
     return [op for op in self.ops if isinstance(op, Contraction)]
 
   @property
+  def part_loop(self) -> str:
+    """The loop whose index picks the array of each part buffer
+    (``Buffer.part_loop``), or ""."""
+    for b in self.inputs + self.outputs:
+      if b.part_loop:
+        return b.part_loop
+    return ""
+
+  @property
   def input_names(self) -> tuple[str, ...]:
     return tuple(b.value for b in self.inputs)
 
@@ -386,6 +415,12 @@ class Region:
       if b.value not in defined:
         raise IRError(f"output {b.value} is never defined")
       self._check_buffer(b, vals[b.value], extents, is_output=True)
+    parts = {b.part_loop for b in self.inputs + self.outputs if b.part_loop}
+    if len(parts) > 1:
+      raise IRError(f"at most one part loop per region, got {sorted(parts)}")
+    if parts and parts & self.reduced_loops():
+      raise IRError(f"part loop {next(iter(parts))} is reduced: a program must "
+                    "read one part")
 
   @staticmethod
   def _check_buffer(b: Buffer, v: Value, extents, is_output: bool) -> None:
@@ -398,6 +433,15 @@ class Region:
       raise IRError(f"output {v.name} must store every loop of the value")
     if is_output and b.window:
       raise IRError(f"output {v.name}: only inputs can be windows")
+    if b.part_loop:
+      if b.window or b.offset:
+        raise IRError(f"part buffer of {v.name} cannot be a window or have an offset")
+      if not b.shape or b.shape[0] != extents.get(b.part_loop):
+        raise IRError(f"part buffer of {v.name}: shape {b.shape} does not lead with "
+                      f"loop {b.part_loop}'s extent")
+      if b.stride(b.part_loop) != int(np.prod(b.shape[1:], dtype=np.int64)):
+        raise IRError(f"part buffer of {v.name}: its stride over {b.part_loop} must be "
+                      "the size of one part")
     if b.offset < 0:
       raise IRError(f"buffer of {v.name}: negative offset")
     # The highest offset must lie inside the array.
@@ -558,10 +602,12 @@ class Region:
                            for v in self.values if v.name in vmap),
                           key=lambda v: (v.name[0], int(v.name[1:]))))
     inputs = tuple(Buffer(vmap[b.value], b.shape,
-                          tuple((lmap[l], s) for l, s in b.strides), b.offset, b.window)
+                          tuple((lmap[l], s) for l, s in b.strides), b.offset, b.window,
+                          lmap[b.part_loop] if b.part_loop else "")
                    for b in self.inputs)
     outputs = tuple(Buffer(vmap[b.value], b.shape,
-                           tuple((lmap[l], s) for l, s in b.strides), b.offset)
+                           tuple((lmap[l], s) for l, s in b.strides), b.offset,
+                           part_loop=lmap[b.part_loop] if b.part_loop else "")
                     for b in self.outputs)
     ops = []
     for op in self.ops:
@@ -607,6 +653,8 @@ class Region:
       return f"{v}[{','.join(vm[v].loops)}]"
 
     def at(b):
+      if b.part_loop:
+        return f"  parts({b.part_loop})"
       if b.window:
         return (f"  window(offset {b.offset})" if offsets else
                 f"  window(offset {WINDOW_ALIGN}*i+{b.static_offset})")
@@ -730,6 +778,8 @@ def _coalescible(region: Region, outer: str, inner: str) -> bool:
   """Whether loops ``outer`` and ``inner`` can become one loop (see
   ``coalesce_loops``)."""
   ext = region.loop_extents
+  if region.part_loop in (outer, inner):
+    return False   # each part is its own array: no stride joins p to a loop
   for v in region.values:
     if (outer in v.loops) != (inner in v.loops):
       return False
@@ -840,6 +890,96 @@ def _align(arr: np.ndarray, loops: Sequence[str], target: Sequence[str]) -> np.n
   return arr.reshape(shape)
 
 
+def with_parts(region: Region, parts: int, per_part: Iterable[int],
+               loop: str = "p") -> Region:
+  """The region of ``parts`` sibling copies of ``region`` that share all
+  inputs but those at indices ``per_part``: a part loop ``loop`` of extent
+  ``parts`` joins every value computed from a per-part input, and those
+  inputs and every output become part buffers (``Buffer.part_loop``).
+
+  Why: XLA merges sibling dots that read one activation (a transformer's
+  q/k/v projections) into one GEMM, then runs one kernel per sibling for
+  what follows (bias adds, slices); one fused kernel over the parts saves
+  those kernels.
+
+  Example::
+
+      with_parts(r, 3, per_part=[1, 2])   # 'mk,kn->mn' -> 'mk,pkn->pmn'
+  """
+  per_part = set(per_part)
+  if parts < 2:
+    raise IRError(f"with_parts: parts must be >= 2, got {parts}")
+  if not per_part or not per_part <= set(range(len(region.inputs))):
+    raise IRError(f"with_parts: per_part {sorted(per_part)} must name inputs of the region")
+  if region.part_loop or any(b.window for i, b in enumerate(region.inputs) if i in per_part):
+    raise IRError("with_parts: the region already has parts, or a per-part input is a window")
+  used = {l.name for l in region.loops}
+  while loop in used:
+    loop += "_"
+  varying = {region.inputs[i].value for i in per_part}
+  for op in region.ops:
+    if any(a in varying for a in op.inputs):
+      varying.add(op.out)
+
+  def buf(b: Buffer) -> Buffer:
+    size = int(np.prod(b.shape, dtype=np.int64)) if b.shape else 1
+    return Buffer(b.value, (parts, *b.shape), ((loop, size), *b.strides), part_loop=loop)
+
+  ins = tuple(buf(b) if i in per_part else b for i, b in enumerate(region.inputs))
+  if any(b.value not in varying for b in region.outputs):
+    raise IRError("with_parts: an output does not depend on any per-part input")
+  outs = tuple(buf(b) for b in region.outputs)
+  values = tuple(Value(v.name, (loop, *v.loops), v.dtype) if v.name in varying else v
+                 for v in region.values)
+  return Region((Loop(loop, parts), *region.loops), values, ins, outs, region.ops,
+                name=region.name)
+
+
+def operand_buffers(buffers: Sequence[Buffer]) -> list[Buffer]:
+  """The buffer of each kernel operand for ``buffers``, in order: a part
+  buffer gives ``parts`` operands (each ``operand_shape``), any other one."""
+  return [b for b in buffers for _ in range(b.parts)]
+
+
+def operand_shapes(buffers: Sequence[Buffer]) -> list[tuple[int, ...]]:
+  """The shape of each kernel operand for ``buffers`` (``operand_buffers``)."""
+  return [b.operand_shape for b in operand_buffers(buffers)]
+
+
+def stack_parts(buffers: Sequence[Buffer], operands: Sequence[Any], stack=np.stack
+                ) -> list[Any]:
+  """One array per buffer from the kernel's operands (``operand_shapes``
+  order): a part buffer's arrays stacked along a new leading axis with
+  ``stack`` (``np.stack``, ``jnp.stack``).
+
+  Example::
+
+      stack_parts(region.inputs, [x, wq, wk, wv])   # [x, stack([wq, wk, wv])]
+  """
+  want = sum(b.parts for b in buffers)
+  if len(operands) != want:
+    raise ValueError(f"expected {want} operands for {len(buffers)} buffers, got {len(operands)}")
+  out, i = [], 0
+  for b in buffers:
+    if b.part_loop:
+      out.append(stack(list(operands[i:i + b.parts])))
+    else:
+      out.append(operands[i])
+    i += b.parts
+  return out
+
+
+def split_parts(buffers: Sequence[Buffer], arrays: Sequence[Any]) -> list[Any]:
+  """The inverse of ``stack_parts``: one operand per part."""
+  out = []
+  for b, a in zip(buffers, arrays):
+    if b.part_loop:
+      out.extend(a[i] for i in range(b.parts))
+    else:
+      out.append(a)
+  return out
+
+
 def _buffer_view(region: Region, buf: Buffer, flat: np.ndarray, loops) -> np.ndarray:
   ext = region.loop_extents
   item = flat.itemsize
@@ -851,18 +991,20 @@ def _buffer_view(region: Region, buf: Buffer, flat: np.ndarray, loops) -> np.nda
 
 def evaluate(region: Region, inputs: Sequence[np.ndarray], *,
              precision: str = "float64") -> list[np.ndarray]:
-  """Evaluates ``region`` on NumPy arrays (one per input buffer, its shape).
+  """Evaluates ``region`` on NumPy arrays (one per operand, as a kernel takes
+  them: ``operand_shapes(region.inputs)``).
 
   ``precision='float64'`` computes every op in float64 (the reference);
   ``'native'`` rounds each value to its IR dtype after each op, with
   contractions accumulated in float32, as a fused kernel does.
-  Returns one array per output buffer, shaped like the buffer, in the
-  output's dtype.
+  Returns one array per output operand, in the output's dtype.
   """
   if precision not in ("float64", "native"):
     raise ValueError(f"precision must be 'float64' or 'native', got {precision!r}")
-  if len(inputs) != len(region.inputs):
-    raise ValueError(f"region takes {len(region.inputs)} inputs, got {len(inputs)}")
+  n_in = len(operand_buffers(region.inputs))
+  if len(inputs) != n_in:
+    raise ValueError(f"region takes {n_in} inputs, got {len(inputs)}")
+  inputs = stack_parts(region.inputs, [np.asarray(a) for a in inputs])
   vm = region.value_map
   ext = region.loop_extents
   env: dict[str, np.ndarray] = {}
@@ -936,4 +1078,4 @@ def evaluate(region: Region, inputs: Sequence[np.ndarray], *,
         strides=[s * item for _, s in buf.strides], writeable=True)
     view[...] = _align(env[v.name], v.loops, buf.loops).astype(res.dtype)
     results.append(res)
-  return results
+  return split_parts(region.outputs, results)

@@ -573,7 +573,7 @@ def test_transformer_layer_captures_attention_between_projections():
              any(isinstance(op, ir.Reduction) for op in r.region.ops)
              for r in regions), summaries
   for r in regions:  # every region still computes what its ops compute
-    xs = [rng.normal(size=b.shape).astype(np.float32) for b in r.region.inputs]
+    xs = [rng.normal(size=s).astype(np.float32) for s in ir.operand_shapes(r.region.inputs)]
     want = jaxpr_as_fun(r.jaxpr)(*xs)
     got = ir.evaluate(r.region, xs)
     for g, w in zip(got, want):

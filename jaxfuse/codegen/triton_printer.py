@@ -400,15 +400,37 @@ class _Printer:
         n = self._sanitize(b.value)
         self.emit(f"{n}_ptr = {n}_ptr + ({n}_off // {a}) * {a}")
 
+  def emit_part_bases(self, outputs: bool = True) -> None:
+    """Picks each part buffer's array by the part loop's program id (one
+    scalar select per program: a program reads and writes one part).
+    ``outputs``: the kernel takes the output pointers."""
+    bufs = [(b, f"{self._sanitize(b.value)}_ptr") for b in self.r.inputs if b.part_loop]
+    if outputs:
+      bufs += [(b, self.out_ptr(b.value)) for b in self.r.outputs if b.part_loop]
+    if not bufs:
+      return
+    p = self.r.part_loop
+    if self.kind.get(p) != "grid" or self.T[p] != 1:
+      raise CodegenError(f"part loop {p} must be a program id of tile 1")
+    n = self.ext[p]
+    for i in range(n):
+      head = "if" if i == 0 else ("else" if i == n - 1 else "elif")
+      self.emit(f"{head} pid_{p} == {i}:" if head != "else" else "else:")
+      for _, name in bufs:
+        self.emit(f"    {name} = {name}{i}")
+
+  def _ptr_args(self, buf: ir.Buffer, name: str) -> list[str]:
+    return [f"{name}{i}" for i in range(buf.parts)] if buf.part_loop else [name]
+
   def signature(self, extra_ptrs: Sequence[str], outputs: bool = True) -> str:
-    """Inputs, window offsets, ``extra_ptrs`` (scratch), outputs (not for a
-    split plan's main kernel, which writes only scratch), constexprs."""
-    ptrs = [f"{self._sanitize(b.value)}_ptr" for b in self.r.inputs]
+    """Inputs (a part buffer's arrays one by one), window offsets,
+    ``extra_ptrs`` (scratch), outputs (not for a split plan's main kernel,
+    which writes only scratch), constexprs."""
+    ptrs = [a for b in self.r.inputs for a in self._ptr_args(b, f"{self._sanitize(b.value)}_ptr")]
     ptrs += self.offset_args()
     ptrs += list(extra_ptrs)
     if outputs:
-      ptrs += [f"{self._sanitize(b.value)}_out_ptr" if b.value in self.inputs
-               else f"{self._sanitize(b.value)}_ptr" for b in self.r.outputs]
+      ptrs += [a for b in self.r.outputs for a in self._ptr_args(b, self.out_ptr(b.value))]
     consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
     consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
     return ", ".join(ptrs + consts)
@@ -497,7 +519,7 @@ class _Printer:
   def address(self, buf: ir.Buffer, dims: Sequence[str], big: bool) -> str:
     terms = [str(buf.static_offset)] if buf.static_offset else []
     for l in self.vm[buf.value].loops:
-      s = buf.stride(l)
+      s = 0 if l == buf.part_loop else buf.stride(l)   # the part picks the array
       if s == 0 and self.T[l] > 1 and l in dims:
         continue   # broadcast: handled by expanding the loaded tile
       if s == 0:
@@ -1376,6 +1398,7 @@ class _Printer:
     self._reset_state()
     self.emit_program_ids(axes, self.heavy_first_loops(body))
     self.emit_window_bases()
+    self.emit_part_bases(outputs=not with_split)
     self.emit_loop_indices()
     n0 = len(self.lines)
     if with_split:
@@ -1468,6 +1491,7 @@ class _Printer:
   def _combine_body(self, axes, body, specs, walk_prefix: bool) -> list[str]:
     self.emit_program_ids(axes)
     self.emit_window_bases()
+    self.emit_part_bases()
     self.emit_loop_indices()
     sl = self.split[0]
     idx = self._split_index(body)

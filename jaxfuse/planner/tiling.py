@@ -395,7 +395,8 @@ def batch_loops(region) -> tuple[str, ...]:
   """Loops that index both operands and the result of every contraction and
   that nothing reduces (batch and head dims). They are not ``tl.dot`` dims:
   they always bind to program ids with tile 1 and take no part in tiling
-  expressions (MCFuser's chain has four loops, not five)."""
+  expressions (MCFuser's chain has four loops, not five). A region's part
+  loop (``ir.Region.part_loop``) is one too: each program reads one part."""
   contr = region.contractions
   if not contr:
     return ()
@@ -405,7 +406,7 @@ def batch_loops(region) -> tuple[str, ...]:
     name = l.name
     if name in red:
       continue
-    if all(name in region.value(op.lhs).loops and name in region.value(op.rhs).loops
+    if name == region.part_loop or all(name in region.value(op.lhs).loops and name in region.value(op.rhs).loops
            and name in region.value(op.out).loops for op in contr):
       out.append(name)
   return tuple(out)

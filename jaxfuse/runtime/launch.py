@@ -167,22 +167,23 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray],
   if not kernel.interpret:
     raise ValueError("kernel was not generated for the interpreter (interpret=False)")
   r = kernel.region
-  if len(arrays) != len(r.inputs):
-    raise ValueError(f"region takes {len(r.inputs)} inputs, got {len(arrays)}")
+  in_bufs, out_bufs = ir.operand_buffers(r.inputs), ir.operand_buffers(r.outputs)
+  if len(arrays) != len(in_bufs):
+    raise ValueError(f"region takes {len(in_bufs)} inputs, got {len(arrays)}")
   offs = _launch_offsets(kernel, offsets)
   vm = r.value_map
   ins = []
-  for b, a in zip(r.inputs, arrays):
+  for b, a in zip(in_bufs, arrays):
     a = np.asarray(a)
     want = ir.np_dtype(vm[b.value].dtype)
-    if tuple(a.shape) != tuple(b.shape):
-      raise ValueError(f"input {b.value}: shape {a.shape} != {b.shape}")
+    if tuple(a.shape) != b.operand_shape:
+      raise ValueError(f"input {b.value}: shape {a.shape} != {b.operand_shape}")
     ins.append(_to_torch(a.astype(want, copy=False)))
   outs = []
-  for b in r.outputs:
+  for b in out_bufs:
     dt = vm[b.value].dtype
     fill = float("nan") if dt in ir.FLOAT_DTYPES else 0
-    outs.append(torch.full(tuple(b.shape), fill, dtype=_torch_dtype(dt)))
+    outs.append(torch.full(b.operand_shape, fill, dtype=_torch_dtype(dt)))
   scratch = [torch.full((max(s.numel, 1),), float("nan"), dtype=torch.float32)
              for s in kernel.scratch]
   _patch_interpreter_bf16_dot()
@@ -193,7 +194,7 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray],
       kernel.fn[kernel.grid](*ins, *offs, *scratch, **kernel.constexprs)
       kernel.combine_fn[kernel.combine_grid](*ins, *offs, *scratch, *outs,
                                              **kernel.combine_constexprs)
-  return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, r.outputs)]
+  return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, out_bufs)]
 
 
 # ------------------------------------------------------------ self-check
@@ -233,12 +234,14 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   values depend on ``seed`` only, not on the number of threads."""
   vm = region.value_map
   outs, jobs = [], []
-  for b, stream in zip(region.inputs, np.random.SeedSequence(seed).spawn(len(region.inputs))):
+  bufs = ir.operand_buffers(region.inputs)   # a part buffer: one array per part
+  for b, stream in zip(bufs, np.random.SeedSequence(seed).spawn(len(bufs))):
     dt = vm[b.value].dtype
-    flat = np.empty(b.size, dtype=ir.np_dtype(dt))
-    n_chunks = max(1, -(-b.size // _RANDOM_CHUNK))
+    size = math.prod(b.operand_shape)
+    flat = np.empty(size, dtype=ir.np_dtype(dt))
+    n_chunks = max(1, -(-size // _RANDOM_CHUNK))
     jobs += [(flat, dt, i, child) for i, child in enumerate(stream.spawn(n_chunks))]
-    outs.append(flat.reshape(b.shape))
+    outs.append(flat.reshape(b.operand_shape))
 
   def fill(job) -> None:
     flat, dt, i, child = job
@@ -253,7 +256,7 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
       # float32 draws: half the time and memory of float64 ones.
       flat[lo:lo + n] = rng.standard_normal(n, dtype=np.float32)
   workers = min(len(jobs), os.cpu_count() or 1, 16)
-  if workers > 1 and len(jobs) > len(region.inputs):
+  if workers > 1 and len(jobs) > len(bufs):
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
       list(ex.map(fill, jobs))
   else:
@@ -408,7 +411,8 @@ def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list]
 def _out_shapes(region: ir.Region):
   import jax  # pylint: disable=g-import-not-at-top
   vm = region.value_map
-  return [jax.ShapeDtypeStruct(tuple(b.shape), ir.np_dtype(vm[b.value].dtype)) for b in region.outputs]
+  return [jax.ShapeDtypeStruct(b.operand_shape, ir.np_dtype(vm[b.value].dtype))
+          for b in ir.operand_buffers(region.outputs)]
 
 
 def _launch_offsets(kernel: GeneratedKernel, offsets: Optional[Sequence[int]]) -> list[int]:
@@ -741,8 +745,9 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
   import jax  # pylint: disable=g-import-not-at-top
   if not isinstance(region, ir.Region):
     raise TypeError(f"region must be a jaxfuse.ir.Region, got {type(region).__name__}")
-  if len(args) != len(region.inputs):
-    raise ValueError(f"args: region takes {len(region.inputs)} inputs, got {len(args)}")
+  n_in = len(ir.operand_buffers(region.inputs))
+  if len(args) != n_in:
+    raise ValueError(f"args: region takes {n_in} inputs, got {len(args)}")
   key = (region.signature(), backend, None if plan is None else str(plan))
   with _lock:
     k = _chosen.get(key)
@@ -937,8 +942,8 @@ class _TorchMeasurer:
     xs = shared_inputs(region, seed)
     self.ins = [_to_torch(x).to(device) for x in xs]
     vm = region.value_map
-    self.outs = [torch.empty(tuple(b.shape), dtype=_torch_dtype(vm[b.value].dtype), device=device)
-                 for b in region.outputs]
+    self.outs = [torch.empty(b.operand_shape, dtype=_torch_dtype(vm[b.value].dtype),
+                             device=device) for b in ir.operand_buffers(region.outputs)]
     self.xs = xs
     self._refs: Optional[list] = None   # float32 tensors on ``device``
     self.ref_s = 0.0   # waiting for the reference

@@ -68,8 +68,8 @@ def region_out_avals(region: ir.Region, jaxpr: ClosedJaxpr) -> list[Any]:
   vm = region.value_map
   avals = []
   orig = list(jaxpr.out_avals)
-  for i, buf in enumerate(region.outputs):
-    shape = tuple(int(d) for d in buf.shape)
+  for i, buf in enumerate(ir.operand_buffers(region.outputs)):
+    shape = tuple(int(d) for d in buf.operand_shape)
     dtype = ir.np_dtype(vm[buf.value].dtype)
     if i < len(orig) and tuple(orig[i].shape) == shape and orig[i].dtype == dtype:
       avals.append(orig[i])
@@ -80,17 +80,18 @@ def region_out_avals(region: ir.Region, jaxpr: ClosedJaxpr) -> list[Any]:
 
 def check_consistent(region: ir.Region, jaxpr: ClosedJaxpr) -> str | None:
   """Why the region and its original ops disagree on inputs/outputs, or None."""
-  if len(region.inputs) != len(jaxpr.in_avals):
-    return (f"region has {len(region.inputs)} inputs, its jaxpr "
+  ins, outs = ir.operand_buffers(region.inputs), ir.operand_buffers(region.outputs)
+  if len(ins) != len(jaxpr.in_avals):
+    return (f"region has {len(ins)} inputs, its jaxpr "
             f"{len(jaxpr.in_avals)}")
-  if len(region.outputs) != len(jaxpr.out_avals):
-    return (f"region has {len(region.outputs)} outputs, its jaxpr "
+  if len(outs) != len(jaxpr.out_avals):
+    return (f"region has {len(outs)} outputs, its jaxpr "
             f"{len(jaxpr.out_avals)}")
   vm = region.value_map
-  for kind, bufs, avals in (("input", region.inputs, jaxpr.in_avals),
-                            ("output", region.outputs, jaxpr.out_avals)):
+  for kind, bufs, avals in (("input", ins, jaxpr.in_avals),
+                            ("output", outs, jaxpr.out_avals)):
     for buf, aval in zip(bufs, avals):
-      shape = tuple(int(d) for d in buf.shape)
+      shape = tuple(int(d) for d in buf.operand_shape)
       dtype = ir.np_dtype(vm[buf.value].dtype)
       if tuple(aval.shape) != shape or np.dtype(aval.dtype) != dtype:
         return (f"{kind} {buf.value}: region {vm[buf.value].dtype}{list(shape)}"

@@ -46,12 +46,14 @@ def _work_dtype(dtype: str):
 
 
 def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
-  """Outputs of ``region`` on ``inputs`` (shaped like its input buffers),
-  every float op in float32; outputs cast to their IR dtypes."""
+  """Outputs of ``region`` on ``inputs`` (one per operand:
+  ``ir.operand_shapes(region.inputs)``), every float op in float32; outputs
+  cast to their IR dtypes, one per output operand."""
   if set(_JNP_FNS) != set(ir.ELEMENTWISE_FNS):  # pragma: no cover - table drift
     raise NotImplementedError(sorted(set(ir.ELEMENTWISE_FNS) ^ set(_JNP_FNS)))
   vm, ext = region.value_map, region.loop_extents
   env = {}
+  inputs = ir.stack_parts(region.inputs, list(inputs), stack=jnp.stack)
   for buf, arr in zip(region.inputs, inputs):
     v = vm[buf.value]
     if _dense(buf, ext) and set(buf.loops) <= set(v.loops):
@@ -99,7 +101,7 @@ def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
     flat = jnp.zeros((buf.size,), ir.np_dtype(v.dtype))
     flat = flat.at[_offsets(buf, buf.loops, ext).reshape(-1)].set(val.reshape(-1))
     outs.append(flat.reshape(buf.shape))
-  return outs
+  return ir.split_parts(region.outputs, outs)
 
 
 def _dense(buf: ir.Buffer, ext) -> bool:

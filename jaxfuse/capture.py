@@ -52,10 +52,10 @@ _MAX_BARRIER_ROUNDS = 32
 # Longest chain fused into one region: MCFuser/Chimera plan chains of 2-3
 # contractions; longer chains are split into several regions.
 _MAX_CONTRACTIONS = 4
-# Candidate variants tried per chain, most inclusive first:
-# (epilogue, one input buffer per use, prologue).
 # Most sibling contractions one region takes (``_LevelAnalysis.sibling_regions``).
 _MAX_PARTS = 8
+# Candidate variants tried per chain, most inclusive first:
+# (epilogue, one input buffer per use, prologue).
 _VARIANTS = (("all", False, True), ("all", True, True), ("pointwise", False, True),
              ("none", False, True), ("none", True, True), ("all", False, False),
              ("none", True, False))
@@ -265,8 +265,8 @@ class _LevelAnalysis:
   def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool,
                 prologue: bool = True) -> _Found:
     """The region of ``chain``: its middle ops, an epilogue ('all',
-    'pointwise', 'elementwise' (no layout ops) or 'none'), the prologue of its other operands (when
-    ``prologue``), inputs (one buffer per use when ``split_inputs``) and
+    'pointwise', 'elementwise' (no layout ops) or 'none'), the prologue of
+    its other operands (when ``prologue``), inputs (one buffer per use when ``split_inputs``) and
     outputs. Raises Reject when it is not valid to fuse."""
     lvl = self.lvl
     removed: set[int] = {d.idx for d in chain}
@@ -486,8 +486,9 @@ class _LevelAnalysis:
         fs = [self.candidate([d], epi, False, pro) for d in ds]   # arrays read once each
       except Reject:
         continue
-      sigs = {ir.simplify(f.region).signature() for f in fs}
-      if len(sigs) == 1 and len({len(f.inputs) for f in fs}) == 1:
+      # One signature: the same ops, loops, dtypes and layouts, so input j
+      # and output o play the same role in every sibling.
+      if len({ir.simplify(f.region).signature() for f in fs}) == 1:
         members = fs
         break
     if members is None:
@@ -499,19 +500,30 @@ class _LevelAnalysis:
     if any(a in produced for f in members for a in f.input_src):
       raise Reject("a sibling reads another's result")
     first = members[0]
-    per_part = [j for j in range(len(first.inputs))
-                if any(f.input_src[j] is not first.input_src[j] for f in members[1:])]
+
+    def shared(j: int) -> bool:
+      # The same array read at the same place: windows of one array
+      # (x @ W[0], x @ W[1]) differ by their offsets.
+      b0 = first.region.inputs[j]
+      return all(f.input_src[j] is first.input_src[j]
+                 and (f.region.inputs[j].offset, f.region.inputs[j].strides) == (b0.offset, b0.strides)
+                 for f in members[1:])
+
+    per_part = [j for j in range(len(first.inputs)) if not shared(j)]
     if len(per_part) == len(first.inputs):
       raise Reject("the siblings share no input")
+    if any(first.region.inputs[j].window for j in per_part):
+      raise Reject("a per-sibling input is a window of an array")
     inputs, input_src = [], []
     for j in range(len(first.inputs)):
       for f in (members if j in per_part else members[:1]):
         inputs.append(f.inputs[j])
         input_src.append(f.input_src[j])
     outputs = [f.outputs[o] for o in range(len(first.outputs)) for f in members]
-    if len({len(f.outputs) for f in members}) != 1:
-      raise Reject("the siblings' outputs differ")
-    region = ir.with_parts(first.region, len(members), per_part)
+    try:
+      region = ir.with_parts(first.region, len(members), per_part)
+    except ir.IRError as e:
+      raise Reject(str(e)) from e
     sub_items, group_invars, items, removed = {}, {}, set(), set()
     for f in members:
       sub_items.update(f.sub_items)

@@ -73,6 +73,23 @@ def test_siblings_that_differ_are_not_grouped():
   assert capture.find_regions(jax.make_jaxpr(lambda x, w, b: x @ w + b)(x, wq, bq)) == []
 
 
+def test_windows_of_one_stacked_weight_are_not_read_as_one_shared_input():
+  """x @ W[i] + b_i: the three windows of W come from one array at three
+  offsets. Taking W for an input the siblings share would give every part
+  W[0]; capture must not group them that way."""
+  ks = jax.random.split(jax.random.PRNGKey(5), 5)
+  x = jax.random.normal(ks[0], (48, 32), jnp.float32)
+  w = jax.random.normal(ks[1], (3, 32, 32), jnp.float32)
+  bs = [jax.random.normal(k, (32,), jnp.float32) for k in ks[2:]]
+  f = lambda x, w, b0, b1, b2: tuple(x @ w[i] + b for i, b in enumerate((b0, b1, b2)))
+  for r in capture.find_regions(jax.make_jaxpr(f)(x, w, *bs)):
+    assert not r.region.part_loop, r.region
+  with config.override(backend="interpret"):
+    got = jaxfuse.jit(f)(x, w, *bs)
+  for g, want in zip(got, f(x, w, *bs)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-5)
+
+
 def test_with_parts_evaluates_each_part_like_its_own_region():
   x, wq, wk, wv, bq, bk, bv = _args(m=16, d=16)
   f = lambda x, w, b: jax.nn.gelu(x @ w + b)
@@ -139,16 +156,20 @@ def test_the_printed_kernel_picks_each_part(m):
     outs = launch.run_interpreted(k, xs)
     assert [o.shape for o in outs] == [(1, m, 32)] * 3
     assert launch.compare(reg, outs, refs) <= launch.tolerance(reg)
-    # Each part's output is its own: swapping two weights swaps two outputs.
-    swapped = launch.run_interpreted(k, [xs[0], xs[2], xs[1], *xs[3:]])
-    assert launch.compare(reg, [swapped[1]], [refs[0]]) > 10 * launch.tolerance(reg)
+    # Each part reads and writes its own arrays: swapping the first two
+    # parts' weights and biases swaps their outputs.
+    x0, w0, w1, w2, b0, b1, b2 = xs
+    swapped = launch.run_interpreted(k, [x0, w1, w0, w2, b1, b0, b2])
+    assert launch.compare(reg, swapped, [refs[1], refs[0], refs[2]]) <= launch.tolerance(reg)
+    assert launch.compare(reg, swapped[:1], refs[:1]) > 10 * launch.tolerance(reg)
 
 
 def test_jit_fuses_the_projections_and_the_attention():
   args = _args(m=64, d=32)
   fused = jaxfuse.fused_jaxpr(_attention_block)(*args)
   regions = [e for e in fused.jaxpr.eqns if e.primitive.name == "jaxfuse_region"]
-  assert [e.params["region"].einsum_summary() for e in regions] == ["bk,pkm->pbm", "mbk,nbk->bmn ; bmn,nbh->bmh"]
+  assert [e.params["region"].einsum_summary() for e in regions] == [
+      "bk,pkm->pbm", "mbk,nbk->bmn ; bmn,nbh->bmh"]
   ref = _attention_block(*[a.astype(jnp.float32) for a in args])
   with config.override(backend="interpret"):
     out = jaxfuse.jit(_attention_block)(*args)

@@ -406,8 +406,9 @@ def batch_loops(region) -> tuple[str, ...]:
     name = l.name
     if name in red:
       continue
-    if name == region.part_loop or all(name in region.value(op.lhs).loops and name in region.value(op.rhs).loops
-           and name in region.value(op.out).loops for op in contr):
+    if name == region.part_loop or all(
+        name in region.value(op.lhs).loops and name in region.value(op.rhs).loops
+        and name in region.value(op.out).loops for op in contr):
       out.append(name)
   return tuple(out)
 

@@ -9,6 +9,11 @@ weights dominate the traffic, so the chain is memory-bound (intensity ~ M
 FLOP/byte against a ridge near 260 on an H100) and one fused kernel saves
 the launches and the intermediates' round trips.
 
+Gated cases (``--cases=gated`` or a model name below) are the SwiGLU MLP
+of LLaMA-style models, ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` without bias,
+at the widths of Qwen2-0.5B, TinyLlama-1.1B and Llama-2-7B: two sibling
+GEMMs that read ``x`` and meet in the gate, then the down projection.
+
 Compared, in one run: ``jaxfuse.jit`` and ``jax.jit`` of the same plain JAX
 function, and PyTorch eager (``addmm`` + activations) when torch has CUDA.
 
@@ -16,6 +21,7 @@ Example::
 
     python -m benchmarks.mlp_chain --cases=bert-base-M8 --dtype=bfloat16
     python benchmarks/mlp_chain.py --shapes=16x768x3072x768x768 --acts=silu,gelu
+    python -m benchmarks.mlp_chain --cases=gated --tune=measure
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ FLAGS = flags.FLAGS
 
 MODELS = {"bert-small": 512, "bert-base": 768, "bert-large": 1024, "vit-huge": 1280}
 TOKENS = (8, 32, 128)
+# Gated (SwiGLU) MLPs: hidden size, intermediate size.
+GATED_MODELS = {"qwen2-0.5b": (896, 4864), "tinyllama-1.1b": (2048, 5632),
+                "llama2-7b": (4096, 11008)}
 
 _JAX_ACTS: dict[str, Callable] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),
@@ -73,6 +82,26 @@ def make_mlp(acts: tuple[str, str], bias: bool) -> Callable:
     def mlp(x, w1, w2, w3):
       return a2(a1(x @ w1) @ w2) @ w3
   return mlp
+
+
+def gated_mlp(x, wg, wu, wd):
+  return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def make_gated_case(name: str, m: int, d: int, f: int, *, dtype: str, group: str,
+                    extra: dict | None = None) -> harness.Case:
+  def make_inputs(key, dt):
+    ks = jax.random.split(key, 4)
+    return (harness.normal(ks[0], (m, d), dt),
+            harness.normal(ks[1], (d, f), dt, 1 / math.sqrt(d)),
+            harness.normal(ks[2], (d, f), dt, 1 / math.sqrt(d)),
+            harness.normal(ks[3], (f, d), dt, 1 / math.sqrt(f)))
+
+  item = jnp.dtype(dtype).itemsize
+  params = {"M": m, "D": d, "F": f, "acts": "silu", "bias": False, "gated": True}
+  params.update(extra or {})
+  return harness.Case(name, gated_mlp, make_inputs, 2.0 * m * 3 * d * f,
+                      float(item * (2 * m * d + 3 * d * f)), params, group=group)
 
 
 def make_case(name: str, m: int, dims: tuple[int, int, int, int], *,
@@ -110,6 +139,15 @@ def all_cases(acts, bias, dtype, shapes="") -> tuple[dict, dict]:
                     dtype=dtype, group=model, extra={"model": model})
       cases[c.name] = c
       groups[model].append(c.name)
+  groups["gated"] = []
+  for model, (d, f) in GATED_MODELS.items():
+    groups[model] = []
+    for m in TOKENS:
+      c = make_gated_case(f"{model}-M{m}", m, d, f, dtype=dtype, group=model,
+                          extra={"model": model})
+      cases[c.name] = c
+      groups[model].append(c.name)
+      groups["gated"].append(c.name)
   for (m, d0, d1, d2, d3) in (d for d, _ in harness.parse_shapes(shapes, "MxD0xD1xD2xD3")):
     c = make_case(f"M{m}-{d0}x{d1}x{d2}x{d3}", m, (d0, d1, d2, d3), acts=acts,
                   bias=bias, dtype=dtype, group="custom")
@@ -133,10 +171,14 @@ def torch_mlp(acts: tuple[str, str], bias: bool):
 def impls_for(case: harness.Case) -> list[harness.Impl]:
   acts = tuple(case.params["acts"].split(","))
   bias = case.params["bias"]
+  gated = case.params.get("gated", False)
 
   def run_torch(*args):
     import torch  # pylint: disable=g-import-not-at-top
     with torch.inference_mode():
+      if gated:
+        x, wg, wu, wd = args
+        return (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd
       return torch_mlp(acts, bias)(*args)
 
   return [
@@ -144,7 +186,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
       harness.xla_impl(case.fn),
       harness.TorchImpl("torch", run_torch,
                         prepare=lambda *a: tuple(harness.jax_to_torch(x) for x in a),
-                        note="torch addmm + activations (eager)"),
+                        note="torch matmuls + activations (eager)"),
   ]
 
 

@@ -54,6 +54,8 @@ _MAX_BARRIER_ROUNDS = 32
 _MAX_CONTRACTIONS = 4
 # Most sibling contractions one region takes (``_LevelAnalysis.sibling_regions``).
 _MAX_PARTS = 8
+# Most sibling contractions joined into one chain link (``joined_groups``).
+_MAX_JOINED = 4
 # Candidate variants tried per chain, most inclusive first:
 # (epilogue, one input buffer per use, prologue).
 _VARIANTS = (("all", False, True), ("all", True, True), ("pointwise", False, True),
@@ -135,6 +137,9 @@ class _LevelAnalysis:
     self._const_like: dict[int, bool] = {}
     self.taken: set[int] = set()   # items replaced by regions found so far
     self._bwd: dict = {}
+    self._fwd: dict = {}
+    self.joined: dict[int, list[Item]] = {}   # chains(): joined sibling groups
+    self.no_join: set[int] = set()   # dots of groups no region took
 
   # ---- reachability -------------------------------------------------------
   def fwd(self, d: Item) -> tuple[set, dict]:
@@ -183,16 +188,79 @@ class _LevelAnalysis:
     return seen
 
   # ---- chains ------------------------------------------------------------
+  def sibling_keys(self, d: Item) -> list:
+    """Keys under which ``d`` is a sibling of other dots: an operand it
+    shares, at the same position, with the same shapes, dtypes and
+    dimension numbers (``x @ wq``, ``x @ wk``)."""
+    keys = []
+    for pos in (0, 1):
+      a = d.invars[pos]
+      if isinstance(a, FVar) and not self.const_like(a):
+        keys.append((a, pos, tuple(tuple(x.aval.shape) for x in d.invars),
+                     tuple(_dtype(x) for x in d.invars),
+                     repr(sorted(d.params.items(), key=str))))
+    return keys
+
+  def joined_groups(self, dots: list[Item], fwd: dict) -> dict[int, list[Item]]:
+    """Sibling dots whose results meet in cheap ops (``silu(x @ wg) *
+    (x @ wu)``, a gated MLP): first dot's idx -> the group, first dot first.
+
+    Why: XLA runs the join as a kernel of its own after the GEMMs (it fuses
+    an epilogue into a GEMM only as single-use ops of one dot's result); one
+    region computes both contractions in one loop over the shared operand
+    and applies the join on chip. A group is one link of a chain."""
+    by_key: dict = {}
+    for d in dots:
+      if d.idx not in self.taken and d.idx not in self.no_join:
+        for key in self.sibling_keys(d):
+          by_key.setdefault(key, []).append(d)
+    parent: dict[int, int] = {}
+
+    def find(i: int) -> int:
+      while parent.get(i, i) != i:
+        i = parent[i]
+      return i
+
+    for ds in by_key.values():
+      for i, d1 in enumerate(ds):
+        s1, r1 = fwd[d1.idx]
+        for d2 in ds[i + 1:]:
+          s2, r2 = fwd[d2.idx]
+          if s1 & s2 and d2.idx not in r1 and d1.idx not in r2:
+            a, b = find(d1.idx), find(d2.idx)
+            if a != b:
+              parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[Item]] = {}
+    for d in dots:
+      groups.setdefault(find(d.idx), []).append(d)
+    return {l: ms for l, ms in groups.items() if 2 <= len(ms) <= _MAX_JOINED}
+
+  def members(self, d: Item) -> list[Item]:
+    """The dots a chain element stands for: its joined group, or itself."""
+    return self.joined.get(d.idx, [d])
+
   def chains(self) -> list[list[Item]]:
     dots = [it for it in self.items if _is_dot(it)]
+    fwd = {d.idx: self.fwd(d) for d in dots}
+    self._fwd = fwd
+    self.joined = self.joined_groups(dots, fwd)
+    follower = {m.idx for ms in self.joined.values() for m in ms[1:]}
+    for lead, ms in self.joined.items():
+      # The group's reach is its members' together.
+      seen = set().union(*(fwd[m.idx][0] for m in ms))
+      reached: dict[int, set] = {}
+      for m in ms:
+        for x, pos in fwd[m.idx][1].items():
+          reached.setdefault(x, set()).update(pos)
+      fwd[lead] = (seen, reached)
+    dots = [d for d in dots if d.idx not in follower]
     if len(dots) < 2:
       return []
-    fwd = {d.idx: self.fwd(d) for d in dots}
     incoming: dict[int, list] = {}
     for d in dots:
       seen, reached = fwd[d.idx]
       for x, pos in sorted(reached.items()):
-        if len(pos) != 1:
+        if len(pos) != 1 or x in follower:
           continue
         p = next(iter(pos))
         mids = seen & self.bwd(self.items[x].invars[p])
@@ -226,7 +294,6 @@ class _LevelAnalysis:
       while ch[-1].idx in succ:
         ch.append(self.items[succ[ch[-1].idx]])
       chains.append(ch)
-    self._fwd = fwd
     return chains
 
   # ---- candidate regions --------------------------------------------------
@@ -269,7 +336,7 @@ class _LevelAnalysis:
     its other operands (when ``prologue``), inputs (one buffer per use when ``split_inputs``) and
     outputs. Raises Reject when it is not valid to fuse."""
     lvl = self.lvl
-    removed: set[int] = {d.idx for d in chain}
+    removed: set[int] = {m.idx for d in chain for m in self.members(d)}
     for d, x in zip(chain, chain[1:]):
       seen, reached = self._fwd[d.idx]
       pos = reached.get(x.idx, set())
@@ -279,8 +346,9 @@ class _LevelAnalysis:
       removed |= seen & self.bwd(x.invars[p])
     # Epilogue: pointwise/layout consumers of the last contraction.
     if epilogue != "none":
-      tail = {chain[-1].idx}
-      stack = list(chain[-1].outvars)
+      last = self.members(chain[-1])
+      tail = {m.idx for m in last}
+      stack = [o for m in last for o in m.outvars]
       allowed = PRIMITIVES - REDUCE_PRIMS - {"dot_general", "iota"}
       if epilogue == "pointwise":
         allowed = allowed - {"broadcast_in_dim"}
@@ -430,8 +498,9 @@ class _LevelAnalysis:
 
   def separate_epilogue(self, f: _Found) -> bool:
     """Does ``f`` replace an op that XLA would run after its GEMM, in a
-    kernel of its own?"""
-    return ir.xla_epilogue_split(ir.simplify(f.region)) is not None
+    kernel of its own? (A join of sibling GEMMs' results always is.)"""
+    return (len(self.members(f.chain[0])) > 1
+            or ir.xla_epilogue_split(ir.simplify(f.region)) is not None)
 
   def sibling_regions(self) -> list[_Found]:
     """Regions of sibling contractions: dots left to XLA that read one
@@ -444,12 +513,8 @@ class _LevelAnalysis:
     for d in self.items:
       if not _is_dot(d) or d.idx in self.taken:
         continue
-      for pos in (0, 1):
-        a = d.invars[pos]
-        if isinstance(a, FVar) and not self.const_like(a):
-          key = (a, pos, tuple(tuple(x.aval.shape) for x in d.invars),
-                 tuple(_dtype(x) for x in d.invars), repr(sorted(d.params.items(), key=str)))
-          groups.setdefault(key, []).append(d)
+      for key in self.sibling_keys(d):
+        groups.setdefault(key, []).append(d)
     out: list[_Found] = []
     used: set[int] = set()
     for ds in groups.values():
@@ -542,6 +607,8 @@ class _LevelAnalysis:
       for length in range(min(n, self.limit), 0, -1):
         for start in range(n - length + 1):
           sub = chain[start:start + length]
+          if sum(len(self.members(d)) for d in sub) > self.limit:
+            continue   # a joined group counts all its contractions
           f = None
           why = None
           for epi, split, pro in _VARIANTS:
@@ -586,10 +653,28 @@ class _LevelAnalysis:
     for ch in chains:
       attempt(ch)
     in_chains = {d.idx for ch in chains for d in ch}
+    followers = {m.idx for ms in self.joined.values() for m in ms[1:]}
     for d in self.items:
-      if (_is_dot(d) and d.idx not in in_chains and d.idx not in taken
-          and self.reread_after(d)):
+      if (_is_dot(d) and d.idx not in in_chains | followers and d.idx not in taken
+          and (d.idx in self.joined or self.reread_after(d))):
         attempt([d])
+    # A joined group no region took: its dots are tried one by one, as
+    # dots that join nothing.
+    # (Not a group over the contraction limit: XLA merges its GEMMs, and a
+    # kernel for one of them alone would break that merge.)
+    failed = [l for l, ms in self.joined.items()
+              if len(ms) <= self.limit and not any(m.idx in taken for m in ms)]
+    if failed:
+      for l in failed:
+        logging.vlog(1, "jaxfuse capture: joined contractions at eqn %d tried one by one", l)
+        self.no_join.update(m.idx for m in self.joined[l])
+      for c in self.chains():
+        if not any(d.idx in taken for d in c) and any(d.idx in failed for d in c):
+          attempt(c)
+      for d in self.items:
+        if (_is_dot(d) and d.idx not in taken and d.idx not in self.joined
+            and self.reread_after(d)):
+          attempt([d])
     for f in self.sibling_regions():
       taken.update(f.removed)
       found.append(f)

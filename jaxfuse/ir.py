@@ -40,7 +40,8 @@ import numpy as np
 __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
-    "evaluate", "simplify", "coalesce_loops", "contiguous_strides", "dtype_itemsize",
+    "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "coalesce_loops",
+    "contiguous_strides", "dtype_itemsize",
     "WINDOW_ALIGN",
 ]
 
@@ -730,6 +731,41 @@ def xla_epilogue_split(region: "Region") -> "str | None":
       if readers.get(op.out, 0) > 1:
         return op.out
   return None
+
+
+def xla_joins(region: "Region") -> "dict[str, tuple[str, ...]]":
+  """Where the results of independent contractions meet: each value (not a
+  contraction's) computed from two or more contractions' results, none of
+  which is computed from another's, that none of its operands already
+  joins; mapped to those contractions' outputs.
+
+  Why: XLA fuses a GEMM's epilogue into it only as single-use ops of that
+  one dot's result, so the join of sibling GEMMs (``silu(x @ wg) * (x @
+  wu)``, a gated MLP) runs as a kernel of its own that reads each GEMM's
+  result again. The cost model prices that kernel; capture fuses such
+  siblings into one region.
+
+  Example::
+
+      xla_joins(gated_mlp_region)   # {'t2': ('c0', 'c1')}
+  """
+  deps: dict[str, set] = {}     # every contraction a value is computed from
+  direct: dict[str, set] = {}   # those reached without crossing a contraction
+  joins: dict[str, tuple[str, ...]] = {}
+  for op in region.ops:
+    ins = [a for a in op.inputs if a in deps]
+    d = set().union(*(deps[a] for a in ins)) if ins else set()
+    if isinstance(op, Contraction):
+      deps[op.out] = d | {op.out}
+      direct[op.out] = {op.out}
+      continue
+    deps[op.out] = d
+    direct[op.out] = set().union(*(direct[a] for a in ins)) if ins else set()
+    free = sorted(c for c in direct[op.out]
+                  if not any(c in deps[o] for o in direct[op.out] if o != c))
+    if len(free) >= 2 and not any(len(direct[a]) >= 2 and direct[a] >= set(free) for a in ins):
+      joins[op.out] = tuple(free)
+  return joins
 
 
 def _identity_operand(op, vm) -> "str | None":

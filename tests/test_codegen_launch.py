@@ -1090,8 +1090,8 @@ def test_gemm_gelu_runs_one_kernel_in_the_interpreter(caplog):
 
 def test_chain_left_to_xla_lowers_its_parts(monkeypatch, caplog):
   """A chain decided against (LeftToXLA) is captured again with fewer
-  contractions and its GEMM-GELU part is lowered as a region; a chain whose
-  kernel failed runs its original ops, with no second attempt."""
+  contractions and its GEMM-GELU part is lowered as a region; so is a chain
+  whose kernel failed (no plan worked): a part may still have one."""
   import logging  # pylint: disable=g-import-not-at-top
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
@@ -1123,7 +1123,7 @@ def test_chain_left_to_xla_lowers_its_parts(monkeypatch, caplog):
       assert seen == [2, 1, 2, 1]
       assert sum("lowers as 1 part(s)" in r.getMessage() for r in caplog.records) == 1
     else:
-      assert seen == [2]
+      assert seen == [2, 1]
   primitive._warned.clear()
 
 

@@ -584,6 +584,15 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
     src = vm[cut]
     n = math.prod(ext[l] for l in src.loops)
     total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+  for join, dots in ir.xla_joins(region).items():
+    # Sibling GEMMs joined (a gated MLP): XLA's kernel after the GEMMs reads
+    # each joined result and writes the join (the rest of the epilogue
+    # fused into it).
+    n = math.prod(ext[l] for l in vm[join].loops)
+    read = sum(math.prod(ext[l] for l in vm[d].loops) * ir.dtype_itemsize(vm[d].dtype)
+               for d in dots)
+    total += ((read + n * ir.dtype_itemsize(vm[join].dtype)) / device.mem_bandwidth_Bps
+              + device.min_kernel_s)
   if region.part_loop:
     # Sibling dots (ir.with_parts): XLA merges them into one GEMM (priced
     # above, the parts as more columns) and then runs one kernel per part

@@ -224,8 +224,70 @@ def tolerance(region: ir.Region) -> float:
 _RANDOM_CHUNK = 1 << 20
 
 
+# The largest typical magnitude (one standard deviation) a half-precision
+# value of the region may reach under ``random_inputs``: 6 sigma stays
+# below float16's largest finite value, 65504.
+_HALF_STD_LIMIT = 4096.0
+# Elementwise functions whose result stays O(1) whatever their input.
+_BOUNDED_FNS = frozenset({"exp", "exp2", "logistic", "tanh", "erf", "sin", "cos",
+                          "sign", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not"})
+
+
+def _typical_std(region: ir.Region, input_std: float) -> float:
+  """The largest standard deviation a float16/bfloat16 value of ``region``
+  reaches, estimated op by op when every float input has ``input_std``
+  (a contraction multiplies its operands' by sqrt(reduced extent), a
+  product multiplies, a sum reduction by sqrt(extent))."""
+  vm, ext = region.value_map, region.loop_extents
+  std = {b.value: (input_std if vm[b.value].dtype in ir.FLOAT_DTYPES else 1.0)
+         for b in region.inputs}
+  worst = 0.0
+  for op in region.ops:
+    if isinstance(op, ir.Contraction):
+      red = math.prod(ext[l] for l in op.reduce)
+      v = std.get(op.lhs, 1.0) * std.get(op.rhs, 1.0) * math.sqrt(red)
+    elif isinstance(op, ir.Reduction):
+      v = std.get(op.inputs[0], 1.0) * (math.sqrt(ext[op.loop]) if op.kind == "sum" else 1.0)
+    elif isinstance(op, ir.Elementwise):
+      # A literal counts by its size; -inf (a mask) and 0 count as 1.
+      args = [std.get(a, 1.0) if isinstance(a, str)
+              else (abs(float(a.value)) if math.isfinite(float(a.value)) else 0.0) or 1.0
+              for a in op.args]
+      if op.fn in _BOUNDED_FNS:
+        v = 1.0
+      elif op.fn == "mul":
+        v = math.prod(args)
+      elif op.fn == "square":
+        v = args[0] ** 2
+      elif op.fn == "select":
+        v = max(args[1:])
+      elif op.fn == "div":
+        v = args[0]
+      else:
+        v = max(args, default=1.0)
+    else:
+      v = 1.0
+    std[op.out] = v
+    if vm[op.out].dtype in ("float16", "bfloat16"):
+      worst = max(worst, v)
+  return worst
+
+
+def input_scale(region: ir.Region) -> float:
+  """The standard deviation of ``random_inputs``' floats: 1, or a power of
+  two below it where unit inputs would take a half-precision value past
+  float16's range (a gated MLP's product of two GEMMs summed again by the
+  down projection: the kernel's inf against the float64 reference would
+  fail every plan's check)."""
+  scale = 1.0
+  while scale > 2.0 ** -8 and _typical_std(region, scale) > _HALF_STD_LIMIT:
+    scale /= 2
+  return scale
+
+
 def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
-  """Fresh random inputs for a region (normal floats, booleans mostly True).
+  """Fresh random inputs for a region (normal floats, booleans mostly True;
+  floats scaled by ``input_scale``).
 
   Each input is drawn in chunks of ``_RANDOM_CHUNK`` values, each chunk from
   its own child stream of ``seed``, in threads for large inputs: NumPy
@@ -262,6 +324,11 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   else:
     for job in jobs:
       fill(job)
+  scale = input_scale(region)
+  if scale != 1.0:
+    for o, b in zip(outs, bufs):
+      if vm[b.value].dtype in ir.FLOAT_DTYPES:
+        o *= np.asarray(scale, o.dtype)   # a power of two: exact
   return outs
 
 

@@ -203,7 +203,9 @@ def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
     return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, f"{backend} kernel", e)
-    if _is_decision(e) and len(region.contractions) > 1:
+    if len(region.contractions) > 1:
+      # Left to XLA whole (decided, or no plan worked): a part with fewer
+      # contractions may still be worth its own kernel.
       return _lower_parts(ctx, *args, region=region, jaxpr=jaxpr, name=name)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 

@@ -173,3 +173,30 @@ def test_a_chain_with_no_working_kernel_still_lowers_its_parts(monkeypatch):
     out = jaxfuse.jit(_gated_mlp)(*args)
   assert seen[:2] == [3, 2]
   assert _rel_err(out, ref) < 2e-3
+
+
+@pytest.mark.parametrize("which", ["gate", "gelu", "mlp3"])
+def test_split_reductions_finish_their_epilogue_in_the_combine_pass(which):
+  """A reduction split across programs may be followed by a nonlinear
+  epilogue (GELU, a gated MLP's join, a bias and a further GEMM): the
+  combine pass sums the partials and then runs it."""
+  x, wg, wu, wd = _args(m=8, d=256, f=128)
+  b = jnp.linspace(-1, 1, 128).astype(jnp.float16)
+  funs = {"gate": (_gate, (x, wg, wu)),
+          "gelu": (lambda x, w, b: jax.nn.gelu(x @ w + b), (x, wg, b)),
+          "mlp3": (lambda x, w1, b, w2: jax.nn.relu(x @ w1 + b) @ w2, (x, wg, b, wd))}
+  fun, args = funs[which]
+  [r] = capture.find_regions(jax.make_jaxpr(fun)(*args))
+  reg = ir.simplify(r.region)
+  from jaxfuse.planner import search   # pylint: disable=import-outside-toplevel
+  assert search.splittable_loops(reg)
+  res = planner.plan_region(reg, "h100", top=200, use_cache=False)
+  split = [p for p in res.ranked if p.split][:3]
+  assert split, [str(p) for p in res.ranked[:5]]
+  xs = launch.random_inputs(reg, seed=3)
+  refs = ir.evaluate(reg, xs)
+  for plan in split:
+    k = codegen.generate(reg, plan, interpret=True)
+    assert k.combine_fn is not None
+    outs = launch.run_interpreted(k, xs)
+    assert launch.compare(reg, outs, refs) <= launch.tolerance(reg), str(plan)

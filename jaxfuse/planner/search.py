@@ -89,9 +89,12 @@ class SearchResult:
 
 
 def splittable_loops(region: ir.Region) -> tuple[str, ...]:
-  """Reduction loops whose reducing ops are contractions producing region
-  outputs (possibly through a final convert): partial sums over parts of
-  such a loop combine by addition in a second pass.
+  """Reduction loops whose reducing ops are all contractions that no other
+  contraction reads from: partial sums over parts of such a loop combine
+  by addition in a second pass, which then runs the elementwise epilogue
+  (GELU, a bias, the join of a gated MLP's two GEMMs) on the sums. A loop
+  whose sums feed a further contraction (GEMM 1 of a chain) is not split:
+  the combine pass would carry the rest of the chain.
 
   The code generator can also split a streamed (online-softmax) loop, the
   combine pass rescaling each part by its running max as flash-decoding
@@ -100,23 +103,27 @@ def splittable_loops(region: ir.Region) -> tuple[str, ...]:
   unsplit, the combine alone taking 2.8 us (benchmarks/RESULTS.md, ninth
   session)."""
   out = []
-  outs = set(region.output_names)
   for l in region.reduced_loops():
     reducers = [op for op in region.ops if l in tiling.reduced_by(op)]
-    if reducers and all(_sums_to_output(region, op, outs) for op in reducers):
+    if reducers and all(isinstance(op, ir.Contraction) and not _feeds_contraction(region, op)
+                        for op in reducers):
       out.append(l)
   order = [x.name for x in region.loops]
   return tuple(sorted(out, key=order.index))
 
 
-def _sums_to_output(region: ir.Region, op, outs: set) -> bool:
-  if not isinstance(op, ir.Contraction):
-    return False
-  cons = region.consumers(op.out)
-  if op.out in outs and not cons:
-    return True
-  return (len(cons) == 1 and isinstance(cons[0], ir.Elementwise) and cons[0].fn == "convert"
-          and cons[0].out in outs and not region.consumers(cons[0].out))
+def _feeds_contraction(region: ir.Region, op) -> bool:
+  """Does a contraction read a value computed from ``op``'s result?"""
+  stack, seen = [op.out], set()
+  while stack:
+    v = stack.pop()
+    for c in region.consumers(v):
+      if isinstance(c, ir.Contraction):
+        return True
+      if c.out not in seen:
+        seen.add(c.out)
+        stack.append(c.out)
+  return False
 
 
 def build_space(region: ir.Region, device: DeviceSpec, *,

@@ -671,8 +671,9 @@ class _LevelAnalysis:
       for c in self.chains():
         if not any(d.idx in taken for d in c) and any(d.idx in failed for d in c):
           attempt(c)
+      grouped = {m.idx for ms in self.joined.values() for m in ms}   # still joined
       for d in self.items:
-        if (_is_dot(d) and d.idx not in taken and d.idx not in self.joined
+        if (_is_dot(d) and d.idx not in taken and d.idx not in grouped
             and self.reread_after(d)):
           attempt([d])
     for f in self.sibling_regions():

@@ -194,7 +194,37 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
       name = f"L-T{t}-d{d}"
       cases[name] = attention.make_case(name, 8, 16, t, t, d, d, causal=False, layout="bhtd",
                                         group="large", dtype=dtype)
+  # A GEMM with its bias and tanh-GELU at decode-like token counts, the first
+  # part of an FFN that XLA leaves whole (``mlp_chain``): a weight-streaming
+  # region, unlike the chains above. Not run by default.
+  for model, d in mlp_chain_models().items():
+    for m in (8, 32):
+      cases[f"E-{model}-M{m}"] = epilogue_case(f"E-{model}-M{m}", m, d, 4 * d, dtype)
   return cases
+
+
+def mlp_chain_models() -> dict[str, int]:
+  from benchmarks import mlp_chain  # pylint: disable=g-import-not-at-top
+  return dict(mlp_chain.MODELS)
+
+
+def epilogue_case(name: str, m: int, k: int, n: int, dtype: str) -> harness.Case:
+  """``gelu(x @ w + b)`` (tanh form) with x [m, k], w [k, n]."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def fn(x, w, b):
+    return jax.nn.gelu(x @ w + b, approximate=True)
+
+  def make_inputs(key, dt):
+    ks = jax.random.split(key, 3)
+    return (harness.normal(ks[0], (m, k), dt), harness.normal(ks[1], (k, n), dt, k ** -0.5),
+            harness.normal(ks[2], (n,), dt, 0.1))
+
+  item = jnp.dtype(dtype).itemsize
+  return harness.Case(name, fn, make_inputs, 2.0 * m * k * n,
+                      float(item * (m * k + k * n + n + m * n)),
+                      {"M": m, "K": k, "N": n, "act": "gelu_tanh", "bias": True},
+                      group="GEMM epilogue")
 
 
 def capture_region(case: harness.Case, dtype: str):

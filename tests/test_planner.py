@@ -880,6 +880,44 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   assert split4.split and cost_model.slower_than_unfused(g4, split4, h200) is None
 
 
+def test_library_gemm_at_few_rows_streams_the_weight(monkeypatch):
+  """At 32 rows XLA's GEMMs ran near their roofline floor plus one launch
+  (H100, 2026-11-23: 2.05, 2.91, 3.39 and 5.09 us at K x N = 512 x 2048 ..
+  1280 x 5120); the tiled estimate alone read 1.8-2.0x those. Above
+  ``_LIBRARY_STREAMING_ROWS`` rows the tiled estimate stands."""
+  h100 = get_device("h100")
+  peak = h100.peak("float16")
+  measured = {(512, 2048): 2.05e-6, (768, 3072): 2.91e-6, (1024, 4096): 3.39e-6,
+              (1280, 5120): 5.09e-6}
+  est = {kn: cost_model._library_gemm_time(32, kn[1], 1, kn[0], 2, peak, h100) for kn in measured}
+  for kn, t in measured.items():
+    assert 0.75 * t < est[kn] < 1.25 * t, (kn, est[kn], t)
+  at512 = cost_model._library_gemm_time(512, 3072, 1, 768, 2, peak, h100)
+  monkeypatch.setattr(cost_model, "_LIBRARY_STREAMING_ROWS", 0)
+  assert cost_model._library_gemm_time(32, 3072, 1, 768, 2, peak, h100) > 1.5 * est[(768, 3072)]
+  assert cost_model._library_gemm_time(512, 3072, 1, 768, 2, peak, h100) == at512
+
+
+def test_few_token_gemm_gelu_is_left_to_xla_under_the_model():
+  """BERT-Base's FFN GEMM + bias + GELU: at 32 tokens the fused kernel ran
+  slower than XLA's GEMM and GELU kernels (5.2 against 4.5 us, H100), so the
+  model leaves it to XLA; at 128 tokens (2.3x faster fused) it stays."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+  f = lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=True)
+  verdicts = {}
+  for m in (32, 128):
+    args = (jnp.zeros((m, 768), jnp.float16), jnp.zeros((768, 3072), jnp.float16),
+            jnp.zeros((3072,), jnp.float16))
+    (cap,) = capture.find_regions(jax.make_jaxpr(f)(*args))
+    best = plan_region(cap.region, h100, use_cache=False).best
+    verdicts[m] = cost_model.slower_than_unfused(cap.region, best, h100)
+  assert verdicts[32] and "separate kernels" in verdicts[32]
+  assert verdicts[128] is None
+
+
 def test_keep_or_drop_bound_is_a_predicted_win_for_every_dtype():
   """Under tune=model a region stays fused only when predicted under
   UNFUSED_MARGIN (< 1) x the unfused estimate, float16, TF32 and IEEE

@@ -522,13 +522,17 @@ def floor_time(region: ir.Region, device: DeviceSpec) -> float:
 # fill the GPU, and the output tile it is priced at (cuBLAS on Hopper).
 _LIBRARY_SPLITS = (1, 2, 4, 8, 16)
 _LIBRARY_TILE = 128
+# At most this many rows, a library GEMM is priced as weight streaming too
+# (see ``_library_gemm_time``).
+_LIBRARY_STREAMING_ROWS = 64
 
 
 def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int,
                        peak: float, device: DeviceSpec) -> float:
-  """One contraction as a library GEMM kernel (``_LIBRARY_TILE``-square
-  output tiles, split-K when that fills more SMs), priced by the same
-  per-program path as a fused plan."""
+  """One contraction as a library GEMM kernel: ``_LIBRARY_TILE``-square
+  output tiles (split-K when that fills more SMs), priced by the same
+  per-program path as a fused plan; with at most ``_LIBRARY_STREAMING_ROWS``
+  rows, the roofline floor plus one launch where that is less."""
   sms = device.sm_count
   tr, tc = min(_LIBRARY_TILE, rows), min(_LIBRARY_TILE, cols)
   tiles = batch * math.ceil(rows / tr) * math.ceil(cols / tc)
@@ -548,7 +552,19 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
       t += (batch * rows * cols * (4 * s + itemsize) / device.mem_bandwidth_Bps
             + device.min_kernel_s)
     best = min(best, t)
-  return best
+  if rows > _LIBRARY_STREAMING_ROWS:
+    return best
+  # Few rows: the library streams the weight with narrow tiles at about full
+  # bandwidth, i.e. its roofline floor plus one launch. Why: at 32 rows the
+  # tiled estimate above ran 1.8-2.0x XLA's measured GEMMs (2.05-5.09 us at
+  # 512x2048 .. 1280x5120; this bound 0.83-1.12x of them; H100, 2026-11-23),
+  # and BERT/ViT FFN GEMM + GELU parts at 8-32 tokens that the model kept
+  # fused ran 0.92-0.96x XLA's device span. At more rows the bound is far too
+  # low (the paper cases' GEMMs take 2-3 us, not floor + 1 us).
+  nbytes = batch * (rows * red + red * cols + rows * cols) * itemsize
+  streaming = (max(2.0 * batch * rows * cols * red / peak, nbytes / device.mem_bandwidth_Bps)
+               + device.min_kernel_s)
+  return min(best, streaming)
 
 
 def unfused_time(region: ir.Region, device: DeviceSpec) -> float:

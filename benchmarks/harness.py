@@ -90,11 +90,6 @@ CALL_OUTPUTS = ("consumed", "returned")
 SLOPE_INPUTS = ("separate", "stacked")
 
 
-def _jaxfuse_config():
-  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  return config
-
-
 def define_flags(default_cases: str = "all", default_baselines: str = "all",
                  shapes_help: Optional[str] = None) -> None:
   """Defines the flags every benchmark binary shares (idempotent)."""
@@ -1516,7 +1511,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
       "device": _device_kind(), "backend": jax.default_backend(),
       "host": platform.node(), "versions": versions(), "settings": dataclasses.asdict(settings),
       "roof": dataclasses.asdict(roof), "jaxfuse_path": note, "argv": sys.argv,
-      "jaxfuse_config": dataclasses.asdict(_jaxfuse_config()),
+      "jaxfuse_config": (dataclasses.asdict(cfg) if dataclasses.is_dataclass(
+          cfg := jaxfuse_api().config) else None),
       "method": ("per-call = slope between K and 4K unrolled independent calls "
                  f"(median of reps; call outputs {settings.call_outputs}; inputs "
                  f"{settings.slope_inputs}); kernel = "

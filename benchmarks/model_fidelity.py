@@ -180,7 +180,7 @@ def sample_indices(n_ranked: int, n: int, how: str, head: int = HEAD) -> list[in
 # ---------------------------------------------------------------------------
 
 def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
-  from benchmarks import attention, gemm_chain  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention, gemm_chain, mlp_chain  # pylint: disable=g-import-not-at-top
   cases = {}
   for g, (b, m, n, k, h) in gemm_chain.MCFUSER.items():
     cases[g] = gemm_chain.make_case(g, b, m, n, k, h, dtype=dtype, group="MCFuser Table II")
@@ -197,15 +197,10 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   # A GEMM with its bias and tanh-GELU at decode-like token counts, the first
   # part of an FFN that XLA leaves whole (``mlp_chain``): a weight-streaming
   # region, unlike the chains above. Not run by default.
-  for model, d in mlp_chain_models().items():
+  for model, d in mlp_chain.MODELS.items():
     for m in (8, 32):
       cases[f"E-{model}-M{m}"] = epilogue_case(f"E-{model}-M{m}", m, d, 4 * d, dtype)
   return cases
-
-
-def mlp_chain_models() -> dict[str, int]:
-  from benchmarks import mlp_chain  # pylint: disable=g-import-not-at-top
-  return dict(mlp_chain.MODELS)
 
 
 def epilogue_case(name: str, m: int, k: int, n: int, dtype: str) -> harness.Case:

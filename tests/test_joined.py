@@ -17,6 +17,8 @@ from jaxfuse.config import config
 from jaxfuse.planner import cost_model, examples
 from jaxfuse.runtime import launch
 
+from test_parts import _rel_err  # pylint: disable=g-bad-import-order
+
 
 def _gated_mlp(x, wg, wu, wd):
   return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
@@ -33,11 +35,6 @@ def _args(m=16, d=32, f=64, dtype=jnp.float16):
   wu = (jax.random.normal(ks[2], (d, f)) / math.sqrt(d)).astype(dtype)
   wd = (jax.random.normal(ks[3], (f, d)) / math.sqrt(f)).astype(dtype)
   return x, wg, wu, wd
-
-
-def _rel_err(out, ref):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
 def test_gated_mlp_is_one_region_reading_x_once():

@@ -450,7 +450,9 @@ class _Builder:
       for d in batch:
         take(d, "batch")
       if ci == 0:
-        rows = [d for d in lf + rf if id(d) not in nred]
+        # A lone contraction's right-hand free dims are its columns (n), not
+        # batch loops: x @ w reads m, n, k like a GEMM.
+        rows = [d for d in (lf + rf if nxt is not None else lf) if id(d) not in nred]
         for d in rows[:-1]:
           take(d, "batch")
         for d in rows[-1:]:

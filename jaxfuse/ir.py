@@ -842,11 +842,11 @@ def coalesce_loops(region: Region) -> Region:
   (``stride(outer) == extent(inner) * stride(inner)``, e.g. the contiguous
   [4, 512] rows of a [4, 512, 80] array), no reduction or iota runs along
   either, and each contraction reduces both or neither. The merged loop
-  keeps the outer loop's name; ``inner`` disappears.
+  takes the inner loop's name at the outer loop's place.
 
   Example::
 
-      coalesce_loops(r)   # region(b=4, m=512, ...) -> region(b=2048, ...)
+      coalesce_loops(r)   # region(b=4, m=512, ...) -> region(m=2048, ...)
   """
   while True:
     vm = region.value_map
@@ -864,20 +864,25 @@ def coalesce_loops(region: Region) -> Region:
 
 
 def _merge_loops(region: Region, outer: str, inner: str) -> Region:
+  # The merged loop takes the inner loop's name at the outer loop's place:
+  # x[b,m,k] @ w merges into rows named m, as a GEMM's rows read.
   ext = region.loop_extents
-  loops = tuple(Loop(l.name, l.extent * ext[inner]) if l.name == outer else l
+  loops = tuple(Loop(inner, l.extent * ext[inner]) if l.name == outer else l
                 for l in region.loops if l.name != inner)
-  values = tuple(Value(v.name, tuple(l for l in v.loops if l != inner), v.dtype)
-                 for v in region.values)
+
+  def merged(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(inner if l == outer else l for l in names if l != inner)
+
+  values = tuple(Value(v.name, merged(v.loops), v.dtype) for v in region.values)
 
   def buf(b: Buffer) -> Buffer:
     # stride(outer) == extent(inner) * stride(inner): the merged loop steps
     # by the inner stride.
-    strides = tuple((l, b.stride(inner)) if l == outer else (l, s)
+    strides = tuple((inner, b.stride(inner)) if l == outer else (l, s)
                     for l, s in b.strides if l != inner)
     return dataclasses.replace(b, strides=strides)
 
-  ops = tuple(dataclasses.replace(op, reduce=tuple(l for l in op.reduce if l != inner))
+  ops = tuple(dataclasses.replace(op, reduce=merged(op.reduce))
               if isinstance(op, Contraction) else op for op in region.ops)
   return Region(loops, values, tuple(buf(b) for b in region.inputs),
                 tuple(buf(b) for b in region.outputs), ops, name=region.name)

@@ -241,8 +241,8 @@ def test_computed_operand_is_the_left_one_of_its_contraction():
 def test_mlp3(act1, act2):
   x, w1, w2, w3 = rand(2, 9, 8), rand(8, 24), rand(24, 16), rand(16, 5)
   r = one_region(lambda *a: mlp3(*a, ACTS[act1], ACTS[act2]), x, w1, w2, w3)
-  # b and m are both M loops of every contraction, contiguous: one loop (ir.coalesce_loops)
-  assert r.region.loop_extents == {"b": 18, "k": 8, "n": 24, "p": 16, "h": 5}
+  # b and m are both M loops of every contraction, contiguous: one loop m (ir.coalesce_loops)
+  assert r.region.loop_extents == {"m": 18, "k": 8, "n": 24, "p": 16, "h": 5}
   assert len(r.region.contractions) == 3
   check_region_matches_jaxpr(r)
 
@@ -739,6 +739,7 @@ def test_batched_activations_times_a_weight_coalesce_into_one_m_loop():
     assert (len(m_loops) == 1) == merged, r
     if merged:
       assert sorted(r.loop_extents.values()) == [16, 16, 32, 96]   # b*m = 4*24
+      assert r.einsum_summary() == "mk,kn->mn ; mn,nh->mh"   # the merged rows read as m
     (got,) = ir.evaluate(r, [np.asarray(x), np.asarray(w1), np.asarray(w2)])
     np.testing.assert_allclose(got, np.asarray(jax.jit(fn)(x, w1, w2)), rtol=1e-4, atol=1e-4)
 
@@ -778,6 +779,7 @@ def test_single_contraction_is_a_region_only_when_xla_would_cut_its_epilogue(act
     assert len(rs) == 1
     r = rs[0]
     assert len(r.region.contractions) == 1
+    assert r.region.einsum_summary() == "mk,kn->mn"   # a lone GEMM's loops read m, n, k
     assert ir.xla_epilogue_split(r.region) is not None
     check_region_matches_jaxpr(r)
     _check_rewrite(f, *args, expect_calls=1)

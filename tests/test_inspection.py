@@ -237,12 +237,12 @@ def test_chain_left_to_xla_reports_its_parts():
   rep = inspection.inspect(ffn, sd(1, 512, 768), sd(768, 3072), sd(3072), sd(3072, 768),
                            sd(768), device="h100")
   [r] = rep.regions
-  assert r.einsum == "bk,kn->bn ; bn,nh->bh" and r.why_not
+  assert r.einsum == "mk,kn->mn ; mn,nh->mh" and r.why_not
   [p] = r.parts
-  assert p.einsum == "bk,km->bm" and p.why_not is None and p.plan is not None
+  assert p.einsum == "mk,kn->mn" and p.why_not is None and p.plan is not None
   assert p.predicted_time_s < p.unfused_time_s
   assert "parts:         1 region(s)" in str(rep)
   d = json.loads(json.dumps(rep.to_dict()))
-  assert d["regions"][0]["parts"][0]["einsum"] == "bk,km->bm"
+  assert d["regions"][0]["parts"][0]["einsum"] == "mk,kn->mn"
   # A fused chain has no parts.
   assert inspection.inspect(attention, *_s2(), device="h100").regions[0].parts == []

@@ -58,7 +58,7 @@ def test_the_gate_alone_is_a_region():
   XLA would run the join as a kernel after them."""
   x, wg, wu, _ = _args()
   [r] = capture.find_regions(jax.make_jaxpr(_gate)(x, wg, wu))
-  assert r.region.einsum_summary() == "bk,km->bm ; bk,km->bm"   # as a lone GEMM names them
+  assert r.region.einsum_summary() == "mk,kn->mn ; mk,kn->mn"   # as a lone GEMM names them
   assert len(ir.xla_joins(r.region)) == 1
   # With biases and a sum as the join too.
   f = lambda x, a, b, ba, bb: jnp.tanh(x @ a + ba) + (x @ b + bb)
@@ -70,7 +70,7 @@ def test_the_gate_alone_is_a_region():
 def test_a_chain_left_to_xla_lowers_the_joined_part():
   args = _args()
   regions = capture.find_regions(jax.make_jaxpr(_gated_mlp)(*args), max_contractions=2)
-  assert [r.region.einsum_summary() for r in regions] == ["bk,km->bm ; bk,km->bm"]
+  assert [r.region.einsum_summary() for r in regions] == ["mk,kn->mn ; mk,kn->mn"]
   # One contraction at most: the join cannot form, and a kernel for the gate
   # GEMM alone would keep XLA from merging it with its sibling (measured
   # 0.72x jax.jit at Qwen2-0.5B's widths, M=32, H100): none.

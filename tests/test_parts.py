@@ -49,7 +49,7 @@ def test_sibling_projections_are_one_region_with_a_part_loop():
   [r] = capture.find_regions(jax.make_jaxpr(_projections)(*args))
   reg = r.region
   assert reg.part_loop == "p" and reg.extent("p") == 3
-  assert reg.einsum_summary() == "bk,pkm->pbm"
+  assert reg.einsum_summary() == "mk,pkn->pmn"
   # x once, then each weight and each bias: one operand per part.
   assert len(r.jaxpr.in_avals) == 7 and len(r.jaxpr.out_avals) == 3
   assert [b.parts for b in reg.inputs] == [1, 3, 3]
@@ -169,7 +169,7 @@ def test_jit_fuses_the_projections_and_the_attention():
   fused = jaxfuse.fused_jaxpr(_attention_block)(*args)
   regions = [e for e in fused.jaxpr.eqns if e.primitive.name == "jaxfuse_region"]
   assert [e.params["region"].einsum_summary() for e in regions] == [
-      "bk,pkm->pbm", "mbk,nbk->bmn ; bmn,nbh->bmh"]
+      "mk,pkn->pmn", "mbk,nbk->bmn ; bmn,nbh->bmh"]
   ref = _attention_block(*[a.astype(jnp.float32) for a in args])
   with config.override(backend="interpret"):
     out = jaxfuse.jit(_attention_block)(*args)

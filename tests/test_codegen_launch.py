@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -405,6 +406,48 @@ def test_undecided_keep_or_drop_asks_the_model_about_its_best_plan(monkeypatch):
     launch._keep_fused(K(), lambda *a: a, model_plan=model_plan)
     assert asked.pop() is want
   launch._xla_decisions.clear()
+
+
+def test_keep_or_drop_timing_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
+  """A process that finds a region's keep-or-drop timing on disk (same
+  region, plan, GPU and versions) decides from it without timing again;
+  another plan, another GPU, or no GPU at all times afresh."""
+  from jaxfuse.codegen import CodegenError
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    region = r
+    plan = "plan A"
+  timed = []
+  monkeypatch.setattr(launch, "_per_call_times",
+                      lambda fns, region: [timed.append(1) or t for t in ((6e-6, 0.1), (5e-6, 0.1))])
+  gpu = ["NVIDIA H100 80GB HBM3"]
+  monkeypatch.setattr(launch, "_gpu_name", lambda: gpu[0])
+
+  def decide():
+    launch._xla_decisions.clear()      # a new process
+    with pytest.raises(CodegenError, match="measured slower than XLA: fused 6.0 us vs XLA 5.0"):
+      launch._keep_fused(K(), lambda *a: a)
+    return len(timed)
+  try:
+    assert decide() == 2                       # timed: fused and XLA
+    assert len(os.listdir(tmp_path / "timings")) == 1
+    assert decide() == 2                       # from disk, same verdict
+    K.plan = "plan B"
+    assert decide() == 4
+    gpu[0] = "NVIDIA H200"
+    assert decide() == 6
+    assert len(os.listdir(tmp_path / "timings")) == 3
+    for f in os.listdir(tmp_path / "timings"):  # corrupt entries are timed again
+      (tmp_path / "timings" / f).write_text("{")
+    assert decide() == 8
+    gpu[0] = None                              # no GPU: nothing kept
+    K.plan = "plan C"
+    assert decide() == 10 and decide() == 12
+    assert len(os.listdir(tmp_path / "timings")) == 3
+  finally:
+    launch._xla_decisions.clear()
 
 
 def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):

@@ -631,6 +631,25 @@ def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
   assert not plan_region(r, "h100").from_cache
 
 
+def test_cache_entries_round_trip_and_ignore_corrupt_or_stale(tmp_path, caplog):
+  assert cache.load_entry("timings", "k1", str(tmp_path)) is None        # a miss
+  assert cache.store_entry("timings", "k1", {"fused": [5e-6, 0.01]}, str(tmp_path))
+  assert cache.load_entry("timings", "k1", str(tmp_path)) == {"fused": [5e-6, 0.01]}
+  assert cache.load_entry("timings", "k2", str(tmp_path)) is None
+  assert os.listdir(tmp_path / "timings") == ["k1.json"]                 # no temporary left
+  path = tmp_path / "timings" / "k1.json"
+  data = json.loads(path.read_text())
+  data["format"] = -1
+  path.write_text(json.dumps(data))
+  assert cache.load_entry("timings", "k1", str(tmp_path)) is None        # stale
+  path.write_text("{not json")
+  with caplog.at_level(logging.WARNING):
+    assert cache.load_entry("timings", "k1", str(tmp_path)) is None
+  assert any("corrupt cache entry" in m for m in caplog.messages)
+  with pytest.raises(ValueError, match="kind"):
+    cache.store_entry("../plans", "k1", {}, str(tmp_path))
+
+
 def test_measure_begins_only_when_the_planner_searches(tmp_path, monkeypatch):
   # Measured tuning's setup (compile workers, the reference) and its budget
   # start at measure.begin(): not on a cache hit, where nothing is measured.

@@ -5,7 +5,9 @@ region's canonical signature (names-independent; includes shapes, dtypes,
 strides), the device (name and SM count), the jaxfuse version and this
 file's format version. Writes are atomic (temporary file + ``os.replace``);
 a corrupt, unreadable or stale entry is logged once and ignored, never
-raised.
+raised. ``store_entry``/``load_entry`` keep other JSON values beside the
+plans (``<cache_dir>/<kind>/``; the runtime's keep-or-drop timings), under
+keys their callers hash.
 
 Example::
 
@@ -29,7 +31,8 @@ from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner import tiling
 from jaxfuse.planner.plan import Plan, Prediction
 
-__all__ = ["plan_key", "load", "store", "cache_path", "FORMAT_VERSION"]
+__all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry",
+           "FORMAT_VERSION"]
 
 # 2: the per-program cost model (plans cached by 1 were ranked by alpha);
 # 3: its L2 and co-residency terms; 4: the nested-loop refill term;
@@ -124,10 +127,15 @@ def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
 def store(key: str, region: ir.Region, plans: Sequence[Plan], extra: Optional[dict] = None,
           cache_dir: Optional[str] = None) -> bool:
   """Writes atomically; returns False (with a log line) when it cannot."""
-  path = cache_path(key, cache_dir)
   data = {"format": FORMAT_VERSION, "version": _version(),
           "region_text": region.to_text(with_header=True),
           "plans": [_plan_to_json(p) for p in plans], "extra": extra or {}}
+  return _write_json(cache_path(key, cache_dir), data)
+
+
+def _write_json(path: str, data: dict) -> bool:
+  """``data`` to ``path`` atomically (temporary file + ``os.replace``);
+  False with a log line when it cannot."""
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
@@ -143,5 +151,46 @@ def store(key: str, region: ir.Region, plans: Sequence[Plan], extra: Optional[di
       raise
     return True
   except Exception as e:  # pylint: disable=broad-except
-    logging.warning("jaxfuse planner: cannot write plan cache %s (%s)", path, e)
+    logging.warning("jaxfuse planner: cannot write cache entry %s (%s)", path, e)
     return False
+
+
+def _entry_path(kind: str, key: str, cache_dir: Optional[str] = None) -> str:
+  if not kind.isidentifier():
+    raise ValueError(f"kind must be an identifier, got {kind!r}")
+  return os.path.join(cache_dir or _cache_dir(), kind, f"{key}.json")
+
+
+def store_entry(kind: str, key: str, value: dict, cache_dir: Optional[str] = None) -> bool:
+  """Stores a JSON-able ``value`` under ``<cache_dir>/<kind>/<key>.json``
+  (atomically; False with a log line when it cannot). The caller's ``key``
+  must hash everything the value depends on.
+
+  Example::
+
+      store_entry("timings", key, {"fused": [5e-6, 0.01]})
+      load_entry("timings", key)      # {"fused": [5e-6, 0.01]}
+  """
+  return _write_json(_entry_path(kind, key, cache_dir),
+                     {"format": FORMAT_VERSION, "version": _version(), "value": value})
+
+
+def load_entry(kind: str, key: str, cache_dir: Optional[str] = None) -> Optional[dict]:
+  """The value ``store_entry`` stored under ``key``, or None (a miss; a
+  corrupt or stale entry is logged and ignored)."""
+  path = _entry_path(kind, key, cache_dir)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, "r", encoding="utf-8") as f:
+      data = json.load(f)
+    if data.get("format") != FORMAT_VERSION or data.get("version") != _version():
+      logging.info("jaxfuse planner: stale cache entry %s ignored", path)
+      return None
+    value = data["value"]
+    if not isinstance(value, dict):
+      raise ValueError("value is not an object")
+    return value
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse planner: corrupt cache entry %s ignored (%s)", path, e)
+    return None

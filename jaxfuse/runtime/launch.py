@@ -716,12 +716,20 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
   # logged one region's timings 40 times (H100, 2026-11-22).
   first = sig not in _xla_decisions
   if first:
-    fused, xla = _per_call_times([lambda *a: triton_launch(k, a), original], k.region)
+    key = _timing_key(k)
+    stored = _load_timing(key)
+    if stored is None:
+      fused, xla = _per_call_times([lambda *a: triton_launch(k, a), original], k.region)
+      _store_timing(key, fused, xla)
+      how = "measured"
+    else:
+      fused, xla = stored
+      how = "timed in an earlier process (plan cache)"
     _xla_decisions[sig] = (fused, xla)
   (t_fused, s_fused), (t_xla, s_xla) = _xla_decisions[sig]
   if first:
-    logging.info("jaxfuse: region %s measured fused %.1f us (spread %.2f), XLA %.1f us "
-                 "(spread %.2f)", k.region.einsum_summary(), t_fused * 1e6, s_fused,
+    logging.info("jaxfuse: region %s %s fused %.1f us (spread %.2f), XLA %.1f us "
+                 "(spread %.2f)", k.region.einsum_summary(), how, t_fused * 1e6, s_fused,
                  t_xla * 1e6, s_xla)
   noise = min(t_fused, t_xla) <= 0 or max(s_fused, s_xla) > MAX_TIMING_SPREAD
   if not noise and t_fused > (1 + TIMING_TIE) * t_xla:
@@ -741,6 +749,67 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
     if why:
       raise LeftToXLA(f"{why}; left to XLA (measurement "
                       f"{'inconclusive' if noise else 'a tie'})")
+
+
+def _gpu_name() -> Optional[str]:
+  """The GPU keep-or-drop timings ran on (jax's first device), or None
+  without one."""
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+    dev = jax.devices()[0]
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return str(dev.device_kind) if dev.platform == "gpu" else None
+
+
+def _timing_key(k: GeneratedKernel) -> Optional[str]:
+  """The plan cache key of ``k``'s keep-or-drop timing, or None where timings
+  are not kept (no GPU). It hashes what the two times depend on: the region,
+  the kernel's plan, the GPU, how the kernel is launched, and the versions of
+  jaxfuse, jax, jaxlib (XLA's side) and Triton. Why keep them: the measured
+  plan is cached on disk, but each new process timed the decision again,
+  2-3 s per region (H100, twenty-first session)."""
+  gpu = _gpu_name()
+  if gpu is None:
+    return None
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    triton_version = triton.__version__
+  except ImportError:
+    triton_version = "-"
+  text = "|".join([k.region.signature(), str(k.plan), gpu, str(config.launch), jax.__version__,
+                   getattr(jaxlib, "__version__", "-"), triton_version])
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+_TIMINGS = "timings"   # the plan cache's folder of keep-or-drop timings
+
+
+def _load_timing(key: Optional[str]):
+  """``((fused s, spread), (XLA s, spread))`` stored under ``key``, or None."""
+  if key is None:
+    return None
+  from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+  value = cache.load_entry(_TIMINGS, key)
+  try:
+    if value is not None:
+      return tuple((float(value[s][0]), float(value[s][1])) for s in ("fused", "xla"))
+  except (KeyError, IndexError, TypeError, ValueError) as e:
+    logging.warning("jaxfuse: malformed keep-or-drop timing %s ignored (%s)", key, e)
+  return None
+
+
+def _store_timing(key: Optional[str], fused: tuple[float, float],
+                  xla: tuple[float, float]) -> None:
+  if key is None:
+    return
+  from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+  if all(math.isfinite(v) for v in (*fused, *xla)):
+    cache.store_entry(_TIMINGS, key, {"fused": list(fused), "xla": list(xla)})
 
 
 def _record_outcome(region: ir.Region, backend: str, out: Outcome) -> None:

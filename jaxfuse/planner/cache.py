@@ -98,6 +98,19 @@ def _plan_from_json(d: dict, region: ir.Region) -> Plan:
               split=tuple(d["split"]) if d.get("split") else None, predicted=pred)
 
 
+def _read_current(path: str, what: str) -> Optional[dict]:
+  """The JSON object at ``path``; None when there is none or it was written
+  by another format or jaxfuse version (logged). Raises when it is corrupt."""
+  if not os.path.exists(path):
+    return None
+  with open(path, "r", encoding="utf-8") as f:
+    data = json.load(f)
+  if data.get("format") != FORMAT_VERSION or data.get("version") != _version():
+    logging.info("jaxfuse planner: stale %s %s ignored", what, path)
+    return None
+  return data
+
+
 def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
          ) -> Optional[tuple[list[Plan], dict]]:
   """``(plans, extra)`` stored under ``key`` or None (miss, corrupt, stale).
@@ -107,15 +120,9 @@ def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
   treated as a miss.
   """
   path = cache_path(key, cache_dir)
-  if not os.path.exists(path):
-    return None
   try:
-    with open(path, "r", encoding="utf-8") as f:
-      data = json.load(f)
-    if data.get("format") != FORMAT_VERSION or data.get("version") != _version():
-      logging.info("jaxfuse planner: stale plan cache entry %s ignored", path)
-      return None
-    if data.get("region_text") != region.to_text(with_header=True):
+    data = _read_current(path, "plan cache entry")
+    if data is None or data.get("region_text") != region.to_text(with_header=True):
       return None
     plans = [_plan_from_json(p, region) for p in data["plans"]]
     return plans, dict(data.get("extra") or {})
@@ -179,13 +186,9 @@ def load_entry(kind: str, key: str, cache_dir: Optional[str] = None) -> Optional
   """The value ``store_entry`` stored under ``key``, or None (a miss; a
   corrupt or stale entry is logged and ignored)."""
   path = _entry_path(kind, key, cache_dir)
-  if not os.path.exists(path):
-    return None
   try:
-    with open(path, "r", encoding="utf-8") as f:
-      data = json.load(f)
-    if data.get("format") != FORMAT_VERSION or data.get("version") != _version():
-      logging.info("jaxfuse planner: stale cache entry %s ignored", path)
+    data = _read_current(path, "cache entry")
+    if data is None:
       return None
     value = data["value"]
     if not isinstance(value, dict):

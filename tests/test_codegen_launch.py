@@ -450,6 +450,44 @@ def test_keep_or_drop_timing_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
     launch._xla_decisions.clear()
 
 
+def test_gpu_self_check_pass_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
+  """A kernel that passed its self-check on this GPU is not checked again by
+  a later process; a failed check is not kept, another printed source or
+  another GPU is checked again, and the interpreter path always checks."""
+  from jaxfuse.codegen import CodegenError
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = T.gemm_chain(M=16, N=24, K=8, H=8)
+  k = generate(r, plan_region(r, "h100", use_cache=False).best)
+  gpu, checked, fail = ["NVIDIA H100 80GB HBM3"], [], [False]
+
+  def fake_check(kernel, runner):
+    checked.append(kernel.source)
+    if fail[0]:
+      raise CodegenError("self-check failed")
+  monkeypatch.setattr(launch, "self_check", fake_check)
+  monkeypatch.setattr(launch, "_gpu_name", lambda: gpu[0])
+  on_gpu = launch._run_on_gpu
+  fail[0] = True
+  with pytest.raises(CodegenError):
+    launch._checked(k, on_gpu)
+  fail[0] = False
+  launch._checked(k, on_gpu)                 # the failure was not kept: checked
+  launch._checked(k, on_gpu)                 # passed before: not checked
+  assert len(checked) == 2
+  launch._checked(dataclasses.replace(k, source=k.source + "\n"), on_gpu)
+  gpu[0] = "NVIDIA H200"
+  launch._checked(k, on_gpu)
+  assert len(checked) == 4
+  launch._checked(k, launch.run_interpreted)
+  launch._checked(k, launch.run_interpreted)
+  assert len(checked) == 6
+  gpu[0] = None                              # no GPU: nothing kept
+  launch._checked(k, on_gpu)
+  launch._checked(k, on_gpu)
+  assert len(checked) == 8
+  assert len(os.listdir(tmp_path / "checks")) == 3
+
+
 def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):
   from jaxfuse.codegen import CodegenError
   r = examples.gemm_chain(1, 32, 16, 16, 16)

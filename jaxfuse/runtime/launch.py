@@ -762,13 +762,12 @@ def _gpu_name() -> Optional[str]:
   return str(dev.device_kind) if dev.platform == "gpu" else None
 
 
-def _timing_key(k: GeneratedKernel) -> Optional[str]:
-  """The plan cache key of ``k``'s keep-or-drop timing, or None where timings
-  are not kept (no GPU). It hashes what the two times depend on: the region,
-  the kernel's plan, the GPU, how the kernel is launched, and the versions of
-  jaxfuse, jax, jaxlib (XLA's side) and Triton. Why keep them: the measured
-  plan is cached on disk, but each new process timed the decision again,
-  2-3 s per region (H100, twenty-first session)."""
+def _gpu_key(k: GeneratedKernel, *parts: str) -> Optional[str]:
+  """A plan cache key for what was found out about kernel ``k`` on this GPU,
+  or None where nothing is kept (no GPU). It hashes what such a finding
+  depends on: the region, the kernel's plan, the GPU, how the kernel is
+  launched, the versions of jaxfuse (the cache's own check), jax, jaxlib
+  (XLA's side) and Triton, and ``parts``."""
   gpu = _gpu_name()
   if gpu is None:
     return None
@@ -782,8 +781,46 @@ def _timing_key(k: GeneratedKernel) -> Optional[str]:
   except ImportError:
     triton_version = "-"
   text = "|".join([k.region.signature(), str(k.plan), gpu, str(config.launch), jax.__version__,
-                   getattr(jaxlib, "__version__", "-"), triton_version])
+                   getattr(jaxlib, "__version__", "-"), triton_version, *parts])
   return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _timing_key(k: GeneratedKernel) -> Optional[str]:
+  """The key of ``k``'s keep-or-drop timing. Why keep it: the measured plan
+  is cached on disk, but each new process timed the decision again, 2-3 s
+  per region (H100, twenty-first session)."""
+  return _gpu_key(k)
+
+
+def _check_key(k: GeneratedKernel) -> Optional[str]:
+  """The key of ``k``'s passed self-check on the GPU: the printed source and
+  launch parameters too, since the check guards against Triton miscompiling
+  them (eleventh session); a compile is deterministic for those."""
+  return _gpu_key(k, "self-check", k.source, repr(sorted(k.constexprs.items())),
+                  repr(sorted((k.combine_constexprs or {}).items())), repr(k.grid),
+                  repr(k.combine_grid), str(k.num_warps), str(k.num_stages))
+
+
+_CHECKS = "checks"     # the plan cache's folder of passed self-checks
+
+
+def _checked(k: GeneratedKernel, runner: Callable[[GeneratedKernel, list], list]) -> None:
+  """``self_check(k, runner)``, skipped for a kernel that passed it on this
+  GPU in an earlier process (plan cache)."""
+  key = _check_key(k) if runner is _run_on_gpu else None
+  if key is not None:
+    from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+    if cache.load_entry(_CHECKS, key) is not None:
+      return
+  self_check(k, runner)
+  _remember_check(key)
+
+
+def _remember_check(key: Optional[str]) -> None:
+  """Records a passed GPU self-check (``_check_key``; None: not kept)."""
+  if key is not None:
+    from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+    cache.store_entry(_CHECKS, key, {"passed": True})
 
 
 _TIMINGS = "timings"   # the plan cache's folder of keep-or-drop timings
@@ -848,7 +885,7 @@ def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
     try:
       k = generate(region, p, interpret=interpret)
       if check:
-        self_check(k, runner)
+        _checked(k, runner)
     except Exception as e:  # pylint: disable=broad-except  (compile errors, smem overflow, ...)
       err = e if isinstance(e, CodegenError) else CodegenError(f"{type(e).__name__}: {str(e)[:500]}")
       logging.info("jaxfuse: plan dropped (%s): %s", p, err)
@@ -1278,6 +1315,9 @@ class _TorchMeasurer:
         raise e
       with _lock:
         _kernels[key] = k
+      # The same check as select_kernel's, which then takes this kernel as
+      # checked: kept on disk alike (a later process does not tune).
+      _remember_check(_check_key(k) if self.device != "cpu" else None)
     # Replayed from a CUDA graph: the model predicts kernel time, and in a
     # compiled program (XLA command buffers) the per-launch host cost of
     # Triton's Python launcher (~5 us, measured 2026-11-21 on an H200,

@@ -7,8 +7,7 @@ file's format version. Writes are atomic (temporary file + ``os.replace``);
 a corrupt, unreadable or stale entry is logged once and ignored, never
 raised. ``store_entry``/``load_entry`` keep other JSON values beside the
 plans (``<cache_dir>/<kind>/``: the runtime's keep-or-drop timings and passed
-GPU self-checks), under
-keys their callers hash.
+GPU self-checks), under keys their callers hash.
 
 Example::
 

@@ -44,8 +44,8 @@ class Config:
     the generated kernel in Triton's interpreter on the CPU (slow; for
     tests); ``triton``: the Triton kernel, failing over to ``xla`` where
     there is no CUDA device.
-  cache_dir: where plans, kernels, keep-or-drop timings and passed GPU
-    self-checks are cached.
+  cache_dir: where plans, kernels, keep-or-drop timings, passed GPU
+    self-checks and compiled kernel calls are cached.
   device: the device model the planner uses when no GPU is attached
     (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
   tune: ``model`` (analytical model alone) or ``measure`` (time the

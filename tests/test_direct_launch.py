@@ -109,6 +109,134 @@ def test_a_call_the_launcher_does_not_take_is_left_to_jaxlib():
   assert "@triton_kernel_call" in call and "jaxfuse_direct_launch" not in call
 
 
+# -- compiled calls kept in the plan cache --------------------------------------
+
+_KERNEL_FILE = """
+def fused_kernel(x, y):
+  pass
+"""
+
+
+def _kernel_fn(path):
+  """A function defined in its own file at ``path``, as jaxfuse's printed
+  kernels are (the key hashes the whole file)."""
+  import importlib.util
+  path.write_text(_KERNEL_FILE)
+  spec = importlib.util.spec_from_file_location(f"jf_test_kernel_{abs(hash(str(path)))}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.fused_kernel
+
+
+@pytest.fixture
+def compile_counter(monkeypatch, tmp_path):
+  """jaxfuse's lowering around a fake jax-triton that counts compiles, on a
+  fake GPU, with an empty plan cache; ``lower(**changes)`` lowers one call
+  and returns its custom call line."""
+  import types
+  import jax
+  from jaxfuse.runtime import triton_call as tc
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(dl, "triton_cubin", lambda *_: b"cubin")   # the PTX here is not real
+  monkeypatch.setattr(tc, "_gpu_identity", lambda: "Fake GPU|9.0")
+  monkeypatch.setattr(dl, "_compiled", {})
+  compiles = []
+
+  def legacy(_backend, ctx, *args, custom_call_target_name, **params):
+    compiles.append((custom_call_target_name, params["grid"]))
+    return jax.ffi.ffi_lowering(custom_call_target_name, api_version=2,
+                                backend_config=zlib.compress(TWO_BUFFERS))(ctx, *args)
+  rule = tc.jaxfuse_lowering(types.SimpleNamespace(triton_kernel_call_lowering=legacy,
+                                                   get_cuda_backend=None))
+  fn = types.SimpleNamespace(fn=_kernel_fn(tmp_path / "kernel.py"))
+
+  def lower(**changes):
+    params = dict(fn=fn, scalar_args=(), name="", out_shapes=(), grid=(8, 1, 1), num_warps=4,
+                  num_stages=3, num_ctas=1, compute_capability=None, enable_fp_fusion=True,
+                  input_output_aliases=(), zeroed_outputs=(), debug=False,
+                  serialized_metadata=b"", BLOCK_M=64)
+    params.update(changes)
+    return _lowered(lambda ctx, x: rule(ctx, x, custom_call_target_name="jaxfuse.direct",
+                                        **params))
+  return types.SimpleNamespace(lower=lower, compiles=compiles, fn=fn, tmp_path=tmp_path)
+
+
+def test_a_compiled_call_is_kept_and_emitted_again_without_compiling(compile_counter, monkeypatch):
+  cc = compile_counter
+  first = cc.lower()
+  assert "@jaxfuse_direct_launch" in first and 'image = "Y3ViaW4="' in first
+  assert cc.compiles == [("triton_kernel_call", (8, 1, 1))]
+  assert cc.lower() == first                        # this process
+  monkeypatch.setattr(dl, "_compiled", {})          # a new process: the plan cache only
+  assert cc.lower() == first
+  assert len(cc.compiles) == 1
+  assert len(list((cc.tmp_path / "cache" / "compiled").iterdir())) == 1
+
+
+def test_a_compiled_call_is_compiled_again_for_anything_its_compile_reads(compile_counter,
+                                                                          monkeypatch):
+  cc = compile_counter
+  cc.lower()
+  cc.lower(grid=(4, 1, 1))                          # another launch parameter
+  cc.lower(BLOCK_M=128)                             # another constexpr
+  assert len(cc.compiles) == 3
+  src = cc.fn.fn.__code__.co_filename               # the kernel's file changed
+  with open(src, "a") as f:
+    f.write("# another kernel in the same file\n")
+  cc.lower()
+  assert len(cc.compiles) == 4
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(cc.tmp_path / "triton"))   # a place, not code
+  cc.lower()
+  assert len(cc.compiles) == 4
+  from jaxfuse.runtime import triton_call as tc
+  monkeypatch.setattr(tc, "_compile_env", lambda: [("MLIR_ENABLE_DUMP", "1")])   # a compile knob
+  cc.lower()
+  assert len(cc.compiles) == 5
+  monkeypatch.setattr(tc, "_gpu_identity", lambda: None)   # no GPU: not kept
+  cc.lower()
+  cc.lower()
+  assert len(cc.compiles) == 7
+
+
+def test_the_compile_environment_is_tritons_cache_invalidating_one(monkeypatch):
+  from jaxfuse.runtime import triton_call as tc
+  monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
+  monkeypatch.setenv("MLIR_ENABLE_DUMP", "1")
+  env = dict(tc._compile_env())     # pylint: disable=protected-access
+  assert "TRITON_CACHE_DIR" not in env
+  try:
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+  except ImportError:
+    return
+  assert env == {str(k): str(v) for k, v in get_cache_invalidating_env_vars().items()}
+  assert "MLIR_ENABLE_DUMP" in env
+
+
+def test_a_damaged_compiled_call_is_ignored_and_compiled_again(compile_counter, monkeypatch):
+  cc = compile_counter
+  first = cc.lower()
+  (entry,) = (cc.tmp_path / "cache" / "compiled").iterdir()
+  entry.write_text(entry.read_text().replace('"block": 128', '"block": "128"'))
+  monkeypatch.setattr(dl, "_compiled", {})
+  assert cc.lower() == first
+  assert len(cc.compiles) == 2
+  entry.write_text("{not json")
+  monkeypatch.setattr(dl, "_compiled", {})
+  assert cc.lower() == first
+  assert len(cc.compiles) == 3
+
+
+@pytest.mark.parametrize("change", [
+    {"kid": -1}, {"kid": True}, {"grid": [8, 1]}, {"grid": [0, 1, 1]}, {"kinds": [0, 9, 0]},
+    {"values": [0, 1]}, {"image": ""}, {"image_kind": 2}, {"block": 16}, {"name": 3},
+])
+def test_compiled_call_fields_are_checked_before_reaching_the_handler(change):
+  good = dl.kernel_attributes(zlib.compress(TWO_BUFFERS), 2)
+  assert dl._checked_attributes(good) == good     # pylint: disable=protected-access
+  with pytest.raises(ValueError):
+    dl._checked_attributes({**good, **change})    # pylint: disable=protected-access
+
+
 # -- the C handler through the FFI C API ---------------------------------------
 
 class ByteSpan(ctypes.Structure):

@@ -6,8 +6,8 @@ strides), the device (name and SM count), the jaxfuse version and this
 file's format version. Writes are atomic (temporary file + ``os.replace``);
 a corrupt, unreadable or stale entry is logged once and ignored, never
 raised. ``store_entry``/``load_entry`` keep other JSON values beside the
-plans (``<cache_dir>/<kind>/``: the runtime's keep-or-drop timings and passed
-GPU self-checks), under keys their callers hash.
+plans (``<cache_dir>/<kind>/``: the runtime's keep-or-drop timings, passed
+GPU self-checks and compiled kernel calls), under keys their callers hash.
 
 Example::
 

@@ -11,7 +11,9 @@ This module keeps jax-triton's compilation and replaces the call: the
 serialized call is decoded once, at lowering, into plain FFI attributes
 (``kernel_attributes``) of the target ``jaxfuse_direct_launch``, whose
 handler (``direct_launch.c``, built here with the system C compiler and
-cached) finds the kernel by a 64-bit id and launches it.
+cached) finds the kernel by a 64-bit id and launches it. The attributes
+(with the cubin) are kept in the plan cache (``store_attributes``), so a
+later process emits the call without compiling the kernel.
 
 Example (what ``triton_call``'s lowering does with ``config.launch ==
 "direct"``)::
@@ -39,7 +41,7 @@ from absl import logging
 from jaxfuse.runtime import triton_call as _wire
 
 __all__ = ["TARGET", "SOURCE", "available", "build", "kernel_attributes", "rewrite_call",
-           "UnsupportedCall"]
+           "apply_attributes", "load_attributes", "store_attributes", "UnsupportedCall"]
 
 TARGET = "jaxfuse_direct_launch"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "direct_launch.c")
@@ -229,13 +231,21 @@ def triton_cubin(ptx: str, compute_capability: int, num_warps: int) -> bytes:
   return backend.make_cubin(ptx, {}, opt, compute_capability)
 
 
-def rewrite_call(results, opaque: bytes) -> None:
+def rewrite_call(results, opaque: bytes) -> dict:
   """Turns the jax-triton custom call producing ``results`` into a typed
   FFI call of ``TARGET`` with ``kernel_attributes`` of ``opaque``, in
-  place. Raises UnsupportedCall (the op is left unchanged)."""
-  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+  place, and returns those attributes. Raises UnsupportedCall (the op is
+  left unchanged)."""
   op = _wire._op(results)  # pylint: disable=protected-access
   attrs = kernel_attributes(opaque, len(op.operands) + len(op.results), cubin=triton_cubin)
+  apply_attributes(results, attrs)
+  return attrs
+
+
+def apply_attributes(results, attrs: dict) -> None:
+  """Makes the custom call producing ``results`` a typed FFI call of
+  ``TARGET`` with ``attrs`` (``kernel_attributes``' dict), in place."""
+  from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
   i64 = mlir_ir.IntegerType.get_signless(64)
   config = {}
   for k, v in attrs.items():
@@ -246,3 +256,76 @@ def rewrite_call(results, opaque: bytes) -> None:
     else:
       config[k] = mlir_ir.IntegerAttr.get(i64, v)
   _wire.set_typed_ffi(results, TARGET, config)
+
+
+# ------------------------------------------------------- compiled-call cache
+# Why: a new process compiled every kernel again at lowering (Triton's
+# front end and LLVM inside jax-triton, which bypasses Triton's own cache,
+# then ptxas here), although its plan, timing and self-check came from the
+# plan cache: 0.4-0.7 s per kernel of a warm first call (H100, session 32).
+_COMPILED = "compiled"     # the plan cache's folder of compiled kernel calls
+_compiled: dict[str, dict] = {}   # this process's, by key
+_STR_FIELDS = ("image", "name")
+_INT_FIELDS = ("kid", "image_kind", "block", "smem")
+_LIST_FIELDS = ("grid", "kinds", "values")
+
+
+def _checked_attributes(value: dict) -> dict:
+  """``value`` as ``kernel_attributes``' dict; ValueError when a field is
+  missing or of the wrong type (a damaged entry must not reach the
+  handler, which trusts its attributes)."""
+  out = {}
+  for k in _STR_FIELDS:
+    if not isinstance(value.get(k), str) or not value[k]:
+      raise ValueError(f"field {k!r} is not a non-empty string")
+    out[k] = value[k]
+  for k in _INT_FIELDS:
+    if type(value.get(k)) is not int:   # pylint: disable=unidiomatic-typecheck  (not bool)
+      raise ValueError(f"field {k!r} is not an integer")
+    out[k] = value[k]
+  for k in _LIST_FIELDS:
+    v = value.get(k)
+    if not isinstance(v, list) or any(type(x) is not int for x in v):  # pylint: disable=unidiomatic-typecheck
+      raise ValueError(f"field {k!r} is not a list of integers")
+    out[k] = list(v)
+  if (len(out["grid"]) != 3 or min(out["grid"]) < 1 or len(out["kinds"]) != len(out["values"])
+      or any(not BUFFER <= k <= BOOL for k in out["kinds"]) or out["image_kind"] not in (0, 1)
+      or out["block"] < 32 or out["smem"] < 0 or not 0 <= out["kid"] < 2**63):
+    raise ValueError("fields out of range")
+  return out
+
+
+def load_attributes(key: Optional[str]) -> Optional[dict]:
+  """The attributes ``store_attributes`` kept under ``key`` in this process
+  or the plan cache, or None (a miss; a malformed entry is logged and
+  ignored)."""
+  if key is None:
+    return None
+  with _lock:
+    hit = _compiled.get(key)
+  if hit is not None:
+    return dict(hit)
+  from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+  value = cache.load_entry(_COMPILED, key)
+  if value is None:
+    return None
+  try:
+    attrs = _checked_attributes(value)
+  except ValueError as e:
+    logging.warning("jaxfuse: malformed compiled kernel call %s ignored (%s)", key, e)
+    return None
+  with _lock:
+    _compiled[key] = attrs
+  return dict(attrs)
+
+
+def store_attributes(key: Optional[str], attrs: dict) -> None:
+  """Keeps ``attrs`` under ``key`` (None: not kept), in this process and
+  in the plan cache."""
+  if key is None:
+    return
+  attrs = _checked_attributes(attrs)
+  with _lock:
+    _compiled[key] = attrs
+  from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
+  cache.store_entry(_COMPILED, key, attrs)

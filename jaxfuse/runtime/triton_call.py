@@ -230,52 +230,154 @@ def _op(results):
   return getattr(op, "operation", op)
 
 
-def _direct(results) -> bool:
-  """Rewrites the call for jaxfuse's direct launcher; False (with one log
-  line) where the launcher does not take it, leaving the op unchanged."""
+def _direct(results) -> Optional[dict]:
+  """Rewrites the call for jaxfuse's direct launcher and returns the
+  launcher's attributes; None (with one log line) where the launcher does
+  not take it, leaving the op unchanged."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   opaque = mlir_ir.StringAttr(_op(results).attributes["backend_config"]).value_bytes
   try:
-    direct_launch.rewrite_call(results, opaque)
+    return direct_launch.rewrite_call(results, opaque)
   except direct_launch.UnsupportedCall as e:
     logging.info("jaxfuse: kernel launched through jaxlib, not directly: %s", e)
-    return False
-  return True
+    return None
+
+
+def _gpu_identity() -> Optional[str]:
+  """The GPU a lowering compiles for (jax's first device: jax-triton
+  compiles for device 0), or None without one."""
+  try:
+    import jax  # pylint: disable=g-import-not-at-top
+    dev = jax.devices()[0]
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if dev.platform != "gpu":
+    return None
+  return f"{dev.device_kind}|{getattr(dev, 'compute_capability', '?')}"
+
+
+def _versions() -> str:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  out = [jax.__version__, getattr(jaxlib, "__version__", "-")]
+  for dist in ("triton", "jax-triton"):
+    try:
+      out.append(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+      out.append("-")
+  return "|".join(out)
+
+
+# Knobs that name places, not code: measured tuning sets TRITON_CACHE_DIR,
+# and keyed on it a tuned process stored calls that no later process found
+# (H100, session 32).
+_PLACE_KNOBS = frozenset({"TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR",
+                          "TRITON_OVERRIDE_DIR", "TRITON_CACHE_MANAGER"})
+
+
+def _compile_env() -> list[tuple[str, str]]:
+  """The environment variables that change what Triton compiles: Triton's
+  own list where it has one (what keys its cache), else every TRITON_*
+  variable except those naming places."""
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    from triton._C.libtriton import get_cache_invalidating_env_vars  # pylint: disable=g-import-not-at-top
+    return sorted((str(k), str(v)) for k, v in get_cache_invalidating_env_vars().items())
+  except Exception:  # pylint: disable=broad-except  (a Triton without it)
+    return sorted((k, v) for k, v in os.environ.items()
+                  if k.startswith("TRITON_") and k not in _PLACE_KNOBS)
+
+
+def compiled_call_key(ctx, params: dict) -> Optional[str]:
+  """The plan cache key of the direct launcher's attributes for a jax-triton
+  call lowered with ``params`` (``triton_kernel_call_p``'s), or None where
+  they are not kept: no GPU, an autotuned or heuristic kernel, zeroed
+  outputs chosen by a function, a kernel without a source file.
+
+  It hashes everything the compile and the call read: the kernel's whole
+  source file (jaxfuse's kernels live in files named by their source, and
+  a kernel may call other functions of its file), every lowering parameter,
+  the operand and result types, the GPU, Triton's environment knobs (``_compile_env``), the
+  jax, jaxlib, Triton and jax-triton versions and the handler's source."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  gpu = _gpu_identity()
+  fn = params.get("fn")
+  py_fn = getattr(fn, "fn", None)
+  if gpu is None or not inspect.isfunction(py_fn) or callable(params.get("zeroed_outputs")):
+    return None
+  try:
+    with open(inspect.getsourcefile(py_fn), "rb") as f:
+      source = f.read()
+    with open(direct_launch.SOURCE, "rb") as f:
+      handler = f.read()
+  except (OSError, TypeError):
+    return None
+  rest = sorted((k, repr(v)) for k, v in params.items() if k != "fn")
+  avals = [(tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in, *ctx.avals_out)]
+  knobs = _compile_env()
+  h = hashlib.sha256()
+  for part in (source, py_fn.__name__.encode(), repr(rest).encode(), repr(avals).encode(),
+               gpu.encode(), repr(knobs).encode(), _versions().encode(), handler):
+    h.update(hashlib.sha256(part).digest())
+  return h.hexdigest()[:32]
+
+
+def jaxfuse_lowering(tl):
+  """The lowering of ``tl.triton_kernel_call_p`` (``tl``: jax-triton's
+  ``triton_lib``) that ``_register_lowering`` installs: calls that name a
+  jaxfuse sentinel target are compiled by jax-triton (without line info)
+  and given the slim serialized kernel and, for the FFI target, the typed
+  form; for the direct target, a call compiled before (this process or the
+  plan cache, ``compiled_call_key``) is emitted without compiling. Calls
+  with any other target go to jax-triton's lowering untouched."""
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  legacy = tl.triton_kernel_call_lowering
+
+  def lowering(ctx, *args, custom_call_target_name, **params):
+    target: Optional[str] = _SENTINEL.get(custom_call_target_name)
+    if target is None:
+      return legacy(tl.get_cuda_backend, ctx, *args,
+                    custom_call_target_name=custom_call_target_name, **params)
+    key = compiled_call_key(ctx, params) if target == DIRECT else None
+    attrs = direct_launch.load_attributes(key)
+    if attrs is not None:
+      import jax  # pylint: disable=g-import-not-at-top
+      results = jax.ffi.ffi_lowering(
+          LEGACY_TARGET, api_version=2, backend_config=b"",
+          operand_output_aliases=dict(params.get("input_output_aliases") or ()))(ctx, *args)
+      direct_launch.apply_attributes(results, attrs)
+      return results
+    with _without_line_info():
+      results = legacy(tl.get_cuda_backend, ctx, *args,
+                       custom_call_target_name=LEGACY_TARGET if target == DIRECT else target,
+                       **params)
+    # The direct launcher reads the call once, at lowering: only the
+    # calls left to jaxlib are slimmed.
+    if target == DIRECT:
+      attrs = _direct(results)
+      if attrs is not None:
+        direct_launch.store_attributes(key, attrs)
+        return results
+      target = FFI_TARGET if ffi_available() else LEGACY_TARGET
+    slim_backend_config(results)
+    if target == FFI_TARGET:
+      as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
+    return results
+
+  return lowering
 
 
 def _register_lowering(jt) -> None:
-  """Lowers jax-triton calls that name a jaxfuse sentinel target: jax-triton
-  compiles and serializes the kernel (without line info), then the custom
-  call gets the slim serialized kernel and, for the FFI target, the typed
-  form. Calls with any other target go to jax-triton's lowering untouched."""
+  """Installs ``jaxfuse_lowering`` for jax-triton's calls on CUDA (once)."""
   global _registered
   with _lock:
     if _registered:
       return
     from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
     tl = jt.triton_lib
-    legacy = tl.triton_kernel_call_lowering
-
-    def lowering(ctx, *args, custom_call_target_name, **params):
-      target: Optional[str] = _SENTINEL.get(custom_call_target_name)
-      if target is None:
-        return legacy(tl.get_cuda_backend, ctx, *args,
-                      custom_call_target_name=custom_call_target_name, **params)
-      with _without_line_info():
-        results = legacy(tl.get_cuda_backend, ctx, *args,
-                         custom_call_target_name=LEGACY_TARGET if target == DIRECT else target,
-                         **params)
-      # The direct launcher reads the call once, at lowering: only the
-      # calls left to jaxlib are slimmed.
-      if target == DIRECT:
-        if _direct(results):
-          return results
-        target = FFI_TARGET if ffi_available() else LEGACY_TARGET
-      slim_backend_config(results)
-      if target == FFI_TARGET:
-        as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")
-      return results
-
-    mlir.register_lowering(tl.triton_kernel_call_p, lowering, platform="cuda")
+    mlir.register_lowering(tl.triton_kernel_call_p, jaxfuse_lowering(tl), platform="cuda")
     _registered = True

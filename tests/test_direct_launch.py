@@ -455,6 +455,7 @@ int cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void* s) {
   ++memsets; memset_ptr = p; memset_bytes = n; return 0;
 }
 int cuGetErrorString(int r, const char** s) { *s = "fake"; return 0; }
+int cuDriverGetVersion(int* v) { *v = 12080; return 0; }
 """
 
 
@@ -522,3 +523,10 @@ def test_handler_table_grows_past_its_first_size(fake_driver):
   for kid in (1000, 1299, 1599):
     assert Frame({**GOOD, "kid": kid}).call(handler) is None
   assert _get(drv, "loads") == 600 and _get(drv, "launches") == 603
+
+
+def test_compiled_calls_are_keyed_by_the_driver_version(fake_driver, monkeypatch, tmp_path):
+  from jaxfuse.runtime import triton_call as tc
+  assert tc._driver_version() == "12080"          # pylint: disable=protected-access
+  monkeypatch.setenv("JAXFUSE_CUDA_DRIVER", str(tmp_path / "no_such_driver.so"))
+  assert tc._driver_version() == "?"              # pylint: disable=protected-access

@@ -246,7 +246,7 @@ def _direct(results) -> Optional[dict]:
 
 def _gpu_identity() -> Optional[str]:
   """The GPU a lowering compiles for (jax's first device: jax-triton
-  compiles for device 0), or None without one."""
+  compiles for device 0) and the CUDA driver, or None without a GPU."""
   try:
     import jax  # pylint: disable=g-import-not-at-top
     dev = jax.devices()[0]
@@ -254,7 +254,22 @@ def _gpu_identity() -> Optional[str]:
     return None
   if dev.platform != "gpu":
     return None
-  return f"{dev.device_kind}|{getattr(dev, 'compute_capability', '?')}"
+  return f"{dev.device_kind}|{getattr(dev, 'compute_capability', '?')}|{_driver_version()}"
+
+
+def _driver_version() -> str:
+  """The CUDA driver's version ("?" when it cannot be read): a cubin that
+  one driver loads, an older one may refuse."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    lib = ctypes.CDLL(os.environ.get("JAXFUSE_CUDA_DRIVER") or "libcuda.so.1")
+    v = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(v)) == 0:
+      return str(v.value)
+  except (OSError, AttributeError):
+    pass
+  return "?"
 
 
 def _versions() -> str:
@@ -299,8 +314,9 @@ def compiled_call_key(ctx, params: dict) -> Optional[str]:
   It hashes everything the compile and the call read: the kernel's whole
   source file (jaxfuse's kernels live in files named by their source, and
   a kernel may call other functions of its file), every lowering parameter,
-  the operand and result types, the GPU, Triton's environment knobs (``_compile_env``), the
-  jax, jaxlib, Triton and jax-triton versions and the handler's source."""
+  the operand and result types, the GPU and its driver, Triton's
+  environment knobs (``_compile_env``), the jax, jaxlib, Triton and
+  jax-triton versions and the handler's source."""
   import hashlib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top

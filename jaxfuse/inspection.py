@@ -58,6 +58,9 @@ class RegionReport:
   unfused_intensity: Optional[float] = None
   ridge: Optional[float] = None
   mbci: Optional[bool] = None
+  # The analytical model's plan, prediction and verdict: what tune='model'
+  # runs. ``lowered`` says what a compile ran (under tune='measure', the
+  # tuned plan and the measured keep-or-drop).
   plan: Any = None
   predicted_time_s: Optional[float] = None
   floor_time_s: Optional[float] = None

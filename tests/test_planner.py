@@ -650,6 +650,42 @@ def test_cache_entries_round_trip_and_ignore_corrupt_or_stale(tmp_path, caplog):
     cache.store_entry("../plans", "k1", {}, str(tmp_path))
 
 
+def test_model_and_measured_rankings_are_cached_apart(tmp_path, monkeypatch):
+  """tune='model' gets the model's own ranking whatever a tuned process
+  cached before it, and tune='measure' its measured one without measuring
+  again. Served the measured ranking, the model's keep-or-drop bound judged
+  the tuned plan's prediction and dropped regions that ran faster fused."""
+  import shutil
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = dict(examples.paper_cases())["mcfuser/S9"]
+  calls = []
+
+  def measure(plans):     # 16-row tiles over the whole value width measure fastest
+    calls.append(len(plans))
+    return [p.predicted.time_s * (0.5 if (p.tile_map["m"], p.tile_map["e"]) == (16, 64) else 1.0)
+            for p in plans]
+  tuned = plan_region(r, "h100", measure=measure)       # the tuned process runs first
+  model = plan_region(r, "h100")
+  assert not model.from_cache
+  assert (tuned.best.tile_map["m"], tuned.best.tile_map["e"]) == (16, 64)
+  assert str(model.best) != str(tuned.best)
+  assert str(model.best) == str(plan_region(r, "h100", use_cache=False).best)
+  n = len(calls)
+  again = plan_region(r, "h100", measure=measure)
+  assert again.from_cache and str(again.best) == str(tuned.best) and len(calls) == n
+  again = plan_region(r, "h100")
+  assert again.from_cache and str(again.best) == str(model.best)
+  assert len(os.listdir(tmp_path / "plans")) == 2
+  # An entry of the other mode under a key (an older cache's) is a miss.
+  shutil.rmtree(tmp_path / "plans")
+  plan_region(r, "h100", measure=measure)
+  (entry,) = os.listdir(tmp_path / "plans")
+  os.replace(tmp_path / "plans" / entry,
+             tmp_path / "plans" / f"{cache.plan_key(r, get_device('h100'))}.json")
+  fresh = plan_region(r, "h100")
+  assert not fresh.from_cache and str(fresh.best) == str(model.best)
+
+
 def test_measure_begins_only_when_the_planner_searches(tmp_path, monkeypatch):
   # Measured tuning's setup (compile workers, the reference) and its budget
   # start at measure.begin(): not on a cache hit, where nothing is measured.

@@ -78,7 +78,7 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   not measured, e.g. the budget ran out) refines the model's top candidates
   (MCFuser Alg. 1); without it the model decides. A ``measure.begin()``, if
   present, is called once the search is about to run (not on a cache hit). Results (model-only or
-  measured) are cached on disk unless ``use_cache=False``; a corrupt cache
+  measured, each under its own key) are cached on disk unless ``use_cache=False``; a corrupt cache
   entry is logged and ignored. Never raises for a region it cannot plan:
   ``best`` is None and ``why_not`` explains.
 
@@ -95,14 +95,17 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   dev = get_device(device)
   from jaxfuse.planner import cache, search  # pylint: disable=import-outside-toplevel
   key = None
+  measured = measure is not None
   if use_cache:
     try:
-      key = cache.plan_key(region, dev)
+      key = cache.plan_key(region, dev, measured=measured)
       hit = cache.load(key, region)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("jaxfuse planner: plan cache unavailable (%s)", e)
       hit = None
-    if hit is not None and (measure is None or hit[1].get("measured")):
+    # The model's ranking and the measured one each answer their own mode
+    # (cache.plan_key); an entry of the other mode is a miss.
+    if hit is not None and bool(hit[1].get("measured")) == measured:
       plans, extra = hit
       best = plans[0] if plans else None
       return PlanningResult(best, tuple(plans[:top]), extra.get("why_not"),
@@ -133,5 +136,5 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
     space["parallelism"] = _parallelism_note(best, res.ranked, dev)
   if use_cache and key is not None:
     cache.store(key, region, list(ranked), {"why_not": why, "space": space,
-                                            "measured": measure is not None})
+                                            "measured": measured})
   return PlanningResult(best, ranked, why, space, time.perf_counter() - t0, dev.name)

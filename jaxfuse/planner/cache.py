@@ -63,13 +63,21 @@ def _cache_dir() -> str:
   return os.environ.get("JAXFUSE_CACHE_DIR") or config.cache_dir
 
 
-def plan_key(region: ir.Region, device: DeviceSpec) -> str:
+def plan_key(region: ir.Region, device: DeviceSpec, measured: bool = False) -> str:
+  """``measured``: the key of the measured search's ranking, kept apart from
+  the model's: served to a model-only planning, a measured ranking put the
+  tuned plan first, whose model prediction the keep-or-drop bound then
+  judged, and left to XLA under tune='model' regions that run faster fused
+  (BERT-Base b1's QKV projections on a cache a tuned run had filled, H100,
+  session 32)."""
   from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
   # The planner's options change its space, so they key the cache too.
-  text = "|".join([region.signature(), device.name, str(device.sm_count),
-                   str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION),
-                   f"split={bool(config.allow_split)}"])
-  return hashlib.sha256(text.encode()).hexdigest()[:32]
+  parts = [region.signature(), device.name, str(device.sm_count),
+           str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION),
+           f"split={bool(config.allow_split)}"]
+  if measured:
+    parts.append("measured")
+  return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
 def cache_path(key: str, cache_dir: Optional[str] = None) -> str:

@@ -754,12 +754,7 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
 def _gpu_name() -> Optional[str]:
   """The GPU keep-or-drop timings ran on (jax's first device), or None
   without one."""
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-    dev = jax.devices()[0]
-  except Exception:  # pylint: disable=broad-except
-    return None
-  return str(dev.device_kind) if dev.platform == "gpu" else None
+  return triton_call.gpu_name()
 
 
 def _gpu_key(k: GeneratedKernel, *parts: str) -> Optional[str]:
@@ -767,21 +762,14 @@ def _gpu_key(k: GeneratedKernel, *parts: str) -> Optional[str]:
   or None where nothing is kept (no GPU). It hashes what such a finding
   depends on: the region, the kernel's plan, the GPU, how the kernel is
   launched, the versions of jaxfuse (the cache's own check), jax, jaxlib
-  (XLA's side) and Triton, and ``parts``."""
+  (XLA's side), Triton and jax-triton, and ``parts``."""
   gpu = _gpu_name()
   if gpu is None:
     return None
   import hashlib  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jaxlib  # pylint: disable=g-import-not-at-top
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  try:
-    import triton  # pylint: disable=g-import-not-at-top
-    triton_version = triton.__version__
-  except ImportError:
-    triton_version = "-"
-  text = "|".join([k.region.signature(), str(k.plan), gpu, str(config.launch), jax.__version__,
-                   getattr(jaxlib, "__version__", "-"), triton_version, *parts])
+  text = "|".join([k.region.signature(), str(k.plan), gpu, str(config.launch),
+                   triton_call.versions(), *parts])
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

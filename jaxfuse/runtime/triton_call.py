@@ -31,13 +31,15 @@ Example (what ``launch.triton_launch`` does)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import zlib
 from typing import Iterator, Optional
 
 from absl import logging
 
-__all__ = ["jax_triton_module", "call_target", "ffi_available", "as_typed_ffi", "set_typed_ffi",
+__all__ = ["jax_triton_module", "call_target", "gpu_name", "versions", "ffi_available",
+           "as_typed_ffi", "set_typed_ffi",
            "slim_kernel_call", "strip_ptx_comments", "FFI_TARGET", "LEGACY_TARGET"]
 
 FFI_TARGET = "triton_kernel_call_ffi"
@@ -244,17 +246,28 @@ def _direct(results) -> Optional[dict]:
     return None
 
 
-def _gpu_identity() -> Optional[str]:
-  """The GPU a lowering compiles for (jax's first device: jax-triton
-  compiles for device 0) and the CUDA driver, or None without a GPU."""
+def gpu_name() -> Optional[str]:
+  """jax's first device's kind when it is a GPU (jax-triton compiles for
+  device 0), else None."""
   try:
     import jax  # pylint: disable=g-import-not-at-top
     dev = jax.devices()[0]
   except Exception:  # pylint: disable=broad-except
     return None
-  if dev.platform != "gpu":
+  return str(dev.device_kind) if dev.platform == "gpu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_identity() -> Optional[str]:
+  """``gpu_name()`` with its compute capability and the CUDA driver's
+  version, or None without a GPU (once per process: it is read at every
+  lowering of a kernel call)."""
+  name = gpu_name()
+  if name is None:
     return None
-  return f"{dev.device_kind}|{getattr(dev, 'compute_capability', '?')}|{_driver_version()}"
+  import jax  # pylint: disable=g-import-not-at-top
+  cc = getattr(jax.devices()[0], "compute_capability", "?")
+  return f"{name}|{cc}|{_driver_version()}"
 
 
 def _driver_version() -> str:
@@ -272,7 +285,10 @@ def _driver_version() -> str:
   return "?"
 
 
-def _versions() -> str:
+@functools.lru_cache(maxsize=None)
+def versions() -> str:
+  """The jax, jaxlib, Triton and jax-triton versions ("-" for one not
+  installed), which key what the plan cache keeps about compiled kernels."""
   import jax  # pylint: disable=g-import-not-at-top
   import jaxlib  # pylint: disable=g-import-not-at-top
   from importlib import metadata  # pylint: disable=g-import-not-at-top
@@ -283,6 +299,16 @@ def _versions() -> str:
     except metadata.PackageNotFoundError:
       out.append("-")
   return "|".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _handler_source() -> Optional[bytes]:
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  try:
+    with open(direct_launch.SOURCE, "rb") as f:
+      return f.read()
+  except OSError:
+    return None
 
 
 # Knobs that name places, not code: measured tuning sets TRITON_CACHE_DIR,
@@ -319,17 +345,16 @@ def compiled_call_key(ctx, params: dict) -> Optional[str]:
   jax-triton versions and the handler's source."""
   import hashlib  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top
-  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   gpu = _gpu_identity()
   fn = params.get("fn")
   py_fn = getattr(fn, "fn", None)
-  if gpu is None or not inspect.isfunction(py_fn) or callable(params.get("zeroed_outputs")):
+  handler = _handler_source()
+  if (gpu is None or handler is None or not inspect.isfunction(py_fn)
+      or callable(params.get("zeroed_outputs"))):
     return None
   try:
     with open(inspect.getsourcefile(py_fn), "rb") as f:
       source = f.read()
-    with open(direct_launch.SOURCE, "rb") as f:
-      handler = f.read()
   except (OSError, TypeError):
     return None
   rest = sorted((k, repr(v)) for k, v in params.items() if k != "fn")
@@ -337,7 +362,7 @@ def compiled_call_key(ctx, params: dict) -> Optional[str]:
   knobs = _compile_env()
   h = hashlib.sha256()
   for part in (source, py_fn.__name__.encode(), repr(rest).encode(), repr(avals).encode(),
-               gpu.encode(), repr(knobs).encode(), _versions().encode(), handler):
+               gpu.encode(), repr(knobs).encode(), versions().encode(), handler):
     h.update(hashlib.sha256(part).digest())
   return h.hexdigest()[:32]
 

@@ -546,6 +546,52 @@ def test_reference_started_in_the_background_is_the_one_used(monkeypatch):
   assert launch.compare(r, again, ir.evaluate(r, launch.random_inputs(r, 6))) <= launch.tolerance(r)
 
 
+def test_gpu_self_check_starts_its_reference_before_the_kernel_compiles(monkeypatch):
+  """On the GPU the reference's compile overlaps the kernel's: it is under
+  way before the kernel's program is built, and it is what the kernel's
+  outputs are compared with."""
+  import threading
+  from jaxfuse.planner import examples
+  r = examples.gemm_chain(1, 32, 16, 32, 16)
+  k = generate(r, plan_region(r, "h100").best, interpret=True)
+  launch._last_inputs.clear()
+  launch._last_reference.clear()
+  release = threading.Event()
+  refs = []
+
+  def reference(region, xs):   # blocks until the kernel has run: must be in another thread
+    refs.append(threading.current_thread().name)
+    assert release.wait(30)
+    return ir.evaluate(region, xs)
+
+  def kernel_on_gpu(kern, xs):
+    for _ in range(1000):      # the reference began before the kernel ran
+      if refs:
+        break
+      threading.Event().wait(0.01)
+    assert refs == ["jaxfuse-reference"]
+    release.set()
+    return launch.run_interpreted(kern, xs)
+
+  monkeypatch.setattr(launch, "_reference_on_gpu", reference)
+  monkeypatch.setattr(launch, "_run_on_gpu", kernel_on_gpu)
+  launch.self_check(k, kernel_on_gpu)
+  assert refs == ["jaxfuse-reference"]       # computed once, in the background
+  # A wrong kernel still fails against that reference.
+  launch._last_inputs.clear()
+  launch._last_reference.clear()
+  refs.clear()
+  release.clear()
+
+  def wrong(kern, xs):
+    return [o * 2 + 1 for o in kernel_on_gpu(kern, xs)]
+  monkeypatch.setattr(launch, "_run_on_gpu", wrong)
+  with pytest.raises(launch.CodegenError, match="self-check failed"):
+    launch.self_check(k, wrong)
+  launch._last_inputs.clear()
+  launch._last_reference.clear()
+
+
 def test_fused_call_releases_the_check_data_of_its_region(monkeypatch):
   """Once a region's kernel is chosen, its shared random inputs and
   reference (hundreds of MB for a large attention) are let go."""

@@ -150,3 +150,65 @@ def test_kernels_compile_without_line_info(tmp_path):
     pytest.skip(f"Triton cannot compile for sm_90 here: {res['skip']}")
   assert ".loc" in res["with"] and ".loc" not in res["without"]
   assert len(res["without"]) < len(res["with"])
+
+
+# A fresh process in which Triton's specializer imports torch when it first
+# runs, as Triton 3.6's does; a fake torch package stands in for torch.
+_SPECIALIZER = r"""
+import json, sys, threading, types
+import triton._C.libtriton as lt
+from jaxfuse.runtime import triton_call
+
+seen = []
+def specialize(backend, arg, is_const, specialize_value, align):
+  if not seen:
+    try:
+      import torch
+      seen.append("imported")
+    except ImportError:
+      seen.append("hidden")
+  if isinstance(arg, int):
+    return ("i32", None)
+  return ("*" + arg.dtype, "D" if arg.data_ptr() % 16 == 0 else "")
+lt.native_specialize_impl = specialize
+
+if sys.argv[1] == "torch first":
+  import torch
+started = triton_call.start_specializer_without_torch()
+again = triton_call.start_specializer_without_torch()
+after = "torch" in sys.modules
+ptr = lt.native_specialize_impl(None, types.SimpleNamespace(data_ptr=lambda: 16, dtype="fp16"),
+                                False, True, True)
+other = []
+t = threading.Thread(target=lambda: other.append(__import__("torch").__name__))
+t.start(); t.join()
+print(json.dumps({"started": started, "again": again, "seen": seen, "torch_after": after,
+                  "ptr": list(ptr), "other_thread": other,
+                  "finders": [type(f).__name__ for f in sys.meta_path]}))
+"""
+
+
+@pytest.mark.parametrize("first", ["fresh", "torch first"])
+def test_triton_specializer_starts_without_importing_torch(tmp_path, first):
+  import json
+  import os
+  import subprocess
+  import sys
+  pytest.importorskip("triton._C.libtriton")
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  (tmp_path / "torch").mkdir()
+  (tmp_path / "torch" / "__init__.py").write_text("")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), repo, env.get("PYTHONPATH", "")])
+  p = subprocess.run([sys.executable, "-c", _SPECIALIZER, first], cwd=repo, env=env,
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-3000:]
+  res = json.loads(p.stdout.strip().splitlines()[-1])
+  assert res["ptr"] == ["*fp16", "D"]
+  assert res["other_thread"] == ["torch"]      # hidden from one thread, for one call
+  assert "_HiddenFromThread" not in res["finders"]
+  if first == "fresh":
+    assert res == {**res, "started": True, "again": True, "seen": ["hidden"],
+                   "torch_after": False}
+  else:   # torch already paid for: the specializer starts as Triton wants
+    assert res == {**res, "started": False, "seen": ["imported"]}

@@ -197,6 +197,66 @@ def _without_line_info() -> Iterator[None]:
     yield
 
 
+# Modules Triton's native argument specializer imports when it first runs
+# (python/src/specialize.cc, init_globals): imported normally before torch is
+# hidden, so that none of them can see torch missing.
+_SPECIALIZER_IMPORTS = ("triton._utils", "triton.runtime.jit", "triton.tools.tensor_descriptor",
+                        "triton.experimental.gluon.nvidia.hopper", "triton.language")
+
+
+class _HiddenFromThread:
+  """A ``sys.meta_path`` finder that makes ``import torch`` fail in one thread only."""
+
+  def __init__(self, thread: int):
+    self.thread = thread
+
+  def find_spec(self, name, path=None, target=None):  # pylint: disable=unused-argument
+    if threading.get_ident() == self.thread and name.split(".")[0] == "torch":
+      raise ModuleNotFoundError(f"jaxfuse hides {name} while Triton's specializer starts",
+                                name=name)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def start_specializer_without_torch() -> bool:
+  """Starts Triton's native argument specializer with torch hidden; True
+  when it started so (once per process).
+
+  The specializer imports torch the first time it runs (Triton 3.6), only
+  to recognise ``torch.Tensor`` arguments, which jax-triton never passes.
+  That import was 2-3 s of a cold ``jaxfuse.jit`` first call on the H100
+  image (session 32). Started without torch, the specializer still takes
+  torch tensors later, by their ``data_ptr`` attribute, to the same
+  result. Where torch is already imported, or the specializer is missing or
+  fails to start, nothing is done and jax-triton starts it as before."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if "torch" in sys.modules:
+    return False
+  try:
+    from triton._C.libtriton import native_specialize_impl  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  for name in _SPECIALIZER_IMPORTS:
+    try:
+      importlib.import_module(name)
+    except Exception:  # pylint: disable=broad-except  (absent in this Triton)
+      pass
+  if "torch" in sys.modules:   # one of those imported it
+    return False
+  hide = _HiddenFromThread(threading.get_ident())
+  sys.meta_path.insert(0, hide)
+  try:
+    native_specialize_impl(None, 1, False, False, False)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.info("jaxfuse: Triton's specializer did not start without torch (%s: %s)",
+                 type(e).__name__, str(e)[:200])
+    return False
+  finally:
+    sys.meta_path.remove(hide)
+  return True
+
+
 def set_typed_ffi(results, target: str, backend_config: dict) -> None:
   """Makes the custom call producing ``results`` a typed-FFI call
   (api_version 4) of ``target`` with ``backend_config`` (name -> MLIR
@@ -392,6 +452,7 @@ def jaxfuse_lowering(tl):
           operand_output_aliases=dict(params.get("input_output_aliases") or ()))(ctx, *args)
       direct_launch.apply_attributes(results, attrs)
       return results
+    start_specializer_without_torch()
     with _without_line_info():
       results = legacy(tl.get_cuda_backend, ctx, *args,
                        custom_call_target_name=LEGACY_TARGET if target == DIRECT else target,

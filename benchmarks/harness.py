@@ -127,9 +127,12 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
                     "'stacked' passes one array per input holding every set, "
                     "and call i reads x[i] (jax and jaxfuse programs only; "
                     "torch baselines keep separate inputs).")
-  flags.DEFINE_enum("tune", "model", ["model", "measure"],
-                    "jaxfuse search: the analytical model alone, or measured "
-                    "refinement of the top candidates on the GPU.")
+  flags.DEFINE_enum("tune", "auto", ["model", "auto", "measure"],
+                    "jaxfuse's config.tune: the analytical model alone; auto "
+                    "(jaxfuse's default): the model, with keep-or-drop timed "
+                    "on the GPU where the model is unsure; or measured "
+                    "refinement of the top candidates and keep-or-drop timed "
+                    "for every region.")
   flags.DEFINE_enum("profile", "auto", ["auto", "on", "off"],
                     "Profiler kernel times (auto: on a GPU).")
   flags.DEFINE_integer("seed", 0, "Random seed for the inputs.")
@@ -875,7 +878,7 @@ class Settings:
   calls: int = 0
   mem_budget_gb: float = 4.0
   profile: str = "auto"
-  tune: str = "model"
+  tune: str = "auto"
   call_outputs: str = "consumed"
   slope_inputs: str = "separate"
   seed: int = 0

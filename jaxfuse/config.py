@@ -16,6 +16,7 @@ import os
 from typing import Any, Iterator
 
 _BACKENDS = ("auto", "xla", "interpret", "triton")
+TUNE_MODES = ("model", "auto", "measure")
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -48,9 +49,14 @@ class Config:
     self-checks and compiled kernel calls are cached.
   device: the device model the planner uses when no GPU is attached
     (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
-  tune: ``model`` (analytical model alone) or ``measure`` (time the
-    model's top candidates and its best plan of each other structure on
-    the GPU, MCFuser Alg. 1's measured step).
+  tune: ``model``: the analytical model alone plans each region and
+    decides whether it runs fused; ``auto`` (default): the model plans, and
+    where its keep-or-drop verdict is uncertain (float32 dots, or a
+    prediction near its bound: ``cost_model.verdict_uncertain``) the kernel
+    is timed against XLA's ops on the GPU once per machine and cache, the
+    faster kept; ``measure``: also time the model's top candidates and its
+    best plan of each other structure on the GPU (MCFuser Alg. 1's measured
+    step), and time every region against XLA's ops.
   tune_budget_s: seconds of measured tuning allowed per region.
   compile_workers: processes that compile measured tuning's candidate
     kernels (``jaxfuse.runtime.compile_pool``); 0 compiles them in this
@@ -73,7 +79,7 @@ class Config:
   backend: str = "auto"
   cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "jaxfuse")
   device: str = "auto"
-  tune: str = "model"
+  tune: str = "auto"
   tune_budget_s: float = 4.0
   compile_workers: int = min(16, os.cpu_count() or 1, max(8, (os.cpu_count() or 1) - 2))
   allow_split: bool = True
@@ -98,8 +104,8 @@ class Config:
     if self.backend not in _BACKENDS:
       raise ValueError(f"jaxfuse config 'backend' must be one of {_BACKENDS}, "
                        f"got {self.backend!r}")
-    if self.tune not in ("model", "measure"):
-      raise ValueError(f"jaxfuse config 'tune' must be 'model' or 'measure', "
+    if self.tune not in TUNE_MODES:
+      raise ValueError(f"jaxfuse config 'tune' must be one of {TUNE_MODES}, "
                        f"got {self.tune!r}")
     if self.launch not in ("direct", "ffi", "legacy"):
       raise ValueError(f"jaxfuse config 'launch' must be 'direct', 'ffi' or 'legacy', "

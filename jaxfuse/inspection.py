@@ -59,8 +59,10 @@ class RegionReport:
   ridge: Optional[float] = None
   mbci: Optional[bool] = None
   # The analytical model's plan, prediction and verdict: what tune='model'
-  # runs. ``lowered`` says what a compile ran (under tune='measure', the
-  # tuned plan and the measured keep-or-drop).
+  # runs, and tune='auto' where the model is sure (where it is not, notes
+  # or why_not say so and the kernel is timed against XLA's ops).
+  # ``lowered`` says what a compile ran (under tune='measure', the tuned
+  # plan and the measured keep-or-drop).
   plan: Any = None
   predicted_time_s: Optional[float] = None
   floor_time_s: Optional[float] = None
@@ -70,8 +72,8 @@ class RegionReport:
   alternatives: list[Alternative] = dataclasses.field(default_factory=list)
   why_not: Optional[str] = None
   # How a compile in this process lowered the region (``launch.Outcome`` as
-  # text): the kernel's plan, or why XLA's ops run (under tune='measure',
-  # with the keep-or-drop timing). None until a GPU compile (or one with
+  # text): the kernel's plan, or why XLA's ops run (with the keep-or-drop
+  # timing where one was taken). None until a GPU compile (or one with
   # JAXFUSE_BACKEND=interpret) lowered it; a CPU compile runs the original ops.
   lowered: Optional[str] = None
   plan_time_s: Optional[float] = None
@@ -361,8 +363,15 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
       try:
         from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
         why = cost_model.slower_than_unfused(region, best, spec)
+        unsure = cost_model.verdict_uncertain(region, best, spec)
         if why:
           rr.why_not = f"{why}; left to XLA under tune='model'"
+          if unsure:
+            rr.why_not += (f"; tune='auto' times it against XLA's ops on the GPU "
+                           f"first ({unsure})")
+        elif unsure:
+          rr.notes.append(f"tune='auto' times this kernel against XLA's ops on the GPU "
+                          f"before keeping it ({unsure})")
       except Exception as e:  # pylint: disable=broad-except
         rr.notes.append(f"unfused estimate failed: {_err(e)}")
   rest = [p for p in ranked if p is not best and p != best][:5]

@@ -246,3 +246,25 @@ def test_chain_left_to_xla_reports_its_parts():
   assert d["regions"][0]["parts"][0]["einsum"] == "mk,kn->mn"
   # A fused chain has no parts.
   assert inspection.inspect(attention, *_s2(), device="h100").regions[0].parts == []
+
+
+def test_report_says_where_tune_auto_times_the_kernel():
+  """The model's verdict is the report's; where tune='auto' (the default)
+  does not take it on the model's word, the report says so."""
+  def chain(a, b, d):
+    return (a @ b) @ d
+  sd = lambda dt, *s: jax.ShapeDtypeStruct(s, dt)
+  # MCFuser G6 at float16: predicted a little slower, near the bound.
+  [g6] = inspection.inspect(chain, sd(jnp.float16, 512, 1024), sd(jnp.float16, 1024, 512),
+                            sd(jnp.float16, 512, 256), device="h100").regions
+  assert "left to XLA under tune='model'" in g6.why_not
+  assert "tune='auto' times it against XLA's ops on the GPU first" in g6.why_not
+  # MCFuser G1 at float32: predicted a win, but float32 dots are timed.
+  [g1] = inspection.inspect(chain, sd(jnp.float32, 512, 64), sd(jnp.float32, 64, 256),
+                            sd(jnp.float32, 256, 64), device="h100").regions
+  assert g1.why_not is None
+  assert any("tune='auto' times this kernel" in n and "float32 dots" in n for n in g1.notes)
+  # MCFuser G1 at float16: the model's word stands.
+  [h1] = inspection.inspect(chain, sd(jnp.float16, 512, 64), sd(jnp.float16, 64, 256),
+                            sd(jnp.float16, 256, 64), device="h100").regions
+  assert h1.why_not is None and not any("tune='auto'" in n for n in h1.notes)

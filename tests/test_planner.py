@@ -1153,3 +1153,40 @@ def test_broadcast_products_too_large_to_compile_are_refused():
   assert res.best is not None
   tiles = res.best.tile_map
   assert pruning.dot_hazard(r, tiles) is None
+
+
+def test_verdict_uncertain_for_float32_dots_and_near_the_bound():
+  """tune='auto' times a region where the model's keep-or-drop verdict is
+  not trusted: any float32 dot (TF32, 3xTF32 or IEEE; thirty-first
+  session), or a 16-bit prediction between the bound and parity (MCFuser
+  G6 at 0.87x ran 1.5x faster fused). 16-bit regions elsewhere are the
+  model's."""
+  from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+  f16 = examples.gemm_chain(8, 1024, 1024, 128, 128)
+  bf16 = examples.gemm_chain(8, 1024, 1024, 128, 128, dtype="bfloat16")
+  f32 = examples.gemm_chain(8, 1024, 1024, 128, 128, dtype="float32")
+  best = {id(r): plan_region(r, h100, use_cache=False).best for r in (f16, bf16, f32)}
+
+  def plan_at(region, fraction):
+    p = best[id(region)]
+    t = fraction * cost_model.unfused_time(region, h100)
+    return dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, time_s=t))
+  m, hi = cost_model.UNFUSED_MARGIN, cost_model.UNCERTAIN_BELOW
+  assert m < hi
+  for r in (f16, bf16):
+    assert cost_model.verdict_uncertain(r, plan_at(r, m * 0.95), h100) is None
+    assert "bound" in cost_model.verdict_uncertain(r, plan_at(r, m), h100)
+    assert "bound" in cost_model.verdict_uncertain(r, plan_at(r, hi * 0.99), h100)
+    assert cost_model.verdict_uncertain(r, plan_at(r, hi), h100) is None
+    assert cost_model.verdict_uncertain(r, plan_at(r, 1.5), h100) is None
+  for r in (f32, T.with_precision(f32, "ieee"), T.with_precision(f32, "tf32x3")):
+    for fraction in (0.3, m, 1.5):
+      p = dataclasses.replace(best[id(f32)], predicted=dataclasses.replace(
+          best[id(f32)].predicted, time_s=fraction * cost_model.unfused_time(r, h100)))
+      assert "float32 dots" in cost_model.verdict_uncertain(r, p, h100)
+  # MCFuser G6 and G1 at float16 on the H100: G6 is near the bound, G1 is not.
+  g6 = examples.gemm_chain(1, 512, 512, 1024, 256)
+  g1 = examples.gemm_chain(1, 512, 256, 64, 64)
+  assert cost_model.verdict_uncertain(g6, plan_region(g6, h100, use_cache=False).best, h100)
+  assert cost_model.verdict_uncertain(g1, plan_region(g1, h100, use_cache=False).best, h100) is None

@@ -85,6 +85,7 @@ from jaxfuse.planner.plan import Prediction
 __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
+           "verdict_uncertain", "UNCERTAIN_BELOW",
            "tf32_held_operand_bytes",
            "inner_loop_starts", "tf32_transposed_elements", "UNFUSED_MARGIN",
            "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT"]
@@ -648,3 +649,44 @@ def slower_than_unfused(region: ir.Region, plan, device: DeviceSpec) -> Optional
             f"as separate kernels (fused only when predicted under {UNFUSED_MARGIN}x "
             f"of that)")
   return None
+
+
+# 16-bit regions predicted at or above UNFUSED_MARGIN of ``unfused_time`` but
+# below this ratio: the model's verdict (left to XLA) is not trusted. Over
+# the 33 float16 paper cases only MCFuser G6 (0.87) lies there, and it ran
+# 1.5x faster fused (thirtieth session); of the 12 regions predicted at
+# 0.82-1.52x in the twentieth session, it was the one that won.
+UNCERTAIN_BELOW = 1.0
+
+
+def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[str]:
+  """Why the model's keep-or-drop verdict on ``plan`` (``slower_than_unfused``)
+  is not to be trusted, or None. ``tune='auto'`` times such a region's
+  kernel against XLA's ops on the GPU instead.
+
+  * float32 (TF32, 3xTF32 or IEEE) dots: no bound on the model's ratio
+    separates the float32 chains that lose to XLA from those that win (the
+    losers have the lowest ratios, 0.46-0.75, with winners among them;
+    benchmarks/RESULTS.md, thirty-first session).
+  * 16-bit regions predicted between ``UNFUSED_MARGIN`` and
+    ``UNCERTAIN_BELOW`` of the unfused time.
+
+  Example::
+
+      why = verdict_uncertain(region, plan_region(region, "h100").best, get_device("h100"))
+  """
+  wide = sorted({contraction_dtype(region, op) for op in region.contractions}
+                & {"float32", "float64"})
+  if wide:
+    return (f"{'/'.join(wide)} dots: the model does not separate the chains that "
+            f"lose to XLA from those that win")
+  pred = getattr(plan, "predicted", None)
+  if pred is None:
+    return None
+  unfused = unfused_time(region, device)
+  ratio = pred.time_s / unfused if unfused > 0 else math.inf
+  if UNFUSED_MARGIN <= ratio < UNCERTAIN_BELOW:
+    return (f"predicted at {ratio:.2f}x the separate kernels' time, between the "
+            f"{UNFUSED_MARGIN}x bound and {UNCERTAIN_BELOW:g}x")
+  return None
+

@@ -598,9 +598,10 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     # MCFuser fuses chains that are memory-bound (intensity below the ridge
     # point); a compute-bound chain is left to XLA's library GEMMs. Under
     # tune='model' a plan the model predicts to lose to the separate
-    # kernels is left to XLA too; under tune='measure' measurement decides
-    # (_keep_fused). The interpreter path is for testing kernels, so it
-    # always runs them.
+    # kernels is left to XLA too; under tune='measure', and under
+    # tune='auto' where the model's verdict is uncertain, measurement
+    # decides (_keep_fused). The interpreter path is for testing kernels,
+    # so it always runs them.
     dev = get_device(res.device or None)
     mbci, ai, ridge = is_mbci(region, dev)
     # A single contraction is fused for its epilogue (capture takes one only
@@ -609,12 +610,29 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     if not mbci and len(region.contractions) > 1:
       raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                       f"{ridge:.0f}; left to XLA")
-    if not measured:
+    if not measured and not keep_or_drop_timed(region, ranked):
       from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
       why = cost_model.slower_than_unfused(region, ranked[0], dev)
       if why:
         raise LeftToXLA(f"{why}; left to XLA")
   return ranked
+
+
+def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
+  """Whether the region's kernel is timed against XLA's ops on the GPU
+  (``_keep_fused``) rather than kept or dropped on the model's word: always
+  under ``tune='measure'``; under ``tune='auto'`` where the model's verdict
+  on its best plan is uncertain (``cost_model.verdict_uncertain``); never
+  under ``tune='model'``."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  if config.tune == "measure":
+    return True
+  if config.tune != "auto" or not plans:
+    return False
+  from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+  return cost_model.verdict_uncertain(region, _best_predicted(plans) or plans[0],
+                                      get_device(None)) is not None
 
 
 # region signature -> ((fused s, spread), (XLA s, spread)) per call.
@@ -899,9 +917,10 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
 
   ``plan``: a Plan (or a ranked list) to use instead of the planner's. The
   kernel that survives the fallback chain is cached per region and backend.
-  ``original``: the region's original ops as a function; with
-  ``config.tune == 'measure'`` on the GPU the chosen kernel is timed against
-  it and dropped when XLA is faster. Raises CodegenError (the caller then
+  ``original``: the region's original ops as a function; on the GPU, where
+  ``keep_or_drop_timed`` (``config.tune`` 'measure', or 'auto' and the
+  model unsure), the chosen kernel is timed against it and dropped when XLA
+  is faster. Raises CodegenError (the caller then
   runs the original ops).
 
   Example::
@@ -921,10 +940,9 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
     try:
       candidates = _candidate_plans(region, plan, backend=backend)
       k = select_kernel(region, candidates, backend=backend, check=check)
-      if backend == "triton" and original is not None and plan is None:
-        from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-        if config.tune == "measure":
-          _keep_fused(k, original, model_plan=_best_predicted(candidates))
+      if (backend == "triton" and original is not None and plan is None
+          and keep_or_drop_timed(region, candidates)):
+        _keep_fused(k, original, model_plan=_best_predicted(candidates))
     except CodegenError as e:
       if plan is None:
         _record_outcome(region, backend, Outcome(False, reason=str(e)[:500]))

@@ -51,8 +51,9 @@ class Config:
     (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
   tune: ``model``: the analytical model alone plans each region and
     decides whether it runs fused; ``auto`` (default): the model plans, and
-    where its keep-or-drop verdict is uncertain (float32 dots, or a
-    prediction near its bound: ``cost_model.verdict_uncertain``) the kernel
+    where its keep-or-drop verdict is uncertain (float32 dots, or a 16-bit
+    prediction near its bound, below parity with XLA's separate kernels:
+    ``cost_model.verdict_uncertain``) the kernel
     is timed against XLA's ops on the GPU once per machine and cache, the
     faster kept; ``measure``: also time the model's top candidates and its
     best plan of each other structure on the GPU (MCFuser Alg. 1's measured

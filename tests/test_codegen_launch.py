@@ -693,9 +693,9 @@ def test_model_leaves_predicted_losers_to_xla(monkeypatch):
 def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
   """tune='auto' (the default): a region the model is sure of is kept or
   dropped on its word, as under tune='model'; a region it is unsure of
-  (float32 dots, or near the bound: MCFuser G6 at float16) is planned by
-  the model and its kernel timed against XLA's ops, as under
-  tune='measure', whatever the model's verdict."""
+  (float32 dots, or near the bound: MCFuser G6 at float16; both below
+  parity) is planned by the model and its kernel timed against XLA's ops,
+  as under tune='measure', whatever the model's verdict."""
   from jaxfuse.config import config
   from jaxfuse.devices import get_device
   import jaxfuse.devices as devices
@@ -703,21 +703,24 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
   monkeypatch.setattr(devices, "get_device", lambda *a, **k: h100)
   g1 = examples.gemm_chain(1, 512, 256, 64, 64)                     # sure: fused
   g6 = examples.gemm_chain(1, 512, 512, 1024, 256)                  # near the bound
-  g1_32 = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")    # predicted a win
-  g6_32 = examples.gemm_chain(1, 512, 512, 1024, 256, dtype="float32")  # predicted a loss
+  g1_32 = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")     # predicted a win
+  g4_32 = examples.gemm_chain(1, 512, 512, 256, 256, dtype="float32")   # a loss, below parity
+  g6_32 = examples.gemm_chain(1, 512, 512, 1024, 256, dtype="float32")  # above parity
   with config.override(tune="model"):
-    for r in (g6, g6_32):
+    for r in (g6, g4_32, g6_32):
       with pytest.raises(launch.LeftToXLA, match="separate kernels"):
         launch._candidate_plans(r, None, backend="triton")
     for r in (g1, g1_32):
       assert not launch.keep_or_drop_timed(r, launch._candidate_plans(r, None, backend="triton"))
   with config.override(tune="auto"):
     timed = {}
-    for name, r in (("g1", g1), ("g6", g6), ("g1_32", g1_32), ("g6_32", g6_32)):
+    for name, r in (("g1", g1), ("g6", g6), ("g1_32", g1_32), ("g4_32", g4_32)):
       plans = launch._candidate_plans(r, None, backend="triton")
       assert plans and plans[0].predicted is not None
       timed[name] = launch.keep_or_drop_timed(r, plans)
-    assert timed == {"g1": False, "g6": True, "g1_32": True, "g6_32": True}
+    assert timed == {"g1": False, "g6": True, "g1_32": True, "g4_32": True}
+    with pytest.raises(launch.LeftToXLA, match="separate kernels"):   # the model's word
+      launch._candidate_plans(g6_32, None, backend="triton")
   with config.override(tune="measure"):
     assert launch.keep_or_drop_timed(g1, [object()])
 
@@ -733,10 +736,10 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
                       lambda k, original, model_plan=None: kept.append(k.region))
   monkeypatch.setattr(launch, "triton_launch", lambda k, args, offsets=None: list(args))
   with config.override(tune="auto"):
-    for r in (g1, g6_32):
+    for r in (g1, g4_32):
       xs = [np.zeros(b.shape, np.float16) for b in r.inputs]
       launch.fused_call(r, xs, backend="triton", original=lambda *a: a)
-  assert kept == [g6_32]
+  assert kept == [g4_32]
 
 
 def test_left_to_xla_is_logged_as_a_decision(caplog):

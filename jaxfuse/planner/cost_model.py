@@ -651,11 +651,15 @@ def slower_than_unfused(region: ir.Region, plan, device: DeviceSpec) -> Optional
   return None
 
 
-# 16-bit regions predicted at or above UNFUSED_MARGIN of ``unfused_time`` but
-# below this ratio: the model's verdict (left to XLA) is not trusted. Over
-# the 33 float16 paper cases only MCFuser G6 (0.87) lies there, and it ran
-# 1.5x faster fused (thirtieth session); of the 12 regions predicted at
-# 0.82-1.52x in the twentieth session, it was the one that won.
+# Regions predicted at or above this ratio of ``unfused_time`` are left to
+# XLA on the model's word in every mode but 'measure'; below it the model is
+# unsure where ``verdict_uncertain`` says. 16-bit: over the 33 float16 paper
+# cases only MCFuser G6 (0.87) lies between UNFUSED_MARGIN and this, and it
+# ran 1.5x faster fused (thirtieth session); of the 12 regions predicted at
+# 0.82-1.52x in the twentieth session, it was the one that won. float32: the
+# model under-predicts fused TF32 kernels (seventeenth session), and every
+# float32 paper chain predicted above parity (MCFuser G5, G6) measured
+# slower fused (thirty-third session).
 UNCERTAIN_BELOW = 1.0
 
 
@@ -664,10 +668,11 @@ def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[s
   is not to be trusted, or None. ``tune='auto'`` times such a region's
   kernel against XLA's ops on the GPU instead.
 
-  * float32 (TF32, 3xTF32 or IEEE) dots: no bound on the model's ratio
-    separates the float32 chains that lose to XLA from those that win (the
-    losers have the lowest ratios, 0.46-0.75, with winners among them;
-    benchmarks/RESULTS.md, thirty-first session).
+  * float32 (TF32, 3xTF32 or IEEE) dots predicted below ``UNCERTAIN_BELOW``
+    of the unfused time: no bound below that separates the float32 chains
+    that lose to XLA from those that win (the losers have the lowest
+    ratios, 0.46-0.75, with winners among them; benchmarks/RESULTS.md,
+    thirty-first session).
   * 16-bit regions predicted between ``UNFUSED_MARGIN`` and
     ``UNCERTAIN_BELOW`` of the unfused time.
 
@@ -675,18 +680,20 @@ def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[s
 
       why = verdict_uncertain(region, plan_region(region, "h100").best, get_device("h100"))
   """
-  wide = sorted({contraction_dtype(region, op) for op in region.contractions}
-                & {"float32", "float64"})
-  if wide:
-    return (f"{'/'.join(wide)} dots: the model does not separate the chains that "
-            f"lose to XLA from those that win")
   pred = getattr(plan, "predicted", None)
   if pred is None:
     return None
   unfused = unfused_time(region, device)
   ratio = pred.time_s / unfused if unfused > 0 else math.inf
-  if UNFUSED_MARGIN <= ratio < UNCERTAIN_BELOW:
+  if ratio >= UNCERTAIN_BELOW:
+    return None
+  wide = sorted({contraction_dtype(region, op) for op in region.contractions}
+                & {"float32", "float64"})
+  if wide:
+    return (f"{'/'.join(wide)} dots: below {UNCERTAIN_BELOW:g}x the separate kernels' "
+            f"time, the model does not separate the chains that lose to XLA from "
+            f"those that win")
+  if ratio >= UNFUSED_MARGIN:
     return (f"predicted at {ratio:.2f}x the separate kernels' time, between the "
             f"{UNFUSED_MARGIN}x bound and {UNCERTAIN_BELOW:g}x")
   return None
-

@@ -719,6 +719,9 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
       assert plans and plans[0].predicted is not None
       timed[name] = launch.keep_or_drop_timed(r, plans)
     assert timed == {"g1": False, "g6": True, "g1_32": True, "g4_32": True}
+    # Without the original ops to time against, the model's verdict stands.
+    with pytest.raises(launch.LeftToXLA, match="separate kernels"):
+      launch._candidate_plans(g4_32, None, backend="triton", timing=False)
     with pytest.raises(launch.LeftToXLA, match="separate kernels"):   # the model's word
       launch._candidate_plans(g6_32, None, backend="triton")
   with config.override(tune="measure"):
@@ -739,6 +742,10 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
     for r in (g1, g4_32):
       xs = [np.zeros(b.shape, np.float16) for b in r.inputs]
       launch.fused_call(r, xs, backend="triton", original=lambda *a: a)
+    assert kept == [g4_32]
+    launch._chosen.clear()
+    with pytest.raises(launch.LeftToXLA):    # nothing to time against: the model decides
+      launch.fused_call(g4_32, xs, backend="triton")
   assert kept == [g4_32]
 
 

@@ -578,7 +578,12 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[Any]:
   return list(outs)
 
 
-def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> list:
+def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
+                     timing: bool = True) -> list:
+  """The plans to try for ``region``, best first; raises LeftToXLA where it
+  runs XLA's ops. ``timing``: whether a keep-or-drop timing follows (the
+  caller has the original ops); without one, the model's verdict stands
+  even where ``keep_or_drop_timed`` would time the region."""
   if plan is not None:
     return list(plan) if isinstance(plan, (list, tuple)) else [plan]
   try:
@@ -610,7 +615,7 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret") -> 
     if not mbci and len(region.contractions) > 1:
       raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                       f"{ridge:.0f}; left to XLA")
-    if not measured and not keep_or_drop_timed(region, ranked):
+    if not measured and not (timing and keep_or_drop_timed(region, ranked)):
       from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
       why = cost_model.slower_than_unfused(region, ranked[0], dev)
       if why:
@@ -938,7 +943,7 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
     k = _chosen.get(key)
   if k is None:
     try:
-      candidates = _candidate_plans(region, plan, backend=backend)
+      candidates = _candidate_plans(region, plan, backend=backend, timing=original is not None)
       k = select_kernel(region, candidates, backend=backend, check=check)
       if (backend == "triton" and original is not None and plan is None
           and keep_or_drop_timed(region, candidates)):

@@ -285,21 +285,32 @@ def test_keep_or_drop_input_sets_are_rolled_copies_made_by_one_program(monkeypat
     assert float(c) == 2.5
 
 
-def test_stamp_kernel_reads_globaltimer_when_compiled_for_hopper():
+# Compiled in a fresh process (the ``fresh_python`` fixture says why).
+_STAMP_PTX = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from jaxfuse.runtime import device_clock
+try:
+  kernel = device_clock._stamp_kernel()
+  kernel = triton.runtime.jit.JITFunction(getattr(kernel, "fn", kernel))
+  src = triton.compiler.ASTSource(fn=kernel, signature={"dep_ptr": "*fp32", "out_ptr": "*i32"},
+                                  constexprs={})
+  ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+except (ImportError, AttributeError, TypeError) as e:   # another Triton's compile API
+  print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
+print(json.dumps({"ptx": ptx}))
+"""
+
+
+def test_stamp_kernel_reads_globaltimer_when_compiled_for_hopper(fresh_python):
   """The stamp cannot run in Triton's interpreter (inline PTX); compiled
   offline for sm_90 it must read %globaltimer and store both words."""
-  from jaxfuse.runtime import device_clock
-  triton = pytest.importorskip("triton")
-  try:
-    from triton.backends.compiler import GPUTarget
-    kernel = device_clock._stamp_kernel()   # interpreted under the tests' TRITON_INTERPRET
-    kernel = triton.runtime.jit.JITFunction(getattr(kernel, "fn", kernel))
-    src = triton.compiler.ASTSource(fn=kernel,
-                                    signature={"dep_ptr": "*fp32", "out_ptr": "*i32"},
-                                    constexprs={})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-  except (ImportError, AttributeError, TypeError) as e:   # another Triton's compile API
-    pytest.skip(f"offline compile unavailable: {e}")
+  pytest.importorskip("triton")
+  res = fresh_python(_STAMP_PTX)
+  if "skip" in res:
+    pytest.skip(f"offline compile unavailable: {res['skip']}")
+  ptx = res["ptx"]
   assert "%globaltimer" in ptx
   assert sum("st.global.b32" in l for l in ptx.splitlines()) == 2
 

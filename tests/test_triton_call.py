@@ -132,20 +132,8 @@ print(json.dumps({"with": with_info, "without": without}))
 """
 
 
-def test_kernels_compile_without_line_info(tmp_path):
-  import json
-  import os
-  import subprocess
-  import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-  env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-  script = tmp_path / "compile_twice.py"   # Triton reads kernels' source from a file
-  script.write_text(_COMPILE_TWICE)
-  p = subprocess.run([sys.executable, str(script)], cwd=repo, env=env,
-                     capture_output=True, text=True, timeout=300)
-  assert p.returncode == 0, p.stderr[-3000:]
-  res = json.loads(p.stdout.strip().splitlines()[-1])
+def test_kernels_compile_without_line_info(fresh_python):
+  res = fresh_python(_COMPILE_TWICE)
   if "skip" in res:
     pytest.skip(f"Triton cannot compile for sm_90 here: {res['skip']}")
   assert ".loc" in res["with"] and ".loc" not in res["without"]

@@ -1,19 +1,17 @@
 """Test-session settings: CPU only, Triton's interpreter, a private cache."""
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
+
+import pytest
 
 # Before jax or triton are imported anywhere in the session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("JAXFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="jaxfuse-test-cache-"))
-
-
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

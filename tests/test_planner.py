@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import os
+import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -485,6 +487,49 @@ def test_search_descends_to_a_local_optimum():
     except (tiling.PlacementError, ValueError):
       continue
     assert q.predicted.time_s >= best.predicted.time_s
+
+
+@pytest.mark.parametrize("region", [
+    examples.gemm_chain(1, 512, 512, 256, 256),        # MCFuser G4: split plans
+    examples.attention(1, 12, 256, 256, 64),            # streamed softmax
+], ids=["gemm-chain", "attention"])
+def test_memoized_placement_plans_what_place_plans(region):
+  """The search memoizes ``tiling.place`` by the loops the tiles cover in
+  one tile; every candidate must get the plan (or the rejection) it gets
+  without the memo, and the memo must be shared."""
+  sp = search.build_space(region, H100)
+  rng = random.Random(0)
+  cands = [search._random(sp, rng) for _ in range(300)]  # pylint: disable=protected-access
+  memo: dict = {}
+  placed = []
+  real_place = tiling.place
+
+  def counting_place(*args, **kwargs):
+    placed.append(args[1])
+    return real_place(*args, **kwargs)
+
+  def outcome(c, placements):
+    try:
+      p = search.make_plan(region, H100, c, sp.streamable, placements)
+    except (tiling.PlacementError, ValueError) as e:
+      return f"{type(e).__name__}: {e}"
+    return f"{p} {p.predicted}"
+  for c in cands:
+    want = outcome(c, None)
+    with mock.patch.object(tiling, "place", counting_place):
+      assert outcome(c, memo) == want
+  # Each distinct key was placed once; most candidates reused a placement.
+  assert len(placed) == len(memo) and 0 < len(memo) < len(cands) / 3
+
+
+def test_printed_plans_are_cached_without_changing_equality():
+  r = chain4(512, 256, 64, 128)
+  p = plan_region(r, "h100", use_cache=False).best
+  q = dataclasses.replace(p, num_warps=p.num_warps)
+  text = str(p)
+  assert str(p) is text and str(p.expr) is str(p.expr)
+  assert p == q and hash(p.expr) == hash(q.expr) and str(q) == text
+  assert str(dataclasses.replace(p, num_warps=8 if p.num_warps == 4 else 4)) != text
 
 
 def test_no_plan_for_huge_single_tile():

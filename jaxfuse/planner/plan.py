@@ -84,12 +84,16 @@ class Plan:
     return self.tile_map[loop]
 
   def __str__(self) -> str:
-    tiles = ", ".join(f"{l}={t}" for l, t in self.tiles)
-    grid = ",".join(self.grid) or "-"
-    s = (f"grid({grid}) {self.expr}  tiles({tiles})  warps={self.num_warps} "
-         f"stages={self.num_stages}")
-    if self.split:
-      s += f"  split={self.split[0]}x{self.split[1]}"
+    # Cached: the search's sort keys read it (see TilingExpr.__str__).
+    s = self.__dict__.get("_text")
+    if s is None:
+      tiles = ", ".join(f"{l}={t}" for l, t in self.tiles)
+      grid = ",".join(self.grid) or "-"
+      s = (f"grid({grid}) {self.expr}  tiles({tiles})  warps={self.num_warps} "
+           f"stages={self.num_stages}")
+      if self.split:
+        s += f"  split={self.split[0]}x{self.split[1]}"
+      object.__setattr__(self, "_text", s)
     return s
 
 

@@ -167,8 +167,13 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
 
 
 def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
-              streamable: frozenset[str]) -> Plan:
-  """Places a candidate and predicts it; raises PlacementError or ValueError."""
+              streamable: frozenset[str],
+              placements: Optional[dict] = None) -> Plan:
+  """Places a candidate and predicts it; raises PlacementError or ValueError.
+
+  ``placements``: a memo of ``tiling.place`` for this region and
+  ``streamable`` (one search's candidates share a few placements: place
+  reads the tiles only through the loops they cover in one tile)."""
   tiles = dict(cand.tiles)
   # Accumulators are bounded by the register budget below, not here.
   if not pruning.rule4_ok(region, tiles, device.smem_per_block_bytes, register_accumulators=True):
@@ -190,8 +195,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
     l, parts = cand.split
     if math.ceil(region.extent(l) / tiles[l]) < parts:
       raise tiling.PlacementError(f"split {l}x{parts} has fewer tiles than parts")
-  expr = tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
-                      split=cand.split)
+  expr = _place(region, cand, tiles, streamable, placements)
   held = cost_model.tf32_held_operand_bytes(region, expr, tiles)
   if held and acc + held > cost_model.register_budget_bytes(warps):
     raise tiling.PlacementError(
@@ -218,6 +222,25 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
                             streamable=streamable, num_stages=stages)
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
+
+
+def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
+           streamable: frozenset[str], placements: Optional[dict]) -> tiling.TilingExpr:
+  if placements is None:
+    return tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
+                        split=cand.split)
+  key = (cand.skeleton, cand.grid, cand.split,
+         tiling.single_tile_loops(region, tiles, cand.split))
+  if key not in placements:
+    try:
+      placements[key] = tiling.place(region, cand.skeleton, tiles, cand.grid,
+                                     streamable=streamable, split=cand.split)
+    except tiling.PlacementError as e:
+      placements[key] = e
+  got = placements[key]
+  if isinstance(got, tiling.PlacementError):
+    raise tiling.PlacementError(str(got))
+  return got
 
 
 def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
@@ -291,6 +314,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   space = space or build_space(region, device, streamable=streamable)
   rng = random.Random(seed)
   memo: dict[Candidate, Optional[Plan]] = {}
+  placements: dict = {}
   rejected: dict[str, int] = {}
   measured: dict[Candidate, float] = {}
 
@@ -298,7 +322,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     if c in memo:
       return memo[c]
     try:
-      p = make_plan(region, device, c, space.streamable)
+      p = make_plan(region, device, c, space.streamable, placements)
     except (tiling.PlacementError, ValueError) as e:
       reason = str(e)
       key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"

@@ -223,13 +223,20 @@ class TilingExpr:
   body: tuple[Node, ...] = ()
 
   def __str__(self) -> str:
-    multi = any(len(l) > 1 for l in self.loops())
-    sep = "." if multi else ""
-    if len(self.body) == 1:
-      return _fmt_node(self.body[0], sep)
-    if not self.body:
-      return "()"
-    return "(" + ",".join(_fmt_node(n, sep) for n in self.body) + ")"
+    # Cached: the search sorts and deduplicates plans by their text,
+    # thousands of times per region.
+    text = self.__dict__.get("_text")
+    if text is None:
+      multi = any(len(l) > 1 for l in self.loops())
+      sep = "." if multi else ""
+      if len(self.body) == 1:
+        text = _fmt_node(self.body[0], sep)
+      elif not self.body:
+        text = "()"
+      else:
+        text = "(" + ",".join(_fmt_node(n, sep) for n in self.body) + ")"
+      object.__setattr__(self, "_text", text)
+    return text
 
   def loops(self) -> list[str]:
     """Loop names in pre-order."""
@@ -637,6 +644,16 @@ class _T:
     return out
 
 
+def single_tile_loops(region, tiles: Mapping[str, int],
+                      split: Optional[tuple[str, int]] = None) -> frozenset[str]:
+  """Loops that ``tiles`` cover in one tile (a split loop never is one).
+
+  ``place`` reads ``tiles`` only through this set, so it keys placements."""
+  ext = region.loop_extents
+  split_loop = split[0] if split else None
+  return frozenset(l for l in ext if int(tiles[l]) >= ext[l] and l != split_loop)
+
+
 def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
           grid: Optional[Sequence[str]] = None, *,
           streamable: Optional[Iterable[str]] = None,
@@ -685,8 +702,7 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
   dup = {l for l in in_skel if in_skel.count(l) > 1}
   if dup:
     raise PlacementError(f"loop(s) {sorted(dup)} appear twice in {skeleton}")
-  split_loop = split[0] if split else None
-  single = {l for l in ext if int(tiles[l]) >= ext[l] and l != split_loop}
+  single = single_tile_loops(region, tiles, split)
   for l in ext:
     if l not in grid and l not in single and l not in in_skel:
       raise PlacementError(f"loop {l} has {math.ceil(ext[l] / tiles[l])} tiles "

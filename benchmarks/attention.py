@@ -14,9 +14,15 @@ same values:
 
 Layout changes a baseline needs are done once before timing. Case names:
 ``S1``..``S9`` (MCFuser: batch 1, heads, M queries, N keys, head dims K=H),
-``S1-causal``.., and ``L-T<seq>-d<dim>`` (batch 8, 16 heads) with causal
-variants. Causal masks are top-left aligned (query i sees keys j <= i), as in
-``jax.nn.dot_product_attention`` and PyTorch.
+``S1-causal``.., ``L-T<seq>-d<dim>`` (batch 8, 16 heads) with causal
+variants, and grouped-query attention (fewer key/value heads than query
+heads, as in Llama 3, Mistral and Qwen2: ``GQA-T<seq>-h<heads>-kv<kv>``,
+``MQA-...`` for one key/value head; groups ``gqa`` and ``gqa-causal``). The
+plain function of a grouped case folds each key/value head's query heads
+into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
+``jax.nn.dot_product_attention``'s XLA path does. Causal masks are top-left
+aligned (query i sees keys j <= i), as in ``jax.nn.dot_product_attention``
+and PyTorch.
 
 Example::
 
@@ -54,6 +60,10 @@ flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd", "packed"],
                   "jnp.split (self-attention cases only: S1-S6, the large "
                   "cases, --shapes with M == N).")
 
+flags.DEFINE_integer("kv_heads", 0, "Key/value heads of the --shapes cases "
+                     "(grouped-query attention; must divide the heads); 0: as many "
+                     "as query heads.")
+
 FLAGS = flags.FLAGS
 
 _MCFUSER_NETWORKS = {
@@ -65,6 +75,13 @@ MCFUSER = {name: (*dims, _MCFUSER_NETWORKS[name]) for name, *dims in examples.MC
 
 # (batch, heads, T, d): the large cases.
 LARGE = {f"L-T{t}-d{d}": (8, 16, t, d) for t in (2048, 4096) for d in (64, 128)}
+# (batch, heads, kv heads, T, d): grouped-query attention at LLM prefill
+# shapes (Llama-3-8B / Mistral-7B: 32 query heads over 8; Llama-2-70B: 64
+# over 8) and multi-query attention (one key/value head).
+GROUPED = {"GQA-T2048-h32-kv8": (2, 32, 8, 2048, 128),
+           "GQA-T4096-h32-kv8": (1, 32, 8, 4096, 128),
+           "GQA-T2048-h64-kv8": (1, 64, 8, 2048, 128),
+           "MQA-T2048-h16-kv1": (4, 16, 1, 2048, 64)}
 
 
 def unpack_qkv(qkv, heads: int):
@@ -74,15 +91,30 @@ def unpack_qkv(qkv, heads: int):
   return tuple(x.reshape(b, t, heads, -1) for x in jnp.split(qkv, 3, axis=-1))
 
 
-def make_attention(causal: bool, scale: float, layout: str, heads: int = 0) -> Callable:
-  """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile)."""
+def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
+                   kv_heads: int = 0) -> Callable:
+  """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile).
+
+  ``kv_heads`` below ``heads``: grouped-query attention; k and v have
+  ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads."""
   if layout == "packed":
     inner = make_attention(causal, scale, "bthd")
     return lambda qkv: inner(*unpack_qkv(qkv, heads))
-  qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
-  pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
+  grouped = bool(kv_heads) and kv_heads != heads
+  if grouped:
+    # q as [.., kv, group, ..]: each key/value head meets its query heads.
+    qk = "bkgqd,bksd->bkgqs" if layout == "bhtd" else "bqkgd,bskd->bkgqs"
+    pv = "bkgqs,bksd->bkgqd" if layout == "bhtd" else "bkgqs,bskd->bqkgd"
+  else:
+    qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
+    pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
 
   def attention(q, k, v):
+    shape = q.shape
+    if grouped:
+      b = shape[0]
+      q = (q.reshape(b, kv_heads, heads // kv_heads, *shape[2:]) if layout == "bhtd"
+           else q.reshape(b, shape[1], kv_heads, heads // kv_heads, shape[3]))
     s = jnp.einsum(qk, q, k) * scale
     if causal:
       m, n = s.shape[-2], s.shape[-1]
@@ -90,7 +122,7 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0) -> C
       ki = jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
       s = jnp.where(qi >= ki, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum(pv, p, v)
+    return jnp.einsum(pv, p, v).reshape(shape[:-1] + (v.shape[-1],))
   return attention
 
 
@@ -100,38 +132,46 @@ def causal_pairs(m: int, n: int) -> int:
 
 
 def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
-              causal: bool, layout: str, group: str, dtype: str,
+              causal: bool, layout: str, group: str, dtype: str, kv_heads: int = 0,
               extra: dict | None = None) -> harness.Case:
   scale = 1.0 / math.sqrt(dk)
-  if layout == "packed" and (m != n or dk != dv):
-    raise ValueError(f"--layout=packed needs self-attention (M == N, K == H); "
-                     f"case {name} has M={m}, N={n}, K={dk}, H={dv}")
-  fn = make_attention(causal, scale, layout, h)
+  kv = kv_heads or h
+  if h % kv:
+    raise ValueError(f"--kv_heads: {kv} key/value heads do not divide {h} heads "
+                     f"(case {name})")
+  if layout == "packed" and (m != n or dk != dv or kv != h):
+    raise ValueError(f"--layout=packed needs self-attention (M == N, K == H) with as "
+                     f"many key/value heads as query heads; case {name} has M={m}, "
+                     f"N={n}, K={dk}, H={dv}, {kv} of {h} heads")
+  fn = make_attention(causal, scale, layout, h, kv)
 
-  def shape(t, d):
-    return (b, h, t, d) if layout == "bhtd" else (b, t, h, d)
+  def shape(heads, t, d):
+    return (b, heads, t, d) if layout == "bhtd" else (b, t, heads, d)
 
   def make_inputs(key, dt):
-    kq, kk, kv = jax.random.split(key, 3)
+    kq, kk, kvk = jax.random.split(key, 3)
     if layout == "packed":
       return (harness.normal(kq, (b, m, 3 * h * dk), dt),)
-    return (harness.normal(kq, shape(m, dk), dt), harness.normal(kk, shape(n, dk), dt),
-            harness.normal(kv, shape(n, dv), dt))
+    return (harness.normal(kq, shape(h, m, dk), dt), harness.normal(kk, shape(kv, n, dk), dt),
+            harness.normal(kvk, shape(kv, n, dv), dt))
 
   pairs = causal_pairs(m, n) if causal else m * n
   item = jnp.dtype(dtype).itemsize
   flops = 2.0 * b * h * pairs * (dk + dv)
-  nbytes = float(item * b * h * (m * dk + n * dk + n * dv + m * dv))
-  params = {"batch": b, "heads": h, "M": m, "N": n, "K": dk, "H": dv,
+  nbytes = float(item * b * (h * m * dk + kv * n * dk + kv * n * dv + h * m * dv))
+  params = {"batch": b, "heads": h, "kv_heads": kv, "M": m, "N": n, "K": dk, "H": dv,
             "causal": causal, "layout": layout, "scale": scale}
   params.update(extra or {})
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
 
-def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
+def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
+              ) -> tuple[dict, dict]:
+  """Every case (name -> Case) and the named groups; ``kv_heads`` applies to
+  the ``shapes`` cases."""
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
-            "shapes": []}
+            "gqa": [], "gqa-causal": [], "shapes": []}
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
@@ -147,15 +187,23 @@ def all_cases(layout: str, dtype: str, shapes: str = "") -> tuple[dict, dict]:
                     group="large" + (" causal" if causal else ""), dtype=dtype)
       cases[c.name] = c
       groups["large" + sfx].append(c.name)
+    if layout == "packed":
+      continue   # a packed QKV of grouped heads is not [B, T, 3*heads*D]
+    for s, (b, h, kv, t, d) in GROUPED.items():
+      c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout, kv_heads=kv,
+                    group="grouped-query" + (" causal" if causal else ""), dtype=dtype)
+      cases[c.name] = c
+      groups["gqa" + sfx].append(c.name)
   for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
     causal = sfx == "c"
-    c = make_case(f"B{b}-H{h}-M{m}-N{n}-D{d}" + ("-causal" if causal else ""),
+    kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""
+    c = make_case(f"B{b}-H{h}{kv}-M{m}-N{n}-D{d}" + ("-causal" if causal else ""),
                   b, h, m, n, d, d, causal=causal, layout=layout, group="custom",
-                  dtype=dtype)
+                  dtype=dtype, kv_heads=kv_heads)
     cases[c.name] = c
     groups["shapes"].append(c.name)
   groups["tables"] = groups["mcfuser"]
-  groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"]
+  groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"] + groups["gqa-causal"]
   return cases, groups
 
 
@@ -173,7 +221,9 @@ def _dpa_xla_check():
   return None
 
 
-def _pallas_check():
+def _pallas_check(grouped: bool):
+  if grouped:
+    return "pallas mha takes as many key/value heads as query heads"
   try:
     from jax.experimental.pallas.ops.gpu import attention as _  # noqa: F401  pylint: disable=g-import-not-at-top
   except Exception as e:
@@ -223,10 +273,14 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
     from jax.experimental.pallas.ops.gpu import attention as pa  # pylint: disable=g-import-not-at-top
     return pa.mha(q, k, v, None, sm_scale=scale, causal=causal)
 
+  grouped = p["kv_heads"] != p["heads"]
+
   def torch_sdpa(q, k, v):
     import torch  # pylint: disable=g-import-not-at-top
+    # enable_gqa (torch >= 2.5) shares each key/value head among its group.
+    kw = {"enable_gqa": True} if grouped else {}
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=scale)
+        q, k, v, is_causal=causal, scale=scale, **kw)
 
   def torch_prep(*args):
     q, k, v = args if layout != "packed" else unpack_qkv(args[0], p["heads"])
@@ -246,7 +300,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
                       check=_dpa_xla_check,
                       note="jax.nn.dot_product_attention(implementation='xla')"),
       harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
-                      needs_gpu=True, check=_pallas_check,
+                      needs_gpu=True, check=lambda: _pallas_check(grouped),
                       note="jax.experimental.pallas.ops.gpu.attention.mha"),
   ]
   for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
@@ -259,7 +313,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 
 def main(argv) -> int:
   del argv
-  cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes)
+  cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes, FLAGS.kv_heads)
   names = harness.select_from_flags(cases, groups)
   return harness.main("attention", [cases[n] for n in names], impls_for,
                       title=f"attention ({FLAGS.dtype}, {FLAGS.layout})")

@@ -201,6 +201,33 @@ def test_attention_packed_layout_reads_one_qkv_array():
     attention.all_cases("packed", "float32", "1x2x32x48x16")
 
 
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_attention_grouped_query_cases_match_dot_product_attention(layout):
+  """Grouped-query cases: the plain function (query heads folded into a
+  group axis per key/value head) computes what
+  ``jax.nn.dot_product_attention`` does with fewer key/value heads, is one
+  jaxfuse region, and pallas (no grouped heads) is skipped with a reason."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases(layout, "float32", "1x4x32x48x16c", kv_heads=2)
+  assert groups["gqa"] == list(attention.GROUPED)
+  assert cases["GQA-T2048-h32-kv8"].params["kv_heads"] == 8
+  case = cases["B1-H4-KV2-M32-N48-D16-causal"]
+  q, k, v = case.make_inputs(jax.random.key(0), "float32")
+  assert q.shape[2 if layout == "bthd" else 1] == 4 and k.shape[2 if layout == "bthd" else 1] == 2
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(case.fn)(q, k, v).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  want = jax.jit(case.fn)(q, k, v)
+  impls = {i.name: i for i in attention.impls_for(case)}
+  dpa = impls["dpa-xla"]
+  [got] = dpa.per_call_numpy(dpa.build()([dpa.prepare((q, k, v))]), [0])[0]
+  np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert "key/value heads" in attention._pallas_check(grouped=True)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="--kv_heads"):
+    attention.all_cases(layout, "float32", "1x4x32x48x16", kv_heads=3)
+
+
 def test_mlp_chain_cpu(tmp_path):
   prefix = tmp_path / "mlp"
   out = _run(["-m", "benchmarks.mlp_chain", "--shapes=4x32x64x32x16", "--reps=1",

@@ -1159,6 +1159,35 @@ def test_self_check_tolerance_follows_the_float32_dot_precision():
   assert launch.tolerance(g16) == launch.tolerance(T.with_precision(g16, "ieee")) == 2e-3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_attention_runs_through_the_kernel(causal, caplog):
+  """``jax.nn.dot_product_attention`` with 2 key/value heads for 8 query
+  heads: the kernel (Triton's interpreter) reads each program's query head
+  at a tile of one and matches jax.jit, with and without the causal mask."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import tiling  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((2, 48, 8, 32)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, 48, 2, 32)), jnp.float32) for _ in range(2))
+  [cap] = capture.find_regions(jax.make_jaxpr(attend)(q, k, v))
+  [group] = tiling.scalar_dot_loops(cap.region)
+  best = plan_region(cap.region, "h100", use_cache=False).best
+  assert best.tile(group) == 1
+  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+    got = jaxfuse.jit(attend)(q, k, v)
+  assert not [r for r in caplog.records if "original ops" in r.getMessage()]
+  want = jax.jit(attend)(q, k, v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
 def test_windows_of_an_input_run_in_place_through_the_kernel(caplog):
   """jnp.split / basic slicing of an input: the kernel (Triton's interpreter)
   reads the windows at their offsets in the whole array, and matches jax.jit."""

@@ -198,6 +198,44 @@ def test_rule3_tiles():
   assert pruning.tile_candidates(cap.region, one) == (1,)
 
 
+def _gqa_region(b=1, t=2048, heads=32, kv_heads=8, d=128, causal=True):
+  """The region ``jax.nn.dot_product_attention`` captures for grouped-query
+  attention (``kv_heads`` key/value heads shared by ``heads`` query heads)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  q = jax.ShapeDtypeStruct((b, t, heads, d), jnp.float16)
+  k = jax.ShapeDtypeStruct((b, t, kv_heads, d), jnp.float16)
+  [cap] = capture.find_regions(jax.make_jaxpr(
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal))(q, k, k))
+  return cap.region
+
+
+def test_grouped_query_heads_take_a_tile_of_one():
+  """GQA's first contraction has two M loops: the query tokens and the query
+  heads of a key head (4 here). The head loop may take a tile of 1 (one head
+  per program, the tokens the tl.dot's rows); both tiled, the contraction
+  was a broadcast product and every plan lost to XLA."""
+  r = _gqa_region()
+  ext = r.loop_extents
+  [group] = [l for l, e in ext.items() if e == 4]
+  [tokens] = [l for l, e in ext.items() if e == 2048 and l in r.value(r.ops[0].lhs).loops]
+  assert tiling.scalar_dot_loops(r) == (group,)
+  assert pruning.tile_candidates(r, group) == (1, 16)
+  assert 1 not in pruning.tile_candidates(r, tokens)
+  res = plan_region(r, "h100", use_cache=False)
+  best = res.best
+  assert best.tile(group) == 1 and group in best.grid and best.tile(tokens) >= 64
+  # The model now prices it as multi-head attention of 32 heads, far under
+  # XLA's separate kernels (it predicted 2046 us against XLA's 1260 before).
+  assert not cost_model.slower_than_unfused(r, best, H100)
+  mha = plan_region(_gqa_region(kv_heads=32), "h100", use_cache=False).best
+  assert best.predicted.time_s < 1.2 * mha.predicted.time_s
+  # Neither an MHA head loop (a batch loop) nor a GEMM chain's rows qualify.
+  assert tiling.scalar_dot_loops(_gqa_region(kv_heads=32)) == ()
+  assert tiling.scalar_dot_loops(chain4(512, 256, 64, 64)) == ()
+
+
 def test_loop_pieces():
   assert tiling.loop_pieces(80) == (64, 16)
   assert tiling.loop_pieces(72) == (64, 16)        # the 16 is padded to 8 and masked

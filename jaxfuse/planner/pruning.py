@@ -106,7 +106,9 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
   """Legal tiles for ``loop``: 1 for batch loops and loops of extent 1, powers of two >= 16 up to
   the next power of two above the extent for ``tl.dot`` loops (>= 1 for
   others), filtered by Rule 3 (see the module docstring for the padded
-  single tile kept for extents like 80)."""
+  single tile kept for extents like 80), and 1 as well for a dot loop that
+  shares its role with another (``tiling.scalar_dot_loops``: the query
+  heads of a key head in grouped-query attention)."""
   ext = region.extent(loop)
   # A loop of extent 1 (BERT's batch of one, indexing the activations but
   # not the weights) is a scalar index, not a dot dim: a tile of 16 there
@@ -127,6 +129,8 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
     keep.append(hi)
   if not keep:
     keep = [min(cands, key=lambda t: (padding_ratio(ext, t), t))]
+  if lo > 1 and loop in tiling.scalar_dot_loops(region):
+    keep.append(1)
   return tuple(sorted(keep))
 
 

@@ -39,7 +39,7 @@ from absl import logging
 
 __all__ = [
     "Stmt", "LoopNode", "TilingExpr", "Node", "PlacementError", "parse",
-    "batch_loops", "free_spatial_loops", "dot_loops", "tiled_loops",
+    "batch_loops", "free_spatial_loops", "dot_loops", "scalar_dot_loops", "tiled_loops",
     "default_grid", "enumerate_skeletons", "strip_loops", "place",
     "streamable_loops", "statement_contexts", "reduced_by", "next_pow2",
     "loop_pieces", "pieced_loops", "piece_sizes",
@@ -443,6 +443,39 @@ def dot_loops(region) -> tuple[str, ...]:
     for v in (op.lhs, op.rhs, op.out):
       out.update(l for l in region.value(v).loops if l not in b)
   return tuple(l.name for l in region.loops if l.name in out)
+
+
+def scalar_dot_loops(region) -> tuple[str, ...]:
+  """Dot loops that may take a tile of 1 and bind to program ids, each
+  program then reading one index of them, as of a batch loop.
+
+  A loop qualifies when no op reduces it and, in every contraction it is an
+  M (or N) loop of, another loop of at least ``MIN_DOT_TILE`` shares that
+  role, so the contraction stays one ``tl.dot`` over the other. Why:
+  grouped-query attention (``jax.nn.dot_product_attention`` with fewer key
+  and value heads than query heads) has two M loops, the query tokens and
+  the query heads of a key head (4 for 32 heads over 8). Both tiled, its
+  first contraction was a broadcast product, and with a head group of 4
+  padded to 16 rows every plan lost to XLA."""
+  b = set(batch_loops(region))
+  red = set(region.reduced_loops())
+  ext = region.loop_extents
+  out = []
+  for l in dot_loops(region):
+    if l in red or ext[l] == 1:
+      continue
+    ok, seen = True, False
+    for op in region.contractions:
+      lhs, rhs = set(region.value(op.lhs).loops) - b, set(region.value(op.rhs).loops) - b
+      res = set(region.value(op.out).loops) - b
+      for side, other in ((lhs, rhs), (rhs, lhs)):
+        role = (side & res) - other
+        if l in role:
+          seen = True
+          ok = ok and any(x != l and ext[x] >= MIN_DOT_TILE for x in role)
+    if seen and ok:
+      out.append(l)
+  return tuple(out)
 
 
 def free_spatial_loops(region) -> tuple[str, ...]:

@@ -776,6 +776,9 @@ class _Printer:
     use_dot = roles is not None
     if use_dot:
       bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
+      if acc is None and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims):
+        # C = A.B as (B^T.A^T)^T: tl.dot yields C in its own order.
+        a, b, dtA, dtB, M, N = b, a, dtB, dtA, N, M
     pk = next((l for l in red_in if l in self.pieces), None)
     if pk is not None and not (use_dot and a.pieces and b.pieces):
       raise CodegenError(f"internal: pieced loop {pk} in {op.out}, which is not one tl.dot")
@@ -832,6 +835,21 @@ class _Printer:
     if acc is not None:
       return f"{acc} + {expr}", order
     return expr, order
+
+  def _swap_dot_operands(self, op: ir.Contraction, order, swapped, out_dims) -> bool:
+    """Whether to give ``tl.dot`` the operands of ``op`` in the other order.
+
+    Yes when only the other order yields the result in ``out_dims`` (the
+    tile order its consumers read), unless that moves a tile computed in
+    registers out of tl.dot's left operand (wgmma reads only the left one
+    from registers) for a loaded right one. Why: jax traces the
+    grouped-query einsum ``bqkgd,bskd->bkgqs`` as K.Q^T; printed as is, the
+    score tile was transposed every key step (``tl.trans(tl.dot(k, q^T))``)
+    and multi-query attention ran 8.7x slower than cuDNN (H100, 2026-11-23).
+    """
+    if tuple(order) == tuple(out_dims) or tuple(swapped) != tuple(out_dims):
+      return False
+    return not (op.lhs not in self.inputs and op.rhs in self.inputs)
 
   # -------------------------------------------------------- accumulation
   def acc_order(self, op) -> tuple[str, ...]:

@@ -231,9 +231,13 @@ def test_grouped_query_heads_take_a_tile_of_one():
   assert not cost_model.slower_than_unfused(r, best, H100)
   mha = plan_region(_gqa_region(kv_heads=32), "h100", use_cache=False).best
   assert best.predicted.time_s < 1.2 * mha.predicted.time_s
-  # Neither an MHA head loop (a batch loop) nor a GEMM chain's rows qualify.
+  # Neither an MHA head loop (a batch loop) nor a GEMM chain's rows qualify;
+  # of two long M loops (multi-query: 16 heads share one), only the shorter
+  # does, so the dot always keeps rows.
   assert tiling.scalar_dot_loops(_gqa_region(kv_heads=32)) == ()
   assert tiling.scalar_dot_loops(chain4(512, 256, 64, 64)) == ()
+  mqa = _gqa_region(heads=16, kv_heads=1, d=64)
+  assert [mqa.extent(l) for l in tiling.scalar_dot_loops(mqa)] == [16]
 
 
 def test_loop_pieces():

@@ -450,8 +450,10 @@ def scalar_dot_loops(region) -> tuple[str, ...]:
   program then reading one index of them, as of a batch loop.
 
   A loop qualifies when no op reduces it and, in every contraction it is an
-  M (or N) loop of, another loop of at least ``MIN_DOT_TILE`` shares that
-  role, so the contraction stays one ``tl.dot`` over the other. Why:
+  M (or N) loop of, a longer loop of at least ``MIN_DOT_TILE`` shares that
+  role (of two as long, the first in region order), so the contraction
+  stays one ``tl.dot`` over it: the longest loop of a role never takes a
+  tile of one. Why:
   grouped-query attention (``jax.nn.dot_product_attention`` with fewer key
   and value heads than query heads) has two M loops, the query tokens and
   the query heads of a key head (4 for 32 heads over 8). Both tiled, its
@@ -460,6 +462,7 @@ def scalar_dot_loops(region) -> tuple[str, ...]:
   b = set(batch_loops(region))
   red = set(region.reduced_loops())
   ext = region.loop_extents
+  rank = {x.name: (x.extent, -i) for i, x in enumerate(region.loops)}
   out = []
   for l in dot_loops(region):
     if l in red or ext[l] == 1:
@@ -472,7 +475,7 @@ def scalar_dot_loops(region) -> tuple[str, ...]:
         role = (side & res) - other
         if l in role:
           seen = True
-          ok = ok and any(x != l and ext[x] >= MIN_DOT_TILE for x in role)
+          ok = ok and any(ext[x] >= MIN_DOT_TILE and rank[x] > rank[l] for x in role)
     if seen and ok:
       out.append(l)
   return tuple(out)

@@ -17,7 +17,9 @@ Layout changes a baseline needs are done once before timing. Case names:
 ``S1-causal``.., ``L-T<seq>-d<dim>`` (batch 8, 16 heads) with causal
 variants, and grouped-query attention (fewer key/value heads than query
 heads, as in Llama 3, Mistral and Qwen2: ``GQA-T<seq>-h<heads>-kv<kv>``,
-``MQA-...`` for one key/value head; groups ``gqa`` and ``gqa-causal``). The
+``MQA-...`` for one key/value head; groups ``gqa`` and ``gqa-causal``), and
+decoding steps (one query token against a key/value cache,
+``DEC-B<batch>-S<keys>-h<heads>-kv<kv>``; group ``decode``). The
 plain function of a grouped case folds each key/value head's query heads
 into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
 ``jax.nn.dot_product_attention``'s XLA path does. Causal masks are top-left
@@ -82,6 +84,15 @@ GROUPED = {"GQA-T2048-h32-kv8": (2, 32, 8, 2048, 128),
            "GQA-T4096-h32-kv8": (1, 32, 8, 4096, 128),
            "GQA-T2048-h64-kv8": (1, 64, 8, 2048, 128),
            "MQA-T2048-h16-kv1": (4, 16, 1, 2048, 64)}
+
+# (batch, heads, kv heads, keys, d): one decoding step, one query token per
+# sequence against a key/value cache (Llama-3-8B's 32 query heads over 8 at
+# 4096 and 16384 keys; multi-head attention with a 32-head cache). No causal
+# variant: the new token attends to every cached key.
+DECODE = {"DEC-B1-S4096-h32-kv8": (1, 32, 8, 4096, 128),
+          "DEC-B8-S4096-h32-kv8": (8, 32, 8, 4096, 128),
+          "DEC-B1-S16384-h32-kv8": (1, 32, 8, 16384, 128),
+          "DEC-B4-S4096-h32-kv32": (4, 32, 32, 4096, 128)}
 
 
 def unpack_qkv(qkv, heads: int):
@@ -171,7 +182,7 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
   the ``shapes`` cases."""
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
-            "gqa": [], "gqa-causal": [], "shapes": []}
+            "gqa": [], "gqa-causal": [], "decode": [], "shapes": []}
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
@@ -194,6 +205,12 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                     group="grouped-query" + (" causal" if causal else ""), dtype=dtype)
       cases[c.name] = c
       groups["gqa" + sfx].append(c.name)
+  if layout != "packed":
+    for s, (b, h, kv, n, d) in DECODE.items():
+      c = make_case(s, b, h, 1, n, d, d, causal=False, layout=layout, kv_heads=kv,
+                    group="decode", dtype=dtype)
+      cases[c.name] = c
+      groups["decode"].append(c.name)
   for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
     causal = sfx == "c"
     kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""

@@ -194,6 +194,11 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
       name = f"L-T{t}-d{d}"
       cases[name] = attention.make_case(name, 8, 16, t, t, d, d, causal=False, layout="bhtd",
                                         group="large", dtype=dtype)
+  # Decoding steps (one query token against a key/value cache): plans
+  # split the key loop across programs. Not run by default.
+  for name, (b, h, kv, n, d) in attention.DECODE.items():
+    cases[name] = attention.make_case(name, b, h, 1, n, d, d, causal=False, layout="bthd",
+                                      kv_heads=kv, group="decode", dtype=dtype)
   # A GEMM with its bias and tanh-GELU at decode-like token counts, the first
   # part of an FFN that XLA leaves whole (``mlp_chain``): a weight-streaming
   # region, unlike the chains above. Not run by default.

@@ -228,6 +228,28 @@ def test_attention_grouped_query_cases_match_dot_product_attention(layout):
     attention.all_cases(layout, "float32", "1x4x32x48x16", kv_heads=3)
 
 
+def test_attention_decode_cases_are_one_query_token_against_a_cache():
+  """The decode group: one query token per sequence against a long key/value
+  cache, grouped heads where kv < heads, no causal variant (the new token
+  sees every cached key); a small decoding step through the same builder is
+  what ``jax.nn.dot_product_attention`` computes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases("bthd", "float32")
+  assert groups["decode"] == list(attention.DECODE)
+  assert not any(n.startswith("DEC") for n in groups["causal"])
+  p = cases["DEC-B8-S4096-h32-kv8"].params
+  assert (p["batch"], p["M"], p["N"], p["heads"], p["kv_heads"], p["causal"]) == (8, 1, 4096, 32, 8, False)
+  assert "DEC-B1-S4096-h32-kv8" not in attention.all_cases("packed", "float32")[0]
+  case = attention.make_case("dec", 2, 4, 1, 40, 16, 16, causal=False, layout="bthd",
+                             group="decode", dtype="float32", kv_heads=2)
+  q, k, v = case.make_inputs(jax.random.key(1), "float32")
+  assert q.shape == (2, 1, 4, 16) and k.shape == (2, 40, 2, 16)
+  want = jax.nn.dot_product_attention(q, k, v)
+  np.testing.assert_allclose(np.asarray(jax.jit(case.fn)(q, k, v)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+
+
 def test_mlp_chain_cpu(tmp_path):
   prefix = tmp_path / "mlp"
   out = _run(["-m", "benchmarks.mlp_chain", "--shapes=4x32x64x32x16", "--reps=1",

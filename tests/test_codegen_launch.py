@@ -1436,3 +1436,23 @@ def test_compute_bound_gemm_gelu_is_left_to_the_model_not_the_mbci_rule():
       dataclasses.replace(r.outputs[0], value=r.ops[0].out),))
   assert cost_model.unfused_time(part.region, h100) == pytest.approx(
       cost_model.unfused_time(plain, h100) + gelu_s)
+
+
+def test_decoding_step_runs_split_across_programs():
+  """A decoding step (one query token, 1024 keys, 8 query heads over 2
+  key/value heads): the planner splits the key loop across programs, and
+  the main and combine kernels (Triton's interpreter) match the IR."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+
+  q = jax.ShapeDtypeStruct((1, 1, 8, 32), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, 1024, 2, 32), jnp.float32)
+  [cap] = capture.find_regions(jax.make_jaxpr(
+      lambda q, k, v: jax.nn.dot_product_attention(q, k, v))(q, kv, kv))
+  r = cap.region
+  best = plan_region(r, "h100", use_cache=False).best
+  assert best.split and r.extent(best.split[0]) == 1024
+  k = generate(r, best, interpret=True)
+  assert k.combine_fn is not None and "part_" in k.source   # scratch of the parts
+  xs = launch.random_inputs(r, seed=4)
+  assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r)

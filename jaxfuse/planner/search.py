@@ -88,39 +88,68 @@ class SearchResult:
   space: dict
 
 
-def splittable_loops(region: ir.Region) -> tuple[str, ...]:
-  """Reduction loops whose reducing ops are all contractions that no other
-  contraction reads from: partial sums over parts of such a loop combine
-  by addition in a second pass, which then runs the elementwise epilogue
-  (GELU, a bias, the join of a gated MLP's two GEMMs) on the sums. A loop
-  whose sums feed a further contraction (GEMM 1 of a chain) is not split:
-  the combine pass would carry the rest of the chain.
+# A streamed (online-softmax) loop is split across programs only when it is
+# at least this long. Why: the split adds a combine kernel of 1.4-3.1 us
+# (H100, thirty-sixth session), which a short key loop's kernel cannot win
+# back: MCFuser S9 (512 keys), whose split the model ranks first, ran 5.73
+# us split against 5.12 us unsplit (ninth session) and 4.84 against 4.69 us
+# of kernel time (thirty-sixth), and S7/S8's split plans ran 1.1-1.5 us
+# slower than their unsplit ones. Decoding steps (4096-16384 keys) ran
+# 1.1-2.9x faster than XLA split.
+MIN_STREAMED_SPLIT_EXTENT = 1024
 
-  The code generator can also split a streamed (online-softmax) loop, the
-  combine pass rescaling each part by its running max as flash-decoding
-  does; the planner does not offer it: on the H100 (2026-11-21) the one
-  attention it chose it for, S9, ran 5.7 us in two kernels against 5.1 us
-  unsplit, the combine alone taking 2.8 us (benchmarks/RESULTS.md, ninth
-  session)."""
+
+def splittable_loops(region: ir.Region, *, streamed: bool = True) -> tuple[str, ...]:
+  """Reduction loops whose parts may run in separate programs, their
+  partial results combined by a second pass that then runs the rest of the
+  region (GELU, a bias, the join of a gated MLP's two GEMMs, a softmax's
+  division) on the combined values. Two kinds:
+
+  * a loop that only contractions reduce: the partial sums add up;
+  * with ``streamed``, a loop that streams online (``tiling.streamable_loops``:
+    softmax attention's key loop) and that only its running maxima and
+    rescaled accumulators reduce: the combine pass rescales each part by
+    its running max, as flash-decoding does.
+
+  Either way, no contraction may read a value computed after the loop (the
+  sums of GEMM 1 of a chain feed GEMM 2): the combine pass would carry the
+  rest of the chain.
+
+  Example::
+
+      splittable_loops(examples.gemm_chain(1, 512, 512, 512, 256))   # ('n',)
+      splittable_loops(examples.attention(1, 1, 1, 4096, 128))       # ('n',)
+  """
+  online = tiling.streamable_loops(region) if streamed else frozenset()
   out = []
   for l in region.reduced_loops():
     reducers = [op for op in region.ops if l in tiling.reduced_by(op)]
-    if reducers and all(isinstance(op, ir.Contraction) and not _feeds_contraction(region, op)
-                        for op in reducers):
+    if not reducers:
+      continue
+    if l in online:
+      ok = not any(_feeds_contraction(region, op, within=l) for op in reducers)
+    else:
+      ok = all(isinstance(op, ir.Contraction) and not _feeds_contraction(region, op)
+               for op in reducers)
+    if ok:
       out.append(l)
   order = [x.name for x in region.loops]
   return tuple(sorted(out, key=order.index))
 
 
-def _feeds_contraction(region: ir.Region, op) -> bool:
-  """Does a contraction read a value computed from ``op``'s result?"""
+def _feeds_contraction(region: ir.Region, op, within: Optional[str] = None) -> bool:
+  """Does a contraction read a value computed from ``op``'s result? With
+  ``within``, only values computed after that loop count (the walk does
+  not pass through values that still run along it: a softmax's
+  ``exp(x - max)`` is computed inside the loop, in each part)."""
+  vm = region.value_map
   stack, seen = [op.out], set()
   while stack:
     v = stack.pop()
     for c in region.consumers(v):
       if isinstance(c, ir.Contraction):
         return True
-      if c.out not in seen:
+      if c.out not in seen and (within is None or within not in vm[c.out].loops):
         seen.add(c.out)
         stack.append(c.out)
   return False
@@ -157,6 +186,8 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   # plans the model picks for MCFuser G4-G7 and G10 beat both the unsplit
   # plans and XLA on the H100 (benchmarks/RESULTS.md, ninth session).
   for l in (splittable_loops(region) if config.allow_split else ()):
+    if l in stream and region.extent(l) < MIN_STREAMED_SPLIT_EXTENT:
+      continue
     for p in (2, 4, 8, 16):
       if math.ceil(region.extent(l) / 16) >= p:
         splits.append((l, p))

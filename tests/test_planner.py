@@ -379,7 +379,7 @@ def test_splittable_loops():
   assert search.splittable_loops(examples.gemm_chain(1, 512, 512, 512, 256)) == ("n",)
   att = examples.attention(1, 1, 1024, 512, 64)
   assert search.splittable_loops(att) == ("n",)
-  assert search.splittable_loops(att, streamed=False) == ()
+  assert search.splittable_loops(att, frozenset()) == ()         # not streamed: no split
   mlp = examples.mlp_chain(1, 32, (64, 128, 64, 32))
   assert search.splittable_loops(mlp) == ("k2",)       # only the last GEMM's loop
   # Attention whose output feeds a projection in the region: the combine
@@ -425,6 +425,9 @@ def test_decoding_step_splits_its_key_loop_across_programs():
   [key] = [l for l in search.splittable_loops(dec) if dec.extent(l) == 4096]
   space = search.build_space(dec, h100)
   assert (key, 16) in space.splits
+  # A search told the loop does not stream (single tile) offers no split of it.
+  assert all(s is None or s[0] != key
+             for s in search.build_space(dec, h100, streamable=frozenset()).splits)
   best = plan_region(dec, h100, use_cache=False).best
   assert best.split == (key, 16)
   _check_executable(dec, best)

@@ -701,9 +701,9 @@ def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[s
   split = getattr(plan, "split", None)
   if (split and split[0] in tiling.streamable_loops(region)
       and UNFUSED_MARGIN <= ratio < STREAMED_SPLIT_UNCERTAIN_BELOW):
-    return (f"the key loop split across programs (flash-decoding), predicted at "
-            f"{ratio:.2f}x the separate kernels' time: the model is not fitted to "
-            f"such plans or to XLA's ops at these shapes")
+    return (f"streamed loop {split[0]} split across programs (flash-decoding), "
+            f"predicted at {ratio:.2f}x the separate kernels' time: the model is not "
+            f"fitted to such plans or to XLA's ops at these shapes")
   if ratio >= UNCERTAIN_BELOW:
     return None
   wide = sorted({contraction_dtype(region, op) for op in region.contractions}

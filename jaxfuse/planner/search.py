@@ -89,27 +89,28 @@ class SearchResult:
 
 
 # A streamed (online-softmax) loop is split across programs only when it is
-# at least this long. Why: the split adds a combine kernel of 1.4-3.1 us
+# at least this long. Why: the split adds a combine kernel of 1.4-2.7 us
 # (H100, thirty-sixth session), which a short key loop's kernel cannot win
 # back: MCFuser S9 (512 keys), whose split the model ranks first, ran 5.73
 # us split against 5.12 us unsplit (ninth session) and 4.84 against 4.69 us
-# of kernel time (thirty-sixth), and S7/S8's split plans ran 1.1-1.5 us
-# slower than their unsplit ones. Decoding steps (4096-16384 keys) ran
-# 1.1-2.9x faster than XLA split.
+# of kernel time (thirty-sixth), and S7/S8's best split plans ran about
+# 1.1 us slower than their best unsplit ones. Decoding steps (4096-16384
+# keys) ran 1.1-2.9x faster than XLA split.
 MIN_STREAMED_SPLIT_EXTENT = 1024
 
 
-def splittable_loops(region: ir.Region, *, streamed: bool = True) -> tuple[str, ...]:
+def splittable_loops(region: ir.Region, streamable: Optional[frozenset[str]] = None
+                     ) -> tuple[str, ...]:
   """Reduction loops whose parts may run in separate programs, their
   partial results combined by a second pass that then runs the rest of the
   region (GELU, a bias, the join of a gated MLP's two GEMMs, a softmax's
   division) on the combined values. Two kinds:
 
   * a loop that only contractions reduce: the partial sums add up;
-  * with ``streamed``, a loop that streams online (``tiling.streamable_loops``:
-    softmax attention's key loop) and that only its running maxima and
-    rescaled accumulators reduce: the combine pass rescales each part by
-    its running max, as flash-decoding does.
+  * a loop in ``streamable`` (default ``tiling.streamable_loops(region)``;
+    softmax attention's key loop), which streams online and which only its
+    running maxima and rescaled accumulators reduce: the combine pass
+    rescales each part by its running max, as flash-decoding does.
 
   Either way, no contraction may read a value computed after the loop (the
   sums of GEMM 1 of a chain feed GEMM 2): the combine pass would carry the
@@ -120,7 +121,7 @@ def splittable_loops(region: ir.Region, *, streamed: bool = True) -> tuple[str, 
       splittable_loops(examples.gemm_chain(1, 512, 512, 512, 256))   # ('n',)
       splittable_loops(examples.attention(1, 1, 1, 4096, 128))       # ('n',)
   """
-  online = tiling.streamable_loops(region) if streamed else frozenset()
+  online = tiling.streamable_loops(region) if streamable is None else streamable
   out = []
   for l in region.reduced_loops():
     reducers = [op for op in region.ops if l in tiling.reduced_by(op)]
@@ -185,7 +186,7 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   # pass re-tiles its outputs (1.4-2.0 us instead of up to 10 us), the split
   # plans the model picks for MCFuser G4-G7 and G10 beat both the unsplit
   # plans and XLA on the H100 (benchmarks/RESULTS.md, ninth session).
-  for l in (splittable_loops(region) if config.allow_split else ()):
+  for l in (splittable_loops(region, stream) if config.allow_split else ()):
     if l in stream and region.extent(l) < MIN_STREAMED_SPLIT_EXTENT:
       continue
     for p in (2, 4, 8, 16):

@@ -194,6 +194,23 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
       name = f"L-T{t}-d{d}"
       cases[name] = attention.make_case(name, 8, 16, t, t, d, d, causal=False, layout="bhtd",
                                         group="large", dtype=dtype)
+  # Causal attention (not run by default): the code generator skips the key
+  # tiles the mask hides, so programs differ in length and the model prices
+  # the tiles each runs (``cost_model.masked_trip_fractions``).
+  for s in ("S1", "S3", "S7"):
+    h, m, n, dk, dv, _ = attention.MCFUSER[s]
+    cases[f"{s}-causal"] = attention.make_case(f"{s}-causal", 1, h, m, n, dk, dv, causal=True,
+                                               layout="bhtd", group="MCFuser Table III causal",
+                                               dtype=dtype)
+  for name in ("L-T2048-d64", "L-T2048-d128"):
+    b, h, t, d = attention.LARGE[name]
+    cases[f"{name}-causal"] = attention.make_case(f"{name}-causal", b, h, t, t, d, d,
+                                                  causal=True, layout="bhtd",
+                                                  group="large causal", dtype=dtype)
+  b, h, kv, t, d = attention.GROUPED["GQA-T2048-h32-kv8"]
+  cases["GQA-T2048-h32-kv8-causal"] = attention.make_case(
+      "GQA-T2048-h32-kv8-causal", b, h, t, t, d, d, causal=True, layout="bhtd", kv_heads=kv,
+      group="grouped-query causal", dtype=dtype)
   # Decoding steps (one query token against a key/value cache): plans
   # split the key loop across programs. Not run by default.
   for name, (b, h, kv, n, d) in attention.DECODE.items():

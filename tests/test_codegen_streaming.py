@@ -73,3 +73,15 @@ def test_scaled_shift_by_literal_and_exp2():
   info = streaming.analyze(Region(r.loops, vals, r.inputs, r.outputs, tuple(ops)))
   sc = dict(info.streamed["n"].accumulators)["O"]
   assert sc.base == "2" and abs(sc.coef - 1.4426950408889634) < 1e-12
+
+
+def test_masked_tile_relation_of_a_causal_mask():
+  # keep iota(m) cmp iota(n)  <=>  n flip(cmp) m: the key tiles outside it are skipped
+  for cmp, rel in (("ge", "le"), ("gt", "lt"), ("le", "ge"), ("lt", "gt")):
+    r = testing.attention(causal=cmp)
+    assert streaming.masked_tile_relations(r) == {"n": (rel, "m")}, cmp
+  # A data mask or none: every key tile may contribute.
+  assert streaming.masked_tile_relations(testing.attention()) == {}
+  assert streaming.masked_tile_relations(testing.attention(mask=True)) == {}
+  # A plain sum along n sees masked scores (exp(-inf) is added to no max).
+  assert streaming.masked_tile_relations(testing.gemm_chain()) == {}

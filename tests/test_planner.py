@@ -1342,3 +1342,71 @@ def test_verdict_uncertain_for_float32_dots_and_near_the_bound():
   g1 = examples.gemm_chain(1, 512, 256, 64, 64)
   assert cost_model.verdict_uncertain(g6, plan_region(g6, h100, use_cache=False).best, h100)
   assert cost_model.verdict_uncertain(g1, plan_region(g1, h100, use_cache=False).best, h100) is None
+
+
+# -- causal masks: the key tiles each program runs ---------------------------
+
+def _kept_tiles(ext_l, t_l, ext_o, t_o, kind, parts):
+  """Per (tile of the other loop, part of l): l's tiles holding an index
+  that the mask keeps against some index of that tile, by brute force."""
+  keep = {"le": lambda b, a: b <= a, "lt": lambda b, a: b < a,
+          "ge": lambda b, a: b >= a, "gt": lambda b, a: b > a}[kind]
+  per = math.ceil(math.ceil(ext_l / t_l) / parts) * t_l
+  out = []
+  for i in range(math.ceil(ext_o / t_o)):
+    rows = range(i * t_o, (i + 1) * t_o)   # the program's index span, unclipped
+    for p in range(parts):
+      starts = range(p * per, min(ext_l, p * per + per), t_l)
+      out.append(sum(any(keep(b, a) for b in range(s, min(s + t_l, ext_l)) for a in (rows[0], rows[-1]))
+                     for s in starts))
+  return out
+
+
+@pytest.mark.parametrize("kind", ["le", "lt", "ge", "gt"])
+def test_masked_trip_counts_are_the_tiles_a_mask_keeps(kind):
+  rng = random.Random(kind)
+  for _ in range(40):
+    ext_l, ext_o = rng.randint(1, 300), rng.randint(1, 300)
+    if kind in ("ge", "gt"):
+      # rows past the last key keep no key at all (an undefined softmax)
+      ext_l = max(ext_l, 2)
+      ext_o = min(ext_o, ext_l - (kind == "gt"))
+    t_l, t_o = rng.choice((1, 16, 32, 64)), rng.choice((1, 16, 64, 128))
+    parts = rng.choice((1, 1, 2, 4))
+    counts, full = cost_model._masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
+    assert list(counts) == _kept_tiles(ext_l, t_l, ext_o, t_o, kind, parts), (
+        ext_l, t_l, ext_o, t_o, parts)
+    assert max(counts) <= full
+
+
+def _attention_pair(batch, heads, t, d, tiles):
+  """The same attention region without and with a causal mask (keep key <=
+  query), one placed plan for both."""
+  from jaxfuse.codegen import testing  # pylint: disable=import-outside-toplevel
+  full = testing.attention(t, t, d, B=batch, heads=heads, dtype="float16")
+  causal = testing.attention(t, t, d, B=batch, heads=heads, dtype="float16", causal=True)
+  grid = ("b", "g", "m")
+  sk = search.build_space(causal, H100).skeletons[grid][0]
+  return full, causal, tiling.place(causal, sk, tiles, grid), grid
+
+
+def test_causal_attention_is_priced_at_the_key_tiles_it_runs():
+  t = {"b": 1, "g": 1, "m": 256, "n": 64, "d": 128, "e": 128}
+  full, causal, expr, grid = _attention_pair(8, 16, 2048, 128, t)
+  assert tiling.masked_tile_relations(full) == {}
+  assert tiling.masked_tile_relations(causal) == {"n": ("le", "m")}
+  # query tile i runs key tiles 0 .. 4(i+1) - 1 of 32: mean 18/32; the last runs all
+  assert cost_model.masked_trip_fractions(causal, expr, t, grid) == {"n": (18 / 32, 1.0)}
+  pc = cost_model.predict(causal, expr, t, grid, H100, num_stages=3)
+  pn = cost_model.predict(causal, expr, t, grid, H100, num_stages=3, masked={})
+  assert pc.programs == pn.programs and pc.waves == pn.waves
+  assert pc.steps == 18 and pn.steps == 32
+  assert 0.5 < pc.time_s / pn.time_s < 0.65
+  assert pc.flops < 0.6 * pn.flops and pc.bytes_moved < 0.7 * pn.bytes_moved
+  # One wave (8 heads x 4 query tiles): every program starts at once and
+  # the one that runs every key tile sets the time: priced as unmasked.
+  ts = {"b": 1, "g": 1, "m": 128, "n": 64, "d": 64, "e": 64}
+  _, small, es, gs = _attention_pair(1, 8, 512, 64, ts)
+  ps = cost_model.predict(small, es, ts, gs, H100, num_stages=3)
+  pm = cost_model.predict(small, es, ts, gs, H100, num_stages=3, masked={})
+  assert ps.waves == 1 and ps == pm

@@ -40,7 +40,8 @@ from typing import Optional
 
 from jaxfuse import ir
 
-__all__ = ["Scale", "StreamedLoop", "StreamingInfo", "analyze"]
+__all__ = ["Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
+           "masked_tile_relation", "masked_tile_relations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,15 @@ class StreamingInfo:
   def is_online(self, loop: str) -> bool:
     s = self.streamed.get(loop)
     return bool(s and s.online)
+
+  def masked_tiles(self, region: ir.Region) -> dict[str, tuple[str, str]]:
+    """``masked_tile_relation`` of every streamed loop that has one."""
+    out = {}
+    for l, st in self.streamed.items():
+      r = masked_tile_relation(region, st)
+      if r is not None:
+        out[l] = r
+    return out
 
 
 class _NotStreamable(Exception):
@@ -278,3 +288,65 @@ def analyze(region: ir.Region) -> StreamingInfo:
     except _NotStreamable as e:
       single[loop.name] = str(e)
   return StreamingInfo(streamed=streamed, single_tile=single)
+
+
+# a cmp b  <=>  b _FLIP[cmp] a
+_FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
+
+
+def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str]]:
+  """``(cmp, other)`` when value ``pred`` is ``cmp(iota(a), iota(b))``
+  relating ``loop`` to another loop, normalized to ``loop cmp other``
+  (cmp in 'le', 'lt', 'ge', 'gt'); None otherwise."""
+  op = region.producer(pred) if isinstance(pred, str) else None
+  if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP
+          and all(isinstance(a, str) for a in op.args)):
+    return None
+  i0, i1 = (region.producer(a) for a in op.args)
+  if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
+    return None
+  if i1.loop == loop and i0.loop != loop:      # other (cmp) loop  ->  loop flip(cmp) other
+    return _FLIP[op.fn], i0.loop
+  if i0.loop == loop and i1.loop != loop:
+    return op.fn, i1.loop
+  return None
+
+
+def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[str, str]]:
+  """``(cmp, other)`` when every contribution of an index of the streamed
+  loop ``st.loop`` that fails ``loop cmp other`` is masked out: each running
+  max reads ``select(cmp'(iota, iota), x, -inf)`` relating the loop to the
+  same other loop, every shift by it subtracts from that masked value, and
+  every accumulator is rescaled by one of those maxima (so a masked score
+  adds exp(-inf) = 0 everywhere). A tile of the loop whose indices all fail
+  contributes nothing and may be skipped (a causal mask). None otherwise."""
+  if not st.online:
+    return None
+  accs = dict(st.accumulators)
+  for v, sc in accs.items():
+    if sc is None and v not in st.running_max:
+      return None     # a plain accumulator would see the masked tiles
+  res = None
+  for mx in st.running_max:
+    sel = region.producer(region.producer(mx).arg)
+    if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
+            and isinstance(sel.args[1], ir.Literal) and float(sel.args[1].value) == float("-inf")
+            and isinstance(sel.args[0], str)):
+      return None
+    for z, s in st.shifted:
+      if s.max == mx and region.producer(z).args[0] != region.producer(mx).arg:
+        return None
+    r = iota_relation(region, sel.args[0], st.loop)
+    if r is None or (res is not None and res != r):
+      return None
+    res = r
+  for v, sc in accs.items():
+    if sc is not None and sc.max not in st.running_max:
+      return None
+  return res
+
+
+def masked_tile_relations(region: ir.Region) -> dict[str, tuple[str, str]]:
+  """Loop -> ``(cmp, other)`` for every streamed loop of ``region`` whose
+  masked tiles the code generator skips (``masked_tile_relation``)."""
+  return analyze(region).masked_tiles(region)

@@ -82,8 +82,6 @@ _MAX_AXIS12 = 65535
 # wave of 128 programs, 4 key tiles) 6-8% slower, where each program's
 # latency is the kernel's and the second loop's pipeline fill adds to it.
 WHOLE_TILES_MIN_WAVES = 2
-# a cmp b  <=>  b _FLIP[cmp] a
-_FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
 
 
 # Math without libdevice, so that the interpreter (which has no libdevice)
@@ -1025,55 +1023,16 @@ class _Printer:
     return lo, hi
 
   def iota_relation(self, pred, l: str) -> Optional[tuple[str, str]]:
-    """('le'|'lt'|'ge'|'gt', other loop) when ``pred`` is ``cmp(iota(a),
-    iota(b))`` relating loop ``l`` to another loop, normalized to ``l cmp
-    other``; None otherwise."""
-    cmp = self.ops.get(pred) if isinstance(pred, str) else None
-    if not (isinstance(cmp, ir.Elementwise) and cmp.fn in _FLIP
-            and all(isinstance(a, str) for a in cmp.args)):
-      return None
-    i0, i1 = (self.ops.get(a) for a in cmp.args)
-    if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
-      return None
-    if i1.loop == l and i0.loop != l:      # other (cmp) l  ->  l flip(cmp) other
-      return _FLIP[cmp.fn], i0.loop
-    if i0.loop == l and i1.loop != l:
-      return cmp.fn, i1.loop
-    return None
+    """``streaming.iota_relation`` of this region."""
+    return streaming.iota_relation(self.r, pred, l)
 
   def causal_skip(self, n: str, lp: _Open) -> Optional[tuple[str, str]]:
-    """('le'|'lt'|'ge'|'gt', other loop) when every contribution of a tile of ``n``
-    is masked out by ``select(cmp(iota(other), iota(n)), -inf, x)`` feeding a
-    softmax-streamed max; derived from the IR."""
-    st = lp.stream
-    if st is None or not st.online:
+    """('le'|'lt'|'ge'|'gt', other loop) when tiles of ``n`` outside that
+    relation contribute nothing (``streaming.masked_tile_relation``, which
+    the cost model prices the same way)."""
+    if lp.stream is None:
       return None
-    accs = dict(st.accumulators)
-    for v, sc in accs.items():
-      if sc is None and v not in st.running_max:
-        return None     # a plain accumulator would see the masked tiles
-    res = None
-    for mxv in st.running_max:
-      mop = self.ops[mxv]
-      sel = self.ops.get(mop.arg)
-      if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
-              and isinstance(sel.args[1], ir.Literal) and float(sel.args[1].value) == float("-inf")
-              and isinstance(sel.args[0], str)):
-        return None
-      # Every shift by this max must subtract from the masked value itself.
-      for z, s in st.shifted:
-        if s.max == mxv and self.ops[z].args[0] != mop.arg:
-          return None
-      r = self.iota_relation(sel.args[0], n)
-      if r is None:
-        return None
-      if res is not None and res != r:
-        return None
-      res = r
-    for v, sc in accs.items():
-      if sc is not None and sc.max not in st.running_max:
-        return None
-    return res
+    return streaming.masked_tile_relation(self.r, lp.stream)
 
   def mask_relation(self, node: LoopNode) -> Optional[tuple[str, str, frozenset[str]]]:
     """('le'|'lt'|'ge'|'gt', other loop, selects) when every select of loop

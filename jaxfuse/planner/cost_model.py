@@ -62,6 +62,15 @@ slower than cuDNN):
   per step of the streamed loop (the code generator's
   ``acc *= exp(m_old - m_new)``), which narrow key tiles multiply.
 
+A loop whose tiles a causal mask hides runs only the tiles its program
+keeps (``masked_trip_fractions``, from the same relation the code
+generator's loop bounds skip by): work, bytes and steps at the average
+program's share, and the longest program as a bound (grids of
+``MASKED_MIN_WAVES`` or more waves). Priced as full, causal attention
+plans read 1.6-1.9x their measured kernel times (eight 8x16-head cases at
+T=2048-4096, H100, sixteenth and thirtieth sessions), about what the
+non-causal plans read.
+
 A split reduction (``Plan.split``) adds the second pass: partial results
 in fp32 written by the first kernel, read and reduced by the second, plus
 one kernel launch.
@@ -74,6 +83,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -86,6 +96,7 @@ __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "pr
            "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
            "verdict_uncertain", "UNCERTAIN_BELOW", "STREAMED_SPLIT_UNCERTAIN_BELOW",
+           "masked_trip_fractions", "MASKED_MIN_WAVES",
            "tf32_held_operand_bytes",
            "inner_loop_starts", "tf32_transposed_elements", "UNFUSED_MARGIN",
            "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT"]
@@ -403,16 +414,115 @@ def register_budget_bytes(num_warps: int, rows: int = 128) -> int:
   return num_warps * 32 * per_thread * 4
 
 
+# Masked tiles are priced as skipped only where the grid runs at least this
+# many waves. Then longest-first issue (the code generator's
+# ``heavy_first_loops``) evens the load over the waves and the average
+# program sets the time. In one wave every program starts at once and the
+# one that runs every tile sets it; SMs that also hold a second program run
+# a full-length one beside it, which the full-work throughput term stands
+# for. At 2-3 waves the per-wave average misprices the few heavy programs,
+# and the grids it would pick there (MCFuser S2 causal: 192-384 programs with
+# 2 per SM) are the partly co-resident ones the model already prices ~20%
+# fast (S2 non-causal, 192 programs: 6.7 predicted, 8.0 us measured; H100
+# fidelity sample of the thirteenth session).
+MASKED_MIN_WAVES = 4
+
+
+def masked_trip_fractions(region: ir.Region, expr: tiling.TilingExpr,
+                          tiles: Mapping[str, int], grid: Sequence[str],
+                          split: Optional[tuple[str, int]] = None,
+                          masked: Optional[Mapping[str, tuple[str, str]]] = None
+                          ) -> dict[str, tuple[float, float]]:
+  """Loop -> (mean, max) over programs of the fraction of its trips a
+  program runs, for each sequential loop whose tiles a causal mask hides
+  (``masked``: ``tiling.masked_tile_relations``, the relation the code
+  generator's loop bounds skip by) relative to a grid loop or a loop around
+  it. Why: the code generator skips those tiles, so causal attention runs
+  about half the key steps of the full loop; priced as full, every causal
+  plan read ~2x its measured time and its tiles were chosen for the full
+  loop."""
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
+  if not masked:
+    return {}
+  ext = region.loop_extents
+  out = {}
+  seen = set()
+  for _, enclosing in tiling.statement_contexts(expr):
+    for depth, l in enumerate(enclosing):
+      if l in seen or l not in masked:
+        continue
+      kind, other = masked[l]
+      if other in grid:
+        per_program = True
+      elif other in enclosing[:depth]:
+        per_program = False
+      else:
+        continue
+      seen.add(l)
+      parts = split[1] if split and split[0] == l else 1
+      mean, most = _masked_trips(ext[l], tiles[l], ext[other], tiles[other], kind, parts)
+      if not per_program:   # a program runs every tile of the other loop
+        most = _part_max(ext[l], tiles[l], ext[other], tiles[other], kind, parts)
+      out[l] = (mean, most)
+  return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _masked_trip_counts(ext_l: int, t_l: int, ext_o: int, t_o: int, kind: str,
+                        parts: int) -> tuple[tuple[int, ...], int]:
+  """Trips of loop l that the code generator runs for each (tile of the
+  other loop, part of l) pair, as its loop bounds compute them, and the
+  full per-part trip count."""
+  full = math.ceil(math.ceil(ext_l / t_l) / parts)
+  per = full * t_l
+  counts = []
+  for i in range(math.ceil(ext_o / t_o)):
+    first, last1 = i * t_o, (i + 1) * t_o
+    for p in range(parts):
+      lo, hi = p * per, min(ext_l, p * per + per)
+      if kind == "le":
+        hi = min(hi, last1)
+      elif kind == "lt":
+        hi = min(hi, last1 - 1)
+      elif kind == "ge":
+        lo = max(lo, first // t_l * t_l)
+      else:   # gt
+        lo = max(lo, (first + 1) // t_l * t_l)
+      counts.append(max(0, math.ceil((hi - lo) / t_l)))
+  return tuple(counts), full
+
+
+def _masked_trips(ext_l, t_l, ext_o, t_o, kind, parts) -> tuple[float, float]:
+  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
+  return sum(counts) / (len(counts) * full), max(counts) / full
+
+
+def _part_max(ext_l, t_l, ext_o, t_o, kind, parts) -> float:
+  """The largest fraction one part runs over all tiles of the other loop
+  (when that loop is sequential, a program runs all of its tiles)."""
+  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
+  tiles_o = len(counts) // parts
+  return max(sum(counts[i * parts + p] for i in range(tiles_o))
+             for p in range(parts)) / (tiles_o * full)
+
+
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
             grid: Sequence[str], device: DeviceSpec,
             split: Optional[tuple[str, int]] = None,
             streamable: Optional[frozenset] = None,
             num_stages: Optional[int] = None,
-            num_warps: Optional[int] = None) -> Prediction:
+            num_warps: Optional[int] = None,
+            masked: Optional[Mapping[str, tuple[str, str]]] = None) -> Prediction:
   """The model's time for a placed plan (see the module docstring).
   ``streamable``: loops the code generator streams (default
   ``tiling.streamable_loops(region)``); ``num_stages``, ``num_warps``: the
-  plan's pipeline depth and warps (default: ``choose_warps_stages``'s)."""
+  plan's pipeline depth and warps (default: ``choose_warps_stages``'s);
+  ``masked``: loops whose masked tiles the code generator skips (default
+  ``tiling.masked_tile_relations(region)``, see ``masked_trip_fractions``).
+  Where a plan of ``MASKED_MIN_WAVES`` or more waves skips tiles, programs
+  differ in length: the grid's time is its average program's per wave, and
+  at least its longest program's."""
   if streamable is None:
     streamable = tiling.streamable_loops(region)
   if num_stages is None:
@@ -427,40 +537,18 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     return t
 
   programs = num_programs(region, tiles, grid, split)
-  per_tensor = movement.placed_volume(region, expr, tiles, grid, split)
-  bytes_moved = sum(per_tensor.values())
-  flops = 0
-  vec = 0
-  sfu = 0
-  t_dot = 0.0
-  steps = 1
-  for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind != "C":
-      continue
-    steps = max(steps, math.prod(trips(l) for l in enclosing))
-    op = region.producer(st.value)
-    ol = set(region.op_loops(op))
-    around = set(enclosing) | set(grid)
-    work = 1
-    for l in ol:
-      work *= tiles[l] * (trips(l) if l in around else 1)
-    for l in around - ol:
-      work *= trips(l)
-    if split:
-      # every part runs this statement; per-program trips of the split loop
-      # are already its share
-      work *= split[1]
-    if isinstance(op, ir.Contraction):
-      flops += 2 * work
-      peak = device.dot_peak(contraction_dtype(region, op), op.precision)
-      t_dot += 2 * work / (peak * dot_efficiency(region, op, tiles, device))
-      for l in _rescaled_by_stream(region, op, streamable):
-        if l in around and trips(l) > 1:
-          vec += work // tiles[l]
-    elif isinstance(op, ir.Elementwise) and op.fn in TRANSCENDENTAL:
-      sfu += work
-    else:
-      vec += work
+  sms = device.sm_count
+  num_warps = num_warps or choose_warps(region, tiles)
+  smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
+  pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps, smem_bytes)
+  waves = math.ceil(programs / (sms * pps))
+  fractions = {}
+  if waves >= MASKED_MIN_WAVES:
+    fractions = masked_trip_fractions(region, expr, tiles, grid, split, masked)
+  mean = {l: f[0] for l, f in fractions.items()}
+  work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean)
+  bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())
+  flops, t_dot, vec, sfu, steps = work
   t_mem = bytes_moved / device.mem_bandwidth_Bps
   t_comp = t_dot + vec / device.vector_flops + sfu / device.sfu_ops
   extra = 0.0
@@ -474,43 +562,105 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     t_mem += (partial - final) / device.mem_bandwidth_Bps
     extra = (partial + final) / device.mem_bandwidth_Bps + device.kernel_launch_s
     bytes_moved += 2 * partial
-  sms = device.sm_count
-  num_warps = num_warps or choose_warps(region, tiles)
-  smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
-  pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps, smem_bytes)
-  waves = math.ceil(programs / (sms * pps))
   # Warpgroups (4 warps) that run at once: within one program, and on
   # every SM (co-resident programs count when each SM gets them; in a
   # partial wave the SMs holding two programs set the time, and an
   # attention sample, S2, ranked such grids 26% too fast when they did).
   groups = max(1, num_warps // 4)
   per_sm = max(1, min(pps, programs // sms)) * groups
-  t_vec = t_comp - t_dot
-  t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
   share = min(1.0, max(0.0, per_sm - 1.0))
+
+  def program_time(t_dot, t_comp, moved, steps, scale):
+    def run_trips(l):
+      return trips(l) * scale.get(l, 1.0)
+    t_vec = t_comp - t_dot
+    t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
+    t = (moved / programs / device.sm_bandwidth_Bps
+         + t_busy * sms / programs + steps * device.loop_step_s
+         + inner_loop_starts(expr, run_trips if scale else trips) * NESTED_LOOP_FILL_S
+         + tf32_transposed_elements(region, expr, tiles, run_trips if scale else trips,
+                                    device.mma_rows) * TF32_TRANSPOSE_S_PER_ELEMENT)
+    return t * (1.0 + STAGE2_PENALTY) if num_stages <= 2 else t
+
+  t_program = program_time(t_dot, t_comp, bytes_moved, steps, mean)
+  t_grid = waves * t_program
+  if fractions:
+    # The longest program (heavy programs are issued first, so a partial
+    # last wave holds short ones and the average sets the waves' time).
+    most = {l: f[1] for l, f in fractions.items()}
+    _, l_dot, l_vec, l_sfu, l_steps = _statement_work(region, expr, tiles, grid, split, trips,
+                                                      streamable, device, most)
+    l_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, most).values())
+    if split:
+      l_moved += 2 * partial
+    l_comp = l_dot + l_vec / device.vector_flops + l_sfu / device.sfu_ops
+    t_grid = max(t_grid, program_time(l_dot, l_comp, l_moved, l_steps, most))
+  t_vec = t_comp - t_dot
   t_shared = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE * share)
-  t_program = (bytes_moved / programs / device.sm_bandwidth_Bps
-               + t_busy * sms / programs + steps * device.loop_step_s
-               + inner_loop_starts(expr, trips) * NESTED_LOOP_FILL_S
-               + tf32_transposed_elements(region, expr, tiles, trips, device.mma_rows)
-               * TF32_TRANSPOSE_S_PER_ELEMENT)
-  if num_stages <= 2:
-    t_program *= 1.0 + STAGE2_PENALTY
   # Throughput side: re-reads of tiles that concurrently running programs
   # share come from L2, so traffic is bounded by HBM for the bytes the
   # region must move and by the SMs' L2 bandwidth for all of them.
   t_traffic = max(region.min_bytes() / device.mem_bandwidth_Bps,
                   bytes_moved / (sms * device.sm_bandwidth_Bps))
   t_throughput = _overlapped(t_traffic, t_shared, OVERLAP_TRAFFIC * share)
-  body = max(t_throughput, waves * t_program)
+  body = max(t_throughput, t_grid)
   time_s = body + extra
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
                     bytes_moved=int(bytes_moved), flops=int(flops),
                     smem_bytes=smem_bytes,
-                    programs=programs, t_program_s=t_program, steps=steps,
+                    programs=programs, t_program_s=t_program, steps=math.ceil(steps),
                     t_dot_s=t_dot, t_vector_s=t_vec, t_traffic_s=t_traffic,
                     waves=waves)
+
+
+def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
+                    grid: Sequence[str], split: Optional[tuple[str, int]], trips,
+                    streamable: frozenset, device: DeviceSpec,
+                    scale: Mapping[str, float]) -> tuple[float, float, float, float, float]:
+  """(flops, tensor-core seconds, vector ops, SFU ops, steps of the longest
+  loop nest) of a placed plan's Compute statements over all programs, with
+  the trips of each loop in ``scale`` times its fraction."""
+  flops = 0
+  vec = 0
+  sfu = 0
+  t_dot = 0.0
+  steps = 1
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind != "C":
+      continue
+    run = 1.0
+    for l in enclosing:
+      if l in scale:
+        run *= scale[l]
+    steps = max(steps, math.prod(trips(l) for l in enclosing) * run if scale else
+                math.prod(trips(l) for l in enclosing))
+    op = region.producer(st.value)
+    ol = set(region.op_loops(op))
+    around = set(enclosing) | set(grid)
+    work = 1
+    for l in ol:
+      work *= tiles[l] * (trips(l) if l in around else 1)
+    for l in around - ol:
+      work *= trips(l)
+    if split:
+      # every part runs this statement; per-program trips of the split loop
+      # are already its share
+      work *= split[1]
+    if run != 1.0:
+      work *= run
+    if isinstance(op, ir.Contraction):
+      flops += 2 * work
+      peak = device.dot_peak(contraction_dtype(region, op), op.precision)
+      t_dot += 2 * work / (peak * dot_efficiency(region, op, tiles, device))
+      for l in _rescaled_by_stream(region, op, streamable):
+        if l in around and trips(l) > 1:
+          vec += work // tiles[l] if run == 1.0 else work / tiles[l]
+    elif isinstance(op, ir.Elementwise) and op.fn in TRANSCENDENTAL:
+      sfu += work
+    else:
+      vec += work
+  return flops, t_dot, vec, sfu, steps
 
 
 def floor_time(region: ir.Region, device: DeviceSpec) -> float:

@@ -138,12 +138,15 @@ def op_footprints(region: ir.Region, tiles: Mapping[str, int]) -> dict[str, int]
 
 
 def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
-                  grid: Sequence[str], split: Optional[tuple[str, int]] = None
-                  ) -> dict[str, int]:
+                  grid: Sequence[str], split: Optional[tuple[str, int]] = None,
+                  run_fraction: Optional[Mapping[str, float]] = None) -> dict[str, int]:
   """Bytes moved per input/output buffer by a placed plan (all programs).
 
   ``split=(loop, parts)``: ``loop``'s tiles are shared among ``parts``
   programs, so per program it runs ``⌈trips/parts⌉`` times.
+  ``run_fraction``: loop -> the fraction of its trips a program runs (the
+  tiles a causal mask hides are skipped); statements inside it move that
+  fraction.
   """
   ext = region.loop_extents
   vm = region.value_map
@@ -166,5 +169,8 @@ def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str
       n *= trips
     if split and split[0] not in xl:
       n *= split[1]
-    out[st.value] = out.get(st.value, 0) + n * ir.dtype_itemsize(vm[st.value].dtype)
+    for l in enclosing:
+      if run_fraction and l in run_fraction:
+        n *= run_fraction[l]
+    out[st.value] = out.get(st.value, 0) + round(n * ir.dtype_itemsize(vm[st.value].dtype))
   return out

@@ -519,6 +519,20 @@ def streamable_loops(region) -> frozenset[str]:
   return _streamable_from(res)
 
 
+def masked_tile_relations(region) -> dict[str, tuple[str, str]]:
+  """Streamed loop -> ``(cmp, other loop)`` where the code generator skips
+  the loop's tiles whose indices all fail ``loop cmp other`` (a causal
+  mask hides them; ``jaxfuse.codegen.streaming.masked_tile_relation``).
+  Empty when the code generator's analysis is absent or fails, which
+  prices every tile: conservative, never wrong."""
+  try:
+    from jaxfuse.codegen import streaming  # pylint: disable=import-outside-toplevel
+    return dict(streaming.masked_tile_relations(region))
+  except Exception as e:  # pylint: disable=broad-except
+    logging.info("jaxfuse planner: masked tiles unknown (%s); every tile priced", e)
+    return {}
+
+
 def _streamable_from(res) -> frozenset[str]:
   if res is None:
     return frozenset()

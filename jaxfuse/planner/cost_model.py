@@ -66,10 +66,10 @@ A loop whose tiles a causal mask hides runs only the tiles its program
 keeps (``masked_trip_fractions``, from the same relation the code
 generator's loop bounds skip by): work, bytes and steps at the average
 program's share, and the longest program as a bound (grids of
-``MASKED_MIN_WAVES`` or more waves). Priced as full, causal attention
-plans read 1.6-1.9x their measured kernel times (eight 8x16-head cases at
-T=2048-4096, H100, sixteenth and thirtieth sessions), about what the
-non-causal plans read.
+``MASKED_MIN_WAVES`` or more waves). Priced as full, the plans of 12
+recorded causal attention runs (H100, sixteenth and thirty-fifth sessions)
+read 1.76-2.89x their measured kernel times, against 1.17-1.52x for 12
+non-causal runs; priced this way 0.94-1.50x.
 
 A split reduction (``Plan.split``) adds the second pass: partial results
 in fp32 written by the first kernel, read and reduced by the second, plus

@@ -46,8 +46,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # operand tiles count against the register budget; 13: the TF32 transpose
 # term on wgmma dots only, and Rule 5 drops TF32 dots of a computed tile
 # over a 256-wide reduction (they spill registers); 14: single tiles of
-# K-only loops priced as the power-of-two pieces the printer emits.
-FORMAT_VERSION = 14
+# K-only loops priced as the power-of-two pieces the printer emits; 15: the
+# key tiles a causal mask hides priced as skipped (grids of 4+ waves).
+FORMAT_VERSION = 15
 
 
 def _version() -> str:

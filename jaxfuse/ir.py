@@ -783,6 +783,13 @@ def _identity_operand(op, vm) -> "str | None":
   lits = [a for a in op.args if isinstance(a, Literal)]
   if op.fn == "convert" and len(names) == 1:
     x = names[0]
+  elif out.dtype == "bool" and op.fn in ("and", "or", "select"):
+    # p & True, p | False, select(p, False, True): jax.nn.dot_product_attention
+    # builds its causal mask as and(True, select_n(tril, False, True)); the
+    # bare compare of two iotas is what lets the code generator skip tiles.
+    x = _boolean_identity(op)
+    if x is None:
+      return None
   elif len(names) == 1 and len(lits) == 1:
     x, c = names[0], float(lits[0].value)
     first = isinstance(op.args[0], str)
@@ -797,6 +804,25 @@ def _identity_operand(op, vm) -> "str | None":
   if v.dtype != out.dtype or set(v.loops) != set(out.loops):
     return None
   return x
+
+
+def _boolean_identity(op: Elementwise) -> "str | None":
+  """The operand of a boolean ``and``/``or``/``select`` that it returns
+  unchanged: ``p & True``, ``p | False``, ``select(p, False, True)``."""
+  def lit(a, value):
+    return isinstance(a, Literal) and str(a.dtype) == "bool" and bool(a.value) is value
+  if op.fn in ("and", "or"):
+    unit = op.fn == "and"
+    a, b = op.args
+    if isinstance(a, str) and lit(b, unit):
+      return a
+    if isinstance(b, str) and lit(a, unit):
+      return b
+    return None
+  p, on_false, on_true = op.args
+  if isinstance(p, str) and lit(on_false, False) and lit(on_true, True):
+    return p
+  return None
 
 
 def simplify(region: Region) -> Region:

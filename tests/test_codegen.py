@@ -455,3 +455,61 @@ def test_planner_pick_with_padded_tiles_runs():
   t = best.tile_map
   assert 208 % t["m"] and t["n"] < 208 and 208 % t["n"], best
   run_and_check(r, best)
+
+
+def _captured(fn, *shapes):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  args = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  return cap.region
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_dot_product_attention_causal_skips_hidden_key_tiles(kv_heads):
+  """``jax.nn.dot_product_attention(is_causal=True)`` masks with a finite
+  fill (-0.7 x float32's max) through ``and(True, select(tril, False,
+  True))``. The IR drops the boolean identities; since every query keeps
+  key 0 the fill acts as -inf, so the kernel stops each query tile's key
+  loop at the diagonal (before: every key tile ran); it matches the IR in
+  Triton's interpreter."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  r = _captured(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                (1, 200, 4, 16), (1, 200, kv_heads, 16), (1, 200, kv_heads, 16))
+  assert not [op for op in r.ops if isinstance(op, Elementwise) and op.fn == "and"]
+  [(loop, (kind, other))] = streaming.masked_tile_relations(r).items()
+  assert kind == "le"
+  best = plan_region(r, "h100", use_cache=False).best
+  assert other in best.grid and best.tile(loop) < r.extent(loop)
+  k = run_and_check(r, best)
+  assert f"tl.minimum({loop.upper()}, (pid_{other} + 1) * BLOCK_{other.upper()})" in k.source
+
+
+@pytest.mark.parametrize("fill,cmp,skips", [
+    ("min", "ge", True),     # finfo.min (Flax's fill); every query keeps key 0
+    ("min", "gt", False),    # query 0 keeps no key: it averages every value, skipped tiles too
+    ("-inf", "gt", True),    # ... which -inf makes NaN either way
+    ("-1e3", "ge", False),   # not far enough below a score to weigh 0
+])
+def test_finite_mask_fill_skips_tiles_only_where_exact(fill, cmp, skips):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  value = {"min": float(np.finfo(np.float32).min), "-inf": -np.inf, "-1e3": -1e3}[fill]
+
+  def attend(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    qi, ki = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+    s = jnp.where(qi >= ki if cmp == "ge" else qi > ki, s, value)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+  r = _captured(attend, (2, 70, 16), (2, 70, 16), (2, 70, 16))
+  assert streaming.masked_tile_relations(r) == ({"n": ("le" if cmp == "ge" else "lt", "m")}
+                                                if skips else {})
+  if fill == "-inf":
+    return   # query 0's row is NaN in the reference too
+  k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
+  # The key loop stops at the query tile's last index only where it skips.
+  assert ("(pid_m + 1) * BLOCK_M" in k.source) == skips

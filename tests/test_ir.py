@@ -213,3 +213,34 @@ def test_xla_epilogue_split_finds_the_value_read_twice():
   chain = lambda a, b, d: jax.nn.gelu(a @ b) @ d
   [c] = capture.find_regions(jax.make_jaxpr(chain)(sd(8, 16), sd(16, 32), sd(32, 8)))
   assert ir.xla_epilogue_split(c.region) is None
+
+
+@pytest.mark.parametrize("fn,args,dropped", [
+    ("and", (Literal(True, "bool"), "p"), True),
+    ("and", ("p", Literal(True, "bool")), True),
+    ("or", ("p", Literal(False, "bool")), True),
+    ("select", ("p", Literal(False, "bool"), Literal(True, "bool")), True),
+    ("select", ("p", Literal(True, "bool"), Literal(False, "bool")), False),   # not p
+    ("and", ("p", Literal(False, "bool")), False),
+    ("or", (Literal(True, "bool"), "p"), False),
+])
+def test_simplify_drops_boolean_identities(fn, args, dropped):
+  """``jax.nn.dot_product_attention`` masks with ``and(True, select_n(tril,
+  False, True))``: the identities go, leaving the compare of two iotas that
+  the code generator reads as a causal mask; other boolean ops stay, and the
+  evaluator agrees either way."""
+  loops = (Loop("m", 3), Loop("n", 4))
+  vals = (Value("x", ("m", "n"), "float32"), Value("i", ("m",), "int32"),
+          Value("j", ("n",), "int32"), Value("p", ("m", "n"), "bool"),
+          Value("q", ("m", "n"), "bool"), Value("y", ("m", "n"), "float32"))
+  x = Buffer("x", (3, 4), (("m", 4), ("n", 1)))
+  r = Region(loops, vals, (x,), (Buffer("y", (3, 4), (("m", 4), ("n", 1))),),
+             (Iota("i", "m"), Iota("j", "n"), Elementwise("p", "ge", ("i", "j")),
+              Elementwise("q", fn, args),
+              Elementwise("y", "select", ("q", Literal(-np.inf, "float32"), "x"))))
+  s = ir.simplify(r)
+  assert ("q" not in {op.out for op in s.ops}) == dropped
+  if dropped:
+    assert s.producer("y").args[0] == "p"
+  xs = [np.arange(12, dtype=np.float32).reshape(3, 4)]
+  np.testing.assert_array_equal(ir.evaluate(s, xs)[0], ir.evaluate(r, xs)[0])

@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from jaxfuse import ir
@@ -312,14 +313,25 @@ def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str
   return None
 
 
+# A finite fill at or below this stands for -inf in a mask (jax's
+# dot_product_attention fills with -0.7 x the dtype's max, Flax with its
+# min): a kept score s gives a masked one the weight exp(fill - s), which is
+# 0 in float32 whenever s > fill + 104, i.e. for any score above -9,896.
+MASK_FILL_MAX = -1e4
+
+
 def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[str, str]]:
   """``(cmp, other)`` when every contribution of an index of the streamed
   loop ``st.loop`` that fails ``loop cmp other`` is masked out: each running
-  max reads ``select(cmp'(iota, iota), x, -inf)`` relating the loop to the
+  max reads ``select(cmp'(iota, iota), fill, x)`` relating the loop to the
   same other loop, every shift by it subtracts from that masked value, and
   every accumulator is rescaled by one of those maxima (so a masked score
   adds exp(-inf) = 0 everywhere). A tile of the loop whose indices all fail
-  contributes nothing and may be skipped (a causal mask). None otherwise."""
+  contributes nothing and may be skipped (a causal mask). None otherwise.
+
+  ``fill`` is -inf, or finite at most ``MASK_FILL_MAX`` when every index
+  of the other loop keeps at least one index of this loop: a row that keeps
+  none averages all its masked values, skipped tiles included."""
   if not st.online:
     return None
   accs = dict(st.accumulators)
@@ -327,12 +339,16 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
     if sc is None and v not in st.running_max:
       return None     # a plain accumulator would see the masked tiles
   res = None
+  finite = False
   for mx in st.running_max:
     sel = region.producer(region.producer(mx).arg)
     if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
-            and isinstance(sel.args[1], ir.Literal) and float(sel.args[1].value) == float("-inf")
-            and isinstance(sel.args[0], str)):
+            and isinstance(sel.args[1], ir.Literal) and isinstance(sel.args[0], str)):
       return None
+    fill = float(sel.args[1].value)
+    if not fill <= MASK_FILL_MAX:
+      return None
+    finite = finite or math.isfinite(fill)
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != region.producer(mx).arg:
         return None
@@ -342,6 +358,12 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
     res = r
   for v, sc in accs.items():
     if sc is not None and sc.max not in st.running_max:
+      return None
+  if res is not None and finite:
+    ext = region.loop_extents
+    n, o = ext[st.loop], ext[res[1]]
+    keeps = {"le": n >= 1, "lt": False, "ge": o <= n, "gt": o <= n - 1}[res[0]]
+    if not keeps:
       return None
   return res
 

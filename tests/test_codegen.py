@@ -513,3 +513,61 @@ def test_finite_mask_fill_skips_tiles_only_where_exact(fill, cmp, skips):
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
   # The key loop stops at the query tile's last index only where it skips.
   assert ("(pid_m + 1) * BLOCK_M" in k.source) == skips
+
+
+_T = 70
+_IDIOMS = {
+    # keep where the lower triangle is set
+    "where(tril(bool), s, -inf)": lambda s, jnp: jnp.where(jnp.tril(jnp.ones((_T, _T), bool)), s, -jnp.inf),
+    # PyTorch's masked_fill(tril == 0, -inf), as nanoGPT writes it
+    "where(tril == 0, -inf, s)": lambda s, jnp: jnp.where(jnp.tril(jnp.ones((_T, _T))) == 0, -jnp.inf, s),
+    # hide where the strict upper triangle is set
+    "where(triu(bool, 1), -inf, s)": lambda s, jnp: jnp.where(jnp.triu(jnp.ones((_T, _T), bool), 1), -jnp.inf, s),
+    # an additive mask
+    "s + where(tril, 0, -1e9)": lambda s, jnp: s + jnp.where(jnp.tril(jnp.ones((_T, _T), bool)), 0.0, -1e9),
+    "where(~(i < j), s, min)": lambda s, jnp: jnp.where(
+        ~(jnp.arange(_T)[:, None] < jnp.arange(_T)[None, :]), s, jnp.finfo(jnp.float32).min),
+}
+
+
+@pytest.mark.parametrize("idiom", sorted(_IDIOMS))
+def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
+  """Causal masks as user code writes them all reach the key loop's bound:
+  the predicate is read through not, two-valued selects and compares of a
+  float triangle with a literal; the fill may sit on either side of the
+  select or be added. Each kernel matches the IR in Triton's interpreter."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v):
+    s = _IDIOMS[idiom](jnp.einsum("bqd,bkd->bqk", q, k) * 0.25, jnp)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+  r = _captured(attend, (2, _T, 16), (2, _T, 16), (2, _T, 16))
+  assert streaming.masked_tile_relations(r) == {"n": ("le", "m")}
+  k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
+  assert "(pid_m + 1) * BLOCK_M" in k.source
+
+
+@pytest.mark.parametrize("mask", ["band", "additive -1e3", "data"])
+def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
+  """A window (two relations), an additive fill too close to the scores and
+  a mask read from memory leave every key tile to the kernel."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v, keep):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    i, j = jnp.arange(_T)[:, None], jnp.arange(_T)[None, :]
+    if mask == "band":
+      s = jnp.where((i >= j) & (i - j < 8), s, -jnp.inf)
+    elif mask == "additive -1e3":
+      s = s + jnp.where(i >= j, 0.0, -1e3)
+    else:
+      s = jnp.where(keep > 0, s, -jnp.inf)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+  r = _captured(attend, (2, _T, 16), (2, _T, 16), (2, _T, 16), (_T, _T))
+  assert streaming.masked_tile_relations(r) == {}

@@ -42,7 +42,7 @@ from typing import Optional
 from jaxfuse import ir
 
 __all__ = ["Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
-           "masked_tile_relation", "masked_tile_relations"]
+           "keep_predicate", "masked_value", "masked_tile_relation", "masked_tile_relations"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,16 +320,106 @@ def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str
 MASK_FILL_MAX = -1e4
 
 
+# not (a cmp b)  <=>  a _NEGATE[cmp] b
+_NEGATE = {"ge": "lt", "gt": "le", "le": "gt", "lt": "ge"}
+
+
+def _literal(a) -> Optional[float]:
+  return float(a.value) if isinstance(a, ir.Literal) else None
+
+
+def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, str, str]]:
+  """``(cmp, a, b)`` when boolean value ``v`` is ``iota(a) cmp iota(b)``,
+  seen through the forms masks take: a compare of two iotas; ``not``;
+  ``select(c, False, True)`` / ``select(c, True, False)``; and ``x == k`` /
+  ``x != k`` of ``x = select(c, k0, k1)`` with literal ``k``, ``k0``, ``k1``
+  (``jnp.tril(jnp.ones((T, T))) == 0``). None otherwise."""
+  op = region.producer(v) if isinstance(v, str) else None
+  if not isinstance(op, ir.Elementwise) or depth > 8:
+    return None
+  args = op.args
+  if op.fn in _FLIP and all(isinstance(a, str) for a in args):
+    i0, i1 = (region.producer(a) for a in args)
+    if isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota) and i0.loop != i1.loop:
+      return op.fn, i0.loop, i1.loop
+  if op.fn in _FLIP or op.fn in ("eq", "ne"):
+    # a compare of a two-valued select with a literal: c itself, or not c
+    lits = [a for a in args if isinstance(a, ir.Literal)]
+    names = [a for a in args if isinstance(a, str)]
+    sel = region.producer(names[0]) if len(names) == 1 and len(lits) == 1 else None
+    if (isinstance(sel, ir.Elementwise) and sel.fn == "select"
+        and _literal(sel.args[1]) is not None and _literal(sel.args[2]) is not None):
+      k, k0, k1 = _literal(lits[0]), _literal(sel.args[1]), _literal(sel.args[2])
+      fns = {"eq": lambda x: x == k, "ne": lambda x: x != k}
+      if op.fn not in fns:
+        return None
+      when_c, when_not_c = fns[op.fn](k1), fns[op.fn](k0)
+      return _predicate_of_select(region, sel.args[0], when_c, when_not_c, depth)
+    return None
+  if op.fn == "not":
+    r = keep_predicate(region, args[0], depth + 1)
+    return None if r is None else (_NEGATE[r[0]], r[1], r[2])
+  if op.fn == "select" and _literal(args[1]) is not None and _literal(args[2]) is not None:
+    return _predicate_of_select(region, args[0], bool(_literal(args[2])),
+                                bool(_literal(args[1])), depth)
+  return None
+
+
+def _predicate_of_select(region, c, when_c: bool, when_not_c: bool, depth: int):
+  if when_c == when_not_c:
+    return None
+  r = keep_predicate(region, c, depth + 1)
+  if r is None or when_c:
+    return r
+  return _NEGATE[r[0]], r[1], r[2]
+
+
+def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, str]]]:
+  """``(fill, keep)`` when value ``x`` keeps a score where ``keep`` (a
+  ``keep_predicate``) holds and replaces it by literal ``fill`` otherwise:
+  ``select(p, fill, s)``, ``select(p, s, fill)`` (fill where p), or the
+  additive ``s + select(p, fill, 0)`` / ``s + select(p, 0, fill)``."""
+  op = region.producer(x) if isinstance(x, str) else None
+  if not isinstance(op, ir.Elementwise):
+    return None
+  if op.fn == "select" and isinstance(op.args[0], str):
+    p, on_false, on_true = op.args
+    if _literal(on_false) is not None and isinstance(on_true, str):
+      keep = keep_predicate(region, p)
+      return None if keep is None else (_literal(on_false), keep)
+    if _literal(on_true) is not None and isinstance(on_false, str):
+      keep = keep_predicate(region, p)
+      return None if keep is None else (_literal(on_true), (_NEGATE[keep[0]], keep[1], keep[2]))
+    return None
+  if op.fn == "add" and all(isinstance(a, str) for a in op.args):
+    for s in op.args:
+      sel = region.producer(s)
+      if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
+              and isinstance(sel.args[0], str)):
+        continue
+      f0, f1 = _literal(sel.args[1]), _literal(sel.args[2])
+      if f0 is None or f1 is None or 0.0 not in (f0, f1) or f0 == f1:
+        continue
+      keep = keep_predicate(region, sel.args[0])
+      if keep is None:
+        return None
+      if f1 == 0.0:     # 0 where p: p keeps
+        return f0, keep
+      return f1, (_NEGATE[keep[0]], keep[1], keep[2])
+  return None
+
+
 def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[str, str]]:
   """``(cmp, other)`` when every contribution of an index of the streamed
   loop ``st.loop`` that fails ``loop cmp other`` is masked out: each running
-  max reads ``select(cmp'(iota, iota), fill, x)`` relating the loop to the
-  same other loop, every shift by it subtracts from that masked value, and
-  every accumulator is rescaled by one of those maxima (so a masked score
-  adds exp(-inf) = 0 everywhere). A tile of the loop whose indices all fail
-  contributes nothing and may be skipped (a causal mask). None otherwise.
+  max reads a ``masked_value`` whose keep predicate compares an iota of the
+  loop with one of the same other loop, every shift by it subtracts from
+  that masked value, and every accumulator is rescaled by one of those
+  maxima (so a masked score adds exp(-inf) = 0 everywhere). A tile of the
+  loop whose indices all fail contributes nothing and may be skipped (a
+  causal mask). None otherwise.
 
-  ``fill`` is -inf, or finite at most ``MASK_FILL_MAX`` when every index
+  The fill is -inf, or finite at most ``MASK_FILL_MAX`` when every index
   of the other loop keeps at least one index of this loop: a row that keeps
   none averages all its masked values, skipped tiles included."""
   if not st.online:
@@ -341,19 +431,24 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
   res = None
   finite = False
   for mx in st.running_max:
-    sel = region.producer(region.producer(mx).arg)
-    if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
-            and isinstance(sel.args[1], ir.Literal) and isinstance(sel.args[0], str)):
+    x = region.producer(mx).arg
+    m = masked_value(region, x)
+    if m is None:
       return None
-    fill = float(sel.args[1].value)
+    fill, (cmp, a, b) = m
     if not fill <= MASK_FILL_MAX:
       return None
     finite = finite or math.isfinite(fill)
     for z, s in st.shifted:
-      if s.max == mx and region.producer(z).args[0] != region.producer(mx).arg:
+      if s.max == mx and region.producer(z).args[0] != x:
         return None
-    r = iota_relation(region, sel.args[0], st.loop)
-    if r is None or (res is not None and res != r):
+    if b == st.loop and a != st.loop:      # other (cmp) loop  ->  loop flip(cmp) other
+      r = _FLIP[cmp], a
+    elif a == st.loop and b != st.loop:
+      r = cmp, b
+    else:
+      return None
+    if res is not None and res != r:
       return None
     res = r
   for v, sc in accs.items():

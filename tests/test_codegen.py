@@ -532,10 +532,11 @@ _IDIOMS = {
 
 @pytest.mark.parametrize("idiom", sorted(_IDIOMS))
 def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
-  """Causal masks as user code writes them all reach the key loop's bound:
-  the predicate is read through not, two-valued selects and compares of a
-  float triangle with a literal; the fill may sit on either side of the
-  select or be added. Each kernel matches the IR in Triton's interpreter."""
+  """Causal masks as user code writes them all reach the key loop's bound
+  (and issue the longest query tiles first): the predicate is read through
+  not, two-valued selects and compares of a float triangle with a literal;
+  the fill may sit on either side of the select or be added. Each kernel
+  matches the IR in Triton's interpreter."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
@@ -548,6 +549,7 @@ def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
   assert streaming.masked_tile_relations(r) == {"n": ("le", "m")}
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
   assert "(pid_m + 1) * BLOCK_M" in k.source
+  assert "pid_m = 4 - tl.program_id(" in k.source     # longest query tiles issued first
 
 
 @pytest.mark.parametrize("mask", ["band", "additive -1e3", "data"])

@@ -22,6 +22,12 @@ Chimera's deferred division):
   ``alpha = exp(c (M_old - M_new))`` before adding its contribution; the
   deferred factors multiply/divide the final accumulator.
 
+A running max that reads a causal mask (``masked_value``: a literal fill far
+below any score where two iotas compare false, ``keep_predicate``) makes
+the tiles of ``n`` that the mask hides contribute exactly nothing: the code
+generator skips them and the cost model does not price them
+(``masked_tile_relation``).
+
 Anything else that reads an ``n`` reduction back along ``n`` cannot stream:
 the loop must then be a single tile (``StreamingInfo.single_tile``). Nothing
 here looks for "attention": the rules apply to any chain of IR ops.

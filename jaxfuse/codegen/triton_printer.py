@@ -1091,18 +1091,20 @@ class _Printer:
 
   def heavy_first_loops(self, body) -> set[str]:
     """Grid loops whose programs run longer as their index grows: a loop
-    below them bounded by a causal mask to ``<=``/``<`` their index. Their
-    program ids are issued in reverse, longest programs first, so that the
-    grid's last wave holds short programs (as FlashAttention orders causal
-    blocks)."""
+    below them bounded by a causal mask to ``<=``/``<`` their index (the
+    tiles it skips, or the masked tiles it runs whole). Their program ids
+    are issued in reverse, longest programs first, so that the grid's last
+    wave holds short programs (as FlashAttention orders causal blocks)."""
     out = set()
 
     def walk(nodes):
       for n in nodes:
         if isinstance(n, LoopNode):
-          rel = self.mask_relation(n)
-          if rel and rel[0] in ("le", "lt") and self.kind.get(rel[1]) == "grid":
-            out.add(rel[1])
+          st = self.info.streamed.get(n.loop)
+          for rel in (self.mask_relation(n),
+                      st and streaming.masked_tile_relation(self.r, st)):
+            if rel and rel[0] in ("le", "lt") and self.kind.get(rel[1]) == "grid":
+              out.add(rel[1])
           walk(n.body)
     walk(body)
     return out

@@ -301,22 +301,37 @@ def analyze(region: ir.Region) -> StreamingInfo:
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
 
 
-def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str]]:
-  """``(cmp, other)`` when value ``pred`` is ``cmp(iota(a), iota(b))``
-  relating ``loop`` to another loop, normalized to ``loop cmp other``
-  (cmp in 'le', 'lt', 'ge', 'gt'); None otherwise."""
-  op = region.producer(pred) if isinstance(pred, str) else None
+def _iota_compare(region: ir.Region, v) -> Optional[tuple[str, str, str]]:
+  """``(cmp, a, b)`` when value ``v`` is ``cmp(iota(a), iota(b))`` of two
+  different loops."""
+  op = region.producer(v) if isinstance(v, str) else None
   if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP
           and all(isinstance(a, str) for a in op.args)):
     return None
   i0, i1 = (region.producer(a) for a in op.args)
-  if not (isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota)):
-    return None
-  if i1.loop == loop and i0.loop != loop:      # other (cmp) loop  ->  loop flip(cmp) other
-    return _FLIP[op.fn], i0.loop
-  if i0.loop == loop and i1.loop != loop:
-    return op.fn, i1.loop
+  if isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota) and i0.loop != i1.loop:
+    return op.fn, i0.loop, i1.loop
   return None
+
+
+def _relative_to(rel: Optional[tuple[str, str, str]], loop: str) -> Optional[tuple[str, str]]:
+  """``iota(a) cmp iota(b)`` as ``loop cmp' other``; None when neither
+  side is ``loop``."""
+  if rel is None:
+    return None
+  cmp, a, b = rel
+  if b == loop:      # other (cmp) loop  ->  loop flip(cmp) other
+    return _FLIP[cmp], a
+  if a == loop:
+    return cmp, b
+  return None
+
+
+def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str]]:
+  """``(cmp, other)`` when value ``pred`` is ``cmp(iota(a), iota(b))``
+  relating ``loop`` to another loop, normalized to ``loop cmp other``
+  (cmp in 'le', 'lt', 'ge', 'gt'); None otherwise."""
+  return _relative_to(_iota_compare(region, pred), loop)
 
 
 # A finite fill at or below this stands for -inf in a mask (jax's
@@ -328,6 +343,10 @@ MASK_FILL_MAX = -1e4
 
 # not (a cmp b)  <=>  a _NEGATE[cmp] b
 _NEGATE = {"ge": "lt", "gt": "le", "le": "gt", "lt": "ge"}
+
+
+def _negate(rel: Optional[tuple[str, str, str]]) -> Optional[tuple[str, str, str]]:
+  return None if rel is None else (_NEGATE[rel[0]], rel[1], rel[2])
 
 
 def _literal(a) -> Optional[float]:
@@ -344,10 +363,9 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, 
   if not isinstance(op, ir.Elementwise) or depth > 8:
     return None
   args = op.args
-  if op.fn in _FLIP and all(isinstance(a, str) for a in args):
-    i0, i1 = (region.producer(a) for a in args)
-    if isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota) and i0.loop != i1.loop:
-      return op.fn, i0.loop, i1.loop
+  bare = _iota_compare(region, v)
+  if bare is not None:
+    return bare
   if op.fn in _FLIP or op.fn in ("eq", "ne"):
     # a compare of a two-valued select with a literal: c itself, or not c
     lits = [a for a in args if isinstance(a, ir.Literal)]
@@ -363,8 +381,7 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, 
       return _predicate_of_select(region, sel.args[0], when_c, when_not_c, depth)
     return None
   if op.fn == "not":
-    r = keep_predicate(region, args[0], depth + 1)
-    return None if r is None else (_NEGATE[r[0]], r[1], r[2])
+    return _negate(keep_predicate(region, args[0], depth + 1))
   if op.fn == "select" and _literal(args[1]) is not None and _literal(args[2]) is not None:
     return _predicate_of_select(region, args[0], bool(_literal(args[2])),
                                 bool(_literal(args[1])), depth)
@@ -375,9 +392,7 @@ def _predicate_of_select(region, c, when_c: bool, when_not_c: bool, depth: int):
   if when_c == when_not_c:
     return None
   r = keep_predicate(region, c, depth + 1)
-  if r is None or when_c:
-    return r
-  return _NEGATE[r[0]], r[1], r[2]
+  return r if when_c else _negate(r)
 
 
 def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, str]]]:
@@ -395,7 +410,7 @@ def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, 
       return None if keep is None else (_literal(on_false), keep)
     if _literal(on_true) is not None and isinstance(on_false, str):
       keep = keep_predicate(region, p)
-      return None if keep is None else (_literal(on_true), (_NEGATE[keep[0]], keep[1], keep[2]))
+      return None if keep is None else (_literal(on_true), _negate(keep))
     return None
   if op.fn == "add" and all(isinstance(a, str) for a in op.args):
     for s in op.args:
@@ -411,7 +426,7 @@ def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, 
         return None
       if f1 == 0.0:     # 0 where p: p keeps
         return f0, keep
-      return f1, (_NEGATE[keep[0]], keep[1], keep[2])
+      return f1, _negate(keep)
   return None
 
 
@@ -441,20 +456,15 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
     m = masked_value(region, x)
     if m is None:
       return None
-    fill, (cmp, a, b) = m
+    fill, keep = m
     if not fill <= MASK_FILL_MAX:
       return None
     finite = finite or math.isfinite(fill)
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != x:
         return None
-    if b == st.loop and a != st.loop:      # other (cmp) loop  ->  loop flip(cmp) other
-      r = _FLIP[cmp], a
-    elif a == st.loop and b != st.loop:
-      r = cmp, b
-    else:
-      return None
-    if res is not None and res != r:
+    r = _relative_to(keep, st.loop)
+    if r is None or (res is not None and res != r):
       return None
     res = r
   for v, sc in accs.items():

@@ -76,6 +76,7 @@ class Space:
   tile_cands: dict[str, tuple[int, ...]]
   splits: list[Optional[tuple[str, int]]]
   streamable: frozenset[str]
+  masked: dict[str, tuple[str, str]]   # tiling.masked_tile_relations, once per search
   counts: dict
 
 
@@ -195,17 +196,21 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   n_tiles = math.prod(len(c) for c in tile_cands.values())
   counts["tile_combinations"] = n_tiles
   counts["candidates"] = sum(len(v) for v in skeletons.values()) * n_tiles * len(splits)
-  return Space(region, device, grids, skeletons, tile_cands, splits, stream, counts)
+  return Space(region, device, grids, skeletons, tile_cands, splits, stream,
+               tiling.masked_tile_relations(region), counts)
 
 
 def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
               streamable: frozenset[str],
-              placements: Optional[dict] = None) -> Plan:
+              placements: Optional[dict] = None,
+              masked: Optional[dict] = None) -> Plan:
   """Places a candidate and predicts it; raises PlacementError or ValueError.
 
   ``placements``: a memo of ``tiling.place`` for this region and
   ``streamable`` (one search's candidates share a few placements: place
-  reads the tiles only through the loops they cover in one tile)."""
+  reads the tiles only through the loops they cover in one tile).
+  ``masked``: ``tiling.masked_tile_relations(region)`` (derived when None;
+  a search passes its space's, so the streaming analysis runs once)."""
   tiles = dict(cand.tiles)
   # Accumulators are bounded by the register budget below, not here.
   if not pruning.rule4_ok(region, tiles, device.smem_per_block_bytes, register_accumulators=True):
@@ -251,7 +256,7 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
         f"shared memory of {smem} B at {stages} pipeline stages exceeds "
         f"{device.smem_per_block_bytes} B (Rule 4)")
   pred = cost_model.predict(region, expr, sized, cand.grid, device, cand.split,
-                            streamable=streamable, num_stages=stages)
+                            streamable=streamable, num_stages=stages, masked=masked)
   return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
               num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
 
@@ -354,7 +359,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     if c in memo:
       return memo[c]
     try:
-      p = make_plan(region, device, c, space.streamable, placements)
+      p = make_plan(region, device, c, space.streamable, placements, space.masked)
     except (tiling.PlacementError, ValueError) as e:
       reason = str(e)
       key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"

@@ -7,6 +7,8 @@ same values:
 
 * ``dpa-cudnn`` / ``dpa-xla``: ``jax.nn.dot_product_attention`` with
   ``implementation='cudnn'`` / ``'xla'`` ([B, T, N, H] layout);
+* ``jaxfuse-dpa``: ``jaxfuse.jit`` of that ``'xla'`` call, the library's
+  form of the same attention (its own mask idiom and layout);
 * ``pallas``: ``jax.experimental.pallas.ops.gpu.attention.mha`` when it
   imports (GPU only);
 * ``torch-flash`` / ``torch-cudnn``: PyTorch ``scaled_dot_product_attention``
@@ -316,6 +318,12 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
       harness.JaxImpl("dpa-xla", dpa("xla"), prepare=to_btnh, restore=from_btnh,
                       check=_dpa_xla_check,
                       note="jax.nn.dot_product_attention(implementation='xla')"),
+      # The library call as users write it, fused by jaxfuse: its causal mask
+      # is a select of a tril with a finite fill, not the plain function's
+      # iota compare with -inf.
+      harness.JaxImpl("jaxfuse-dpa", dpa("xla"), compiler="jaxfuse", prepare=to_btnh,
+                      restore=from_btnh, check=_dpa_xla_check,
+                      note="jaxfuse.jit of jax.nn.dot_product_attention(implementation='xla')"),
       harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
                       needs_gpu=True, check=lambda: _pallas_check(grouped),
                       note="jax.experimental.pallas.ops.gpu.attention.mha"),

@@ -1028,16 +1028,17 @@ def plans_run(regions: Optional[list[tuple[Any, Any]]]) -> Optional[str]:
   return "; ".join(names) or None
 
 
-def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
-  """Regions, plans, predictions, planning and tuning time for one call."""
+def jaxfuse_details(fn: Callable, args: tuple, settings: Settings) -> dict:
+  """Regions, plans, predictions, planning and tuning time for one call of
+  ``fn`` (an implementation's function) on ``args``."""
   api = jaxfuse_api()
   info: dict[str, Any] = {"path": jaxfuse_path_note()}
-  n = count_regions(case.fn, args)
+  n = count_regions(fn, args)
   if n is not None:
     info["regions"] = n
   if api.inspect is not None:
     try:
-      rep = api.inspect(case.fn, *args)
+      rep = api.inspect(fn, *args)
       regs = []
       for r in getattr(rep, "regions", []) or []:
         g = lambda a, r=r: getattr(r, a, None)
@@ -1071,7 +1072,7 @@ def jaxfuse_details(case: Case, args: tuple, settings: Settings) -> dict:
   need_tune = settings.tune == "measure" and on_gpu()
   if (need_plan or need_tune) and api.plan_region is not None and api.find_regions is not None:
     try:
-      caps = api.find_regions(jax.make_jaxpr(case.fn)(*args))
+      caps = api.find_regions(jax.make_jaxpr(fn)(*args))
       plan_s, tune_s = 0.0, 0.0
       for cap in caps:
         if need_plan:
@@ -1136,9 +1137,12 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
              if is_jaxfuse else contextlib.nullcontext())
       with ctx:
         if is_jaxfuse:
-          res["jaxfuse"] = (jaxfuse_details(case, sets[0], settings) if settings.details
+          # The implementation's own function and inputs: a jaxfuse
+          # baseline may compile another form of the case (attention.py's
+          # jaxfuse-dpa) in another layout.
+          res["jaxfuse"] = (jaxfuse_details(impl.fn, prepared[0], settings) if settings.details
                             else {"path": jaxfuse_path_note(),
-                                  "regions": count_regions(case.fn, sets[0])})
+                                  "regions": count_regions(impl.fn, prepared[0])})
         t0 = time.perf_counter()
         out = runner(prepared[:k])
         impl.block(out)
@@ -1159,8 +1163,8 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         if is_jaxfuse and "jaxfuse" in res:
           try:
             # What ran: in stacked mode the regions read windows of x[i].
-            regions = (region_outcomes(case, sets[0]) if stacked is None else
-                       region_outcomes(case, (stacked,), stacked_call(case.fn, 0)))
+            regions = (region_outcomes(case, prepared[0], impl.fn) if stacked is None else
+                       region_outcomes(case, (stacked,), stacked_call(impl.fn, 0)))
             res["jaxfuse"]["lowered"] = lowered(regions)
             if settings.tune == "measure":
               res["jaxfuse"]["plans_run"] = plans_run(regions)

@@ -172,9 +172,15 @@ def test_attention_cpu_script(tmp_path):
   prefix = tmp_path / "at"
   out = _run(["benchmarks/attention.py", "--shapes=1x2x32x48x16c", "--reps=1",
               "--dtype=float32", f"--out={prefix}"], tmp_path)
-  data = _check_outputs(prefix, out, must_run=("jaxfuse", "xla", "dpa-xla"))
+  data = _check_outputs(prefix, out, must_run=("jaxfuse", "xla", "dpa-xla", "jaxfuse-dpa"))
   row = data["rows"][0]
   assert row["params"]["causal"] is True
+  # jaxfuse-dpa reports the regions of its own function (the library call in
+  # [B, T, N, H]), not the plain function's.
+  dpa_jf = row["impls"]["jaxfuse-dpa"]["jaxfuse"]
+  assert dpa_jf["regions"] == 1, dpa_jf
+  plain_jf = row["impls"]["jaxfuse"]["jaxfuse"]
+  assert dpa_jf["inspect"][0]["einsum"] != plain_jf["inspect"][0]["einsum"]
   for name in ("dpa-cudnn", "pallas"):
     assert row["impls"][name]["status"].startswith("skipped"), row["impls"][name]
 

@@ -7,6 +7,7 @@ element the kernel forgets to write fails) and is compared in float64.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -485,6 +486,8 @@ def test_dot_product_attention_causal_skips_hidden_key_tiles(kv_heads):
   assert other in best.grid and best.tile(loop) < r.extent(loop)
   k = run_and_check(r, best)
   assert f"tl.minimum({loop.upper()}, (pid_{other} + 1) * BLOCK_{other.upper()})" in k.source
+  # The finite fill is rescaled with the softmax scale (exp2 fold), as -inf is.
+  assert "tl.exp2(" in k.source and "tl.exp(" not in k.source
 
 
 @pytest.mark.parametrize("fill,cmp,skips", [
@@ -550,6 +553,23 @@ def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
   assert "(pid_m + 1) * BLOCK_M" in k.source
   assert "pid_m = 4 - tl.program_id(" in k.source     # longest query tiles issued first
+  # Tiles below the diagonal are printed without the mask: the score goes
+  # to the softmax as it is (no select, no added mask), and its scale is
+  # folded into exp2 with the fill.
+  whole, edge = k.source.split("# tiles the mask keeps whole")[1].split("# tiles on the mask's edge")
+
+  def causal_wheres(src):
+    # Selects of a score: not the ragged last tile's, the -inf guard, or the
+    # mask's own selects of literals (dead where the mask is elided).
+    lit = re.compile(r"^(True|False|-?[0-9.e+-]+|float\(\"-?inf\"\))$")
+    return [w for w in re.findall(r"tl\.where\(([^,]+), ([^,]+), ([^)]+)\)", src)
+            if not w[0].startswith("mask_") and "float(\"-inf\")" not in w[0]
+            and not (lit.match(w[1].strip()) and lit.match(w[2].strip()))]
+  def added_masks(src):
+    return re.findall(r"= \(\w+ \+ \w+\)", src)
+  masking = added_masks if idiom.startswith("s + ") else causal_wheres
+  assert not masking(whole) and masking(edge), k.source
+  assert "tl.exp2(" in k.source and "tl.exp(" not in k.source
 
 
 @pytest.mark.parametrize("mask", ["band", "additive -1e3", "data"])

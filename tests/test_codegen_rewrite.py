@@ -70,3 +70,69 @@ def test_printed_attention_uses_exp2():
   r = examples.attention(1, 2, 64, 64, 32, 32)
   src = print_kernel(r, plan_region(r, "h100", use_cache=False).best).source
   assert "tl.exp2(" in src and "tl.exp(" not in src
+
+
+def _captured(fn, *shapes, dtype=np.float32):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(s, dtype) for s in shapes]))
+  return cap.region
+
+
+def _masked_attention(mask):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v):
+    if mask == "dot_product_attention":
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    i, j = jnp.arange(s.shape[1])[:, None], jnp.arange(s.shape[2])[None, :]
+    lowest = jnp.finfo(s.dtype).min
+    s = {"where(i >= j, s, min)": lambda: jnp.where(i >= j, s, lowest),
+         # query 0 keeps no key: its row averages every value, as unfolded
+         "where(i > j, s, min)": lambda: jnp.where(i > j, s, lowest),
+         "s + where(i >= j, 0, -1e9)": lambda: s + jnp.where(i >= j, 0.0, -1e9).astype(s.dtype),
+         "where(i >= j, s, -1e3)": lambda: jnp.where(i >= j, s, -1e3)}[mask]()
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+  return attend
+
+
+@pytest.mark.parametrize("mask,dtype", [
+    ("dot_product_attention", np.float32),     # finite fill -0.7 x max: x log2 e overflows, clamped
+    ("where(i >= j, s, min)", np.float16),     # float16's min, clamped
+    ("where(i > j, s, min)", np.float32),
+    ("s + where(i >= j, 0, -1e9)", np.float32),
+    ("where(i >= j, s, -1e3)", np.float32),    # scaled exactly
+])
+def test_fold_exp2_rescales_finite_mask_fills(mask, dtype):
+  """A mask between the scale and the softmax folds with it: its fill is
+  multiplied by log2 e, clamped to the dtype's lowest finite value so a
+  finite fill stays finite; the region computes the same values."""
+  shapes = ((1, 24, 4, 16),) * 3 if mask == "dot_product_attention" else ((2, 24, 16),) * 3
+  r = _captured(_masked_attention(mask), *shapes, dtype=dtype)
+  r2 = rewrite.fold_exp2(r)
+  assert r2 is not r and "exp2" in [f for f, _ in _fns(r2).values()]
+  fills = lambda reg: sorted(float(a.value) for f, args in _fns(reg).values() if f == "select"
+                             for a in args if isinstance(a, ir.Literal) and a.value < 0)
+  lowest = float(np.finfo(dtype).min)
+  for before, after in zip(fills(r), fills(r2), strict=True):
+    assert math.isfinite(after) and after == max(before / math.log(2.0), lowest)
+    assert after <= before
+  xs = _inputs(r)
+  for a, b in zip(ir.evaluate(r, xs), ir.evaluate(r2, xs)):
+    assert np.isfinite(b).all()
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_fold_exp2_leaves_positive_fills():
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    s = jnp.where(jnp.arange(24)[:, None] >= jnp.arange(24)[None, :], s, 3.0)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+  r = _captured(attend, (2, 24, 16), (2, 24, 16), (2, 24, 16))
+  assert rewrite.fold_exp2(r) is r

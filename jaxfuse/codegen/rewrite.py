@@ -1,12 +1,20 @@
 """Algebraic rewrites the code generator applies before printing a kernel.
 
 ``fold_exp2``: a softmax ``exp(a - max_n a)`` whose ``a`` is a positive
-scale ``c * x`` (possibly through ``select(mask, -inf, .)``) becomes
-``exp2(a' - max_n a')`` with ``a' = (c * log2 e) * x``. The value is the
-same (max commutes with a positive scale and ``-inf`` stays ``-inf``);
-the kernel saves one multiply per score element, because ``tl.exp``
-itself is ``exp2(x * log2 e)`` on the GPU. FlashAttention kernels fold
-the softmax scale the same way.
+scale ``c * x`` (possibly through masks) becomes ``exp2(a' - max_n a')``
+with ``a' = (c * log2 e) * x``. The value is the same (max commutes with a
+positive scale); the kernel saves one multiply per score element, because
+``tl.exp`` itself is ``exp2(x * log2 e)`` on the GPU. FlashAttention
+kernels fold the softmax scale the same way.
+
+A mask between the scale and the softmax is rescaled with it: its fill, a
+literal at most 0, is multiplied by ``log2 e`` too, in ``select(mask,
+fill, .)`` and in an added ``select(mask, fill, 0)``. ``-inf`` stays
+``-inf``; a finite fill stays finite, clamped to its dtype's lowest value
+(``jax.nn.dot_product_attention`` fills with -0.7x float32's max, which
+``log2 e`` would overflow): a row whose scores are all masked still
+averages its values, and elsewhere a masked score's weight, ``exp2(fill' -
+max')``, is 0 as before.
 
 The rewrite keeps every value name, op count and loop, so a plan made for
 the original region places the rewritten one unchanged. It only fires when
@@ -21,7 +29,9 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
+
+import ml_dtypes
 
 from jaxfuse import ir
 
@@ -52,17 +62,43 @@ def positive_scale(op) -> Optional[tuple[str, ir.Literal]]:
   return op.args[1 - i], op.args[i]
 
 
-def _masked_input(op) -> Optional[str]:
-  """``x`` of ``select(cond, -inf, x)`` or ``select(cond, x, -inf)``."""
-  if not (isinstance(op, ir.Elementwise) and op.fn == "select" and len(op.args) == 3):
+def _scaled_fill(x) -> Optional[ir.Literal]:
+  """A mask's fill times ``log2 e`` (see the module docstring), or None when
+  ``x`` is not a float literal at most 0."""
+  if not (isinstance(x, ir.Literal) and x.dtype in ir.FLOAT_DTYPES
+          and isinstance(x.value, (int, float)) and not isinstance(x.value, bool)):
     return None
-  _, a, b = op.args
-  def neg_inf(x):
-    return isinstance(x, ir.Literal) and isinstance(x.value, float) and x.value == -math.inf
-  if neg_inf(a) and isinstance(b, str):
-    return b
-  if neg_inf(b) and isinstance(a, str):
-    return a
+  v = float(x.value)
+  if not v <= 0.0:
+    return None
+  if math.isinf(v) or v == 0.0:
+    return x
+  lowest = float(ml_dtypes.finfo(ir.np_dtype(x.dtype)).min)
+  return ir.Literal(max(v * _LOG2E, lowest), x.dtype)
+
+
+def _masked_input(op, producer: Callable, private: Callable
+                  ) -> Optional[tuple[str, ir.Elementwise]]:
+  """``(x, mask)`` when ``op`` masks ``x``: ``select(cond, fill, x)``,
+  ``select(cond, x, fill)`` (``mask`` is ``op``), or ``x + m`` with a
+  private ``m = select(cond, f0, f1)`` of two fills (``mask`` is ``m``).
+  ``mask`` comes back with its fills rescaled (``_scaled_fill``)."""
+  if not isinstance(op, ir.Elementwise):
+    return None
+  if op.fn == "select" and len(op.args) == 3:
+    cond, a, b = op.args
+    for fill, x, args in ((a, b, (cond, _scaled_fill(a), b)), (b, a, (cond, a, _scaled_fill(b)))):
+      if isinstance(x, str) and _scaled_fill(fill) is not None:
+        return x, ir.Elementwise(op.out, "select", args)
+    return None
+  if op.fn == "add" and len(op.args) == 2 and all(isinstance(a, str) for a in op.args):
+    for i, m in enumerate(op.args):
+      sel = producer(m)
+      if not (isinstance(sel, ir.Elementwise) and sel.fn == "select" and private(m)):
+        continue
+      f0, f1 = (_scaled_fill(f) for f in sel.args[1:])
+      if f0 is not None and f1 is not None:
+        return op.args[1 - i], ir.Elementwise(m, "select", (sel.args[0], f0, f1))
   return None
 
 
@@ -98,15 +134,18 @@ def fold_exp2(region: ir.Region) -> ir.Region:
     if not private(a, 2):
       continue
     cur = region.producer(a)
-    chain_ok = True
+    masks = []
     while cur is not None and _scale_literal(cur) is None:
-      x = _masked_input(cur)
-      if x is None or not private(x):
-        chain_ok = False
+      found = _masked_input(cur, region.producer, private)
+      if found is None or not private(found[0]):
+        cur = None
         break
-      cur = region.producer(x)
-    if not chain_ok or cur is None:
+      masks.append(found[1])
+      cur = region.producer(found[0])
+    if cur is None:
       continue
+    for m in masks:
+      new_ops[m.out] = m
     i = _scale_literal(cur)
     lit = cur.args[i]
     args = list(cur.args)

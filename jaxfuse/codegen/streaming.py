@@ -47,8 +47,9 @@ from typing import Optional
 
 from jaxfuse import ir
 
-__all__ = ["Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
-           "keep_predicate", "masked_value", "masked_tile_relation", "masked_tile_relations"]
+__all__ = ["Masked", "Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
+           "keep_predicate", "masked_value", "masked_tile_relation", "masked_tile_relations",
+           "relation_to"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +315,7 @@ def _iota_compare(region: ir.Region, v) -> Optional[tuple[str, str, str]]:
   return None
 
 
-def _relative_to(rel: Optional[tuple[str, str, str]], loop: str) -> Optional[tuple[str, str]]:
+def relation_to(rel: Optional[tuple[str, str, str]], loop: str) -> Optional[tuple[str, str]]:
   """``iota(a) cmp iota(b)`` as ``loop cmp' other``; None when neither
   side is ``loop``."""
   if rel is None:
@@ -331,7 +332,7 @@ def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str
   """``(cmp, other)`` when value ``pred`` is ``cmp(iota(a), iota(b))``
   relating ``loop`` to another loop, normalized to ``loop cmp other``
   (cmp in 'le', 'lt', 'ge', 'gt'); None otherwise."""
-  return _relative_to(_iota_compare(region, pred), loop)
+  return relation_to(_iota_compare(region, pred), loop)
 
 
 # A finite fill at or below this stands for -inf in a mask (jax's
@@ -395,11 +396,21 @@ def _predicate_of_select(region, c, when_c: bool, when_not_c: bool, depth: int):
   return r if when_c else _negate(r)
 
 
-def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, str]]]:
-  """``(fill, keep)`` when value ``x`` keeps a score where ``keep`` (a
+@dataclasses.dataclass(frozen=True)
+class Masked:
+  """A masked score (``masked_value``): ``kept`` where ``keep`` holds,
+  ``fill`` elsewhere."""
+  fill: float
+  keep: tuple[str, str, str]   # (cmp, loop a, loop b): iota(a) cmp iota(b)
+  kept: str
+
+
+def masked_value(region: ir.Region, x) -> Optional[Masked]:
+  """How value ``x`` keeps a score ``s`` where ``keep`` (a
   ``keep_predicate``) holds and replaces it by literal ``fill`` otherwise:
   ``select(p, fill, s)``, ``select(p, s, fill)`` (fill where p), or the
-  additive ``s + select(p, fill, 0)`` / ``s + select(p, 0, fill)``."""
+  additive ``s + select(p, fill, 0)`` / ``s + select(p, 0, fill)``; None
+  for anything else."""
   op = region.producer(x) if isinstance(x, str) else None
   if not isinstance(op, ir.Elementwise):
     return None
@@ -407,13 +418,13 @@ def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, 
     p, on_false, on_true = op.args
     if _literal(on_false) is not None and isinstance(on_true, str):
       keep = keep_predicate(region, p)
-      return None if keep is None else (_literal(on_false), keep)
+      return None if keep is None else Masked(_literal(on_false), keep, on_true)
     if _literal(on_true) is not None and isinstance(on_false, str):
       keep = keep_predicate(region, p)
-      return None if keep is None else (_literal(on_true), _negate(keep))
+      return None if keep is None else Masked(_literal(on_true), _negate(keep), on_false)
     return None
   if op.fn == "add" and all(isinstance(a, str) for a in op.args):
-    for s in op.args:
+    for i, s in enumerate(op.args):
       sel = region.producer(s)
       if not (isinstance(sel, ir.Elementwise) and sel.fn == "select"
               and isinstance(sel.args[0], str)):
@@ -424,9 +435,10 @@ def masked_value(region: ir.Region, x) -> Optional[tuple[float, tuple[str, str, 
       keep = keep_predicate(region, sel.args[0])
       if keep is None:
         return None
+      kept = op.args[1 - i]
       if f1 == 0.0:     # 0 where p: p keeps
-        return f0, keep
-      return f1, _negate(keep)
+        return Masked(f0, keep, kept)
+      return Masked(f1, _negate(keep), kept)
   return None
 
 
@@ -456,14 +468,14 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
     m = masked_value(region, x)
     if m is None:
       return None
-    fill, keep = m
+    fill, keep = m.fill, m.keep
     if not fill <= MASK_FILL_MAX:
       return None
     finite = finite or math.isfinite(fill)
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != x:
         return None
-    r = _relative_to(keep, st.loop)
+    r = relation_to(keep, st.loop)
     if r is None or (res is not None and res != r):
       return None
     res = r

@@ -194,7 +194,8 @@ class _Printer:
     self.acc_loop: dict[str, _Open] = {}      # value -> loop it accumulates in
     self.acc_tile: dict[str, _Tile] = {}
     self.scaled: dict[str, _Open] = {}        # value -> loop whose running max it uses
-    self.whole_selects: frozenset[str] = frozenset()  # selects whose predicate is all true here
+    # Masking values printed as their kept operand here (tiles the mask keeps whole).
+    self.whole_kept: dict[str, str] = {}
     self.lazy_loads = False                   # combine pass: load inputs where first needed
     self._setup_loops()
 
@@ -693,10 +694,12 @@ class _Printer:
               "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})",
               "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
               "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
-              "select": "{2}" if op.out in self.whole_selects else "tl.where({0}, {2}, {1})"}
+              "select": "tl.where({0}, {2}, {1})"}
     if fn in _HELPERS:
       self.helpers.add(fn)
-    if fn == "sign":
+    if op.out in self.whole_kept:
+      expr = A[op.args.index(self.whole_kept[op.out])]
+    elif fn == "sign":
       expr = f"tl.where({A[0]} > 0, 1.0, tl.where({A[0]} < 0, -1.0, 0.0))"
     elif fn == "convert":
       src = kinds[0]
@@ -1034,40 +1037,52 @@ class _Printer:
       return None
     return streaming.masked_tile_relation(self.r, lp.stream)
 
-  def mask_relation(self, node: LoopNode) -> Optional[tuple[str, str, frozenset[str]]]:
-    """('le'|'lt'|'ge'|'gt', other loop, selects) when every select of loop
-    ``node``'s body whose predicate compares two iotas, ``select(cmp(iota(a),
-    iota(l)), ...)``, says ``l cmp' other`` for the same cmp' and other loop
-    (a causal mask); None when there is none or they disagree."""
+  def mask_relation(self, node: LoopNode) -> Optional[tuple[str, str, dict[str, str]]]:
+    """('le'|'lt'|'ge'|'gt', other loop, {value: kept operand}) when every
+    masking value of loop ``node``'s body says ``l cmp' other`` for the same
+    cmp' and other loop (a causal mask); None when there is none or they
+    disagree. A masking value is a select whose predicate compares two
+    iotas, ``select(cmp(iota(a), iota(l)), x, kept)``, or any form
+    ``streaming.masked_value`` reads (a predicate seen through ``not`` and
+    two-valued selects, the fill on either side, an added mask); where the
+    relation holds it equals its kept operand. Selects of literals (the
+    masks themselves, before they meet a score) are left as they are."""
     l = node.loop
     rel = None
-    sels = []
+    kept_of: dict[str, str] = {}
     for v in self.subtree_computes(node):
       op = self.ops.get(v)
-      if not (isinstance(op, ir.Elementwise) and op.fn == "select"):
+      if not isinstance(op, ir.Elementwise) or op.fn not in ("select", "add"):
         continue
-      r = self.iota_relation(op.args[0], l)
+      r, kept = None, None
+      if op.fn == "select":
+        r, kept = self.iota_relation(op.args[0], l), op.args[2]
       if r is None:
+        m = streaming.masked_value(self.r, v)
+        if m is not None:
+          r, kept = streaming.relation_to(m.keep, l), m.kept
+      if r is None or isinstance(kept, ir.Literal):
         continue
-      kept = op.args[2]
       # Printed as its kept operand alone, which must already have the
-      # select's shape (a broadcast operand would change later reductions).
-      if not (isinstance(kept, str) and set(self.vm[v].loops) <= set(self.vm[kept].loops)):
+      # value's shape (a broadcast operand would change later reductions).
+      if not set(self.vm[v].loops) <= set(self.vm[kept].loops):
         return None
       if rel is not None and r != rel:
         return None
       rel = r
-      sels.append(v)
+      kept_of[v] = kept
     if rel is None:
       return None
-    return rel[0], rel[1], frozenset(sels)
+    return rel[0], rel[1], kept_of
 
-  def whole_tiles(self, node: LoopNode) -> Optional[tuple[str, bool, frozenset[str]]]:
-    """Where loop ``node`` runs tiles on which every masking select of its
-    body (``mask_relation``) is all true (a causal mask's tiles below the
-    diagonal): (the tile start that separates them from the others, whether
-    they come first, those selects). Those tiles are printed without the
-    compare and select: 2 of the 8-10 ALU ops per score of a causal softmax.
+  def whole_tiles(self, node: LoopNode) -> Optional[tuple[str, bool, dict[str, str]]]:
+    """Where loop ``node`` runs tiles on which every masking value of its
+    body (``mask_relation``) keeps every score (a causal mask's tiles below
+    the diagonal): (the tile start that separates them from the others,
+    whether they come first, those values with their kept operands). Those
+    tiles print each masking value as its kept operand; Triton drops the
+    compares nothing reads then: 2 of the 8-10 ALU ops per score of a causal
+    softmax.
     Derived from the IR; None when there is none, the bound is not known, or
     the plan is predicted to run in fewer than ``WHOLE_TILES_MIN_WAVES``
     waves (latency-bound: a second pipelined loop costs more than it saves)."""
@@ -1076,7 +1091,7 @@ class _Printer:
     pred = self.plan.predicted
     if rel is None or (pred is not None and pred.waves < WHOLE_TILES_MIN_WAVES):
       return None
-    kind, other, sels = rel
+    kind, other, kept = rel
     span = self.index_span(other)
     if span is None:
       return None
@@ -1087,7 +1102,7 @@ class _Printer:
            "lt": f"({first}) // {bl} * {bl}",                # s + bl - 1 < first
            "ge": f"({last1} - 1 + {bl} - 1) // {bl} * {bl}",  # s >= last1 - 1
            "gt": f"({last1} + {bl} - 1) // {bl} * {bl}"}[kind]  # s >= last1
-    return mid, kind in ("le", "lt"), sels
+    return mid, kind in ("le", "lt"), kept
 
   def heavy_first_loops(self, body) -> set[str]:
     """Grid loops whose programs run longer as their index grows: a loop
@@ -1172,12 +1187,12 @@ class _Printer:
     lo, hi = self.loop_bounds(node, lp)
     whole = self.whole_tiles(node)
     if whole is None:
-      self.emit_loop_range(node, lp, lo, hi, frozenset())
+      self.emit_loop_range(node, lp, lo, hi, {})
     else:
-      mid, first, sels = whole
+      mid, first, kept = whole
       cut = f"tl.maximum({lo}, tl.minimum({hi}, {mid}))"
-      parts = ([(lo, cut, sels), (cut, hi, frozenset())] if first else
-               [(lo, cut, frozenset()), (cut, hi, sels)])
+      parts = ([(lo, cut, kept), (cut, hi, {})] if first else
+               [(lo, cut, {}), (cut, hi, kept)])
       for a, b, ss in parts:
         self.emit("# tiles the mask keeps whole" if ss else "# tiles on the mask's edge")
         self.emit_loop_range(node, lp, a, b, ss)
@@ -1190,7 +1205,7 @@ class _Printer:
     self.close_loop(lp)
 
   def emit_loop_range(self, node: LoopNode, lp: _Open, lo: str, hi: str,
-                      whole_selects: frozenset[str]) -> None:
+                      whole_kept: dict[str, str]) -> None:
     """One ``for`` over tiles [lo, hi) of ``node``'s loop with its body."""
     l = node.loop
     T = self.T[l]
@@ -1201,7 +1216,7 @@ class _Printer:
     self.ind += 1
     self.open.append(lp)
     self.scopes.append({})
-    outer, self.whole_selects = self.whole_selects, whole_selects
+    outer, self.whole_kept = self.whole_kept, whole_kept
     if T > 1:
       self.emit(f"offs_{l} = start_{l} + tl.arange(0, {self.BLK[l]})")
       if self.needs_mask(l):
@@ -1210,7 +1225,7 @@ class _Printer:
     self.walk(node.body)
     if len(self.lines) == n_lines:
       self.emit("pass")
-    self.whole_selects = outer
+    self.whole_kept = outer
     self.scopes.pop()
     self.open.pop()
     self.ind -= 1

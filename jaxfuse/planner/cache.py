@@ -47,8 +47,11 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # term on wgmma dots only, and Rule 5 drops TF32 dots of a computed tile
 # over a 256-wide reduction (they spill registers); 14: single tiles of
 # K-only loops priced as the power-of-two pieces the printer emits; 15: the
-# key tiles a causal mask hides priced as skipped (grids of 4+ waves).
-FORMAT_VERSION = 15
+# key tiles a causal mask hides priced as skipped (grids of 4+ waves); 16:
+# the kernels of masks with finite fills or written through not/selects/adds
+# changed (exp2 fold, whole tiles unmasked), so their stored keep-or-drop
+# timings are stale.
+FORMAT_VERSION = 16
 
 
 def _version() -> str:

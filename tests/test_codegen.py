@@ -528,6 +528,9 @@ _IDIOMS = {
     "where(triu(bool, 1), -inf, s)": lambda s, jnp: jnp.where(jnp.triu(jnp.ones((_T, _T), bool), 1), -jnp.inf, s),
     # an additive mask
     "s + where(tril, 0, -1e9)": lambda s, jnp: s + jnp.where(jnp.tril(jnp.ones((_T, _T), bool)), 0.0, -1e9),
+    # the fill where a bare compare holds
+    "where(i < j, -inf, s)": lambda s, jnp: jnp.where(
+        jnp.arange(_T)[:, None] < jnp.arange(_T)[None, :], -jnp.inf, s),
     "where(~(i < j), s, min)": lambda s, jnp: jnp.where(
         ~(jnp.arange(_T)[:, None] < jnp.arange(_T)[None, :]), s, jnp.finfo(jnp.float32).min),
 }

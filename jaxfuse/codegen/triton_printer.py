@@ -1055,7 +1055,8 @@ class _Printer:
       if not isinstance(op, ir.Elementwise) or op.fn not in ("select", "add"):
         continue
       r, kept = None, None
-      if op.fn == "select":
+      if op.fn == "select" and isinstance(op.args[2], str):
+        # Any value where the compare is false, not only a literal fill.
         r, kept = self.iota_relation(op.args[0], l), op.args[2]
       if r is None:
         m = streaming.masked_value(self.r, v)

@@ -21,7 +21,11 @@ variants, and grouped-query attention (fewer key/value heads than query
 heads, as in Llama 3, Mistral and Qwen2: ``GQA-T<seq>-h<heads>-kv<kv>``,
 ``MQA-...`` for one key/value head; groups ``gqa`` and ``gqa-causal``), and
 decoding steps (one query token against a key/value cache,
-``DEC-B<batch>-S<keys>-h<heads>-kv<kv>``; group ``decode``). The
+``DEC-B<batch>-S<keys>-h<heads>-kv<kv>``; group ``decode``), and causal
+sliding-window attention (each query sees itself and the ``w`` keys before
+it, as in Mistral and Gemma: ``SWA-T<seq>-w<w>-h<heads>-kv<kv>``; group
+``window``; ``jax.nn.dot_product_attention(local_window_size=(w, 0))`` for
+the library baselines). The
 plain function of a grouped case folds each key/value head's query heads
 into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
 ``jax.nn.dot_product_attention``'s XLA path does. Causal masks are top-left
@@ -87,6 +91,14 @@ GROUPED = {"GQA-T2048-h32-kv8": (2, 32, 8, 2048, 128),
            "GQA-T2048-h64-kv8": (1, 64, 8, 2048, 128),
            "MQA-T2048-h16-kv1": (4, 16, 1, 2048, 64)}
 
+# (batch, heads, kv heads, T, d, window): causal sliding-window attention at
+# prefill (Mistral-7B: 32 query heads over 8, a 4096-token window over longer
+# contexts; narrower windows as Gemma's local layers use), and one
+# multi-head case.
+WINDOWED = {"SWA-T4096-w512-h32-kv8": (1, 32, 8, 4096, 128, 512),
+            "SWA-T8192-w1024-h32-kv8": (1, 32, 8, 8192, 128, 1024),
+            "SWA-T4096-w256-h16-kv16": (4, 16, 16, 4096, 64, 256)}
+
 # (batch, heads, kv heads, keys, d): one decoding step, one query token per
 # sequence against a key/value cache (Llama-3-8B's 32 query heads over 8 at
 # 4096 and 16384 keys; multi-head attention with a 32-head cache). No causal
@@ -105,13 +117,14 @@ def unpack_qkv(qkv, heads: int):
 
 
 def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
-                   kv_heads: int = 0) -> Callable:
+                   kv_heads: int = 0, window: int = 0) -> Callable:
   """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile).
 
   ``kv_heads`` below ``heads``: grouped-query attention; k and v have
-  ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads."""
+  ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads.
+  ``window`` (with ``causal``): query i sees keys i - window .. i."""
   if layout == "packed":
-    inner = make_attention(causal, scale, "bthd")
+    inner = make_attention(causal, scale, "bthd", window=window)
     return lambda qkv: inner(*unpack_qkv(qkv, heads))
   grouped = bool(kv_heads) and kv_heads != heads
   if grouped:
@@ -133,20 +146,24 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
       m, n = s.shape[-2], s.shape[-1]
       qi = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
       ki = jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
-      s = jnp.where(qi >= ki, s, -jnp.inf)
+      keep = qi >= ki
+      if window:
+        keep = keep & (qi - ki <= window)
+      s = jnp.where(keep, s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum(pv, p, v).reshape(shape[:-1] + (v.shape[-1],))
   return attention
 
 
-def causal_pairs(m: int, n: int) -> int:
-  """(query, key) pairs a top-left causal mask keeps."""
-  return sum(min(i + 1, n) for i in range(m))
+def causal_pairs(m: int, n: int, window: int = 0) -> int:
+  """(query, key) pairs a top-left causal mask keeps (within ``window``
+  keys before each query when it is set)."""
+  return sum(min(i + 1, n) - (max(0, i - window) if window else 0) for i in range(m))
 
 
 def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
               causal: bool, layout: str, group: str, dtype: str, kv_heads: int = 0,
-              extra: dict | None = None) -> harness.Case:
+              window: int = 0, extra: dict | None = None) -> harness.Case:
   scale = 1.0 / math.sqrt(dk)
   kv = kv_heads or h
   if h % kv:
@@ -156,7 +173,9 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
     raise ValueError(f"--layout=packed needs self-attention (M == N, K == H) with as "
                      f"many key/value heads as query heads; case {name} has M={m}, "
                      f"N={n}, K={dk}, H={dv}, {kv} of {h} heads")
-  fn = make_attention(causal, scale, layout, h, kv)
+  if window and not causal:
+    raise ValueError(f"case {name}: a sliding window is measured with a causal mask")
+  fn = make_attention(causal, scale, layout, h, kv, window)
 
   def shape(heads, t, d):
     return (b, heads, t, d) if layout == "bhtd" else (b, t, heads, d)
@@ -168,12 +187,12 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
     return (harness.normal(kq, shape(h, m, dk), dt), harness.normal(kk, shape(kv, n, dk), dt),
             harness.normal(kvk, shape(kv, n, dv), dt))
 
-  pairs = causal_pairs(m, n) if causal else m * n
+  pairs = causal_pairs(m, n, window) if causal else m * n
   item = jnp.dtype(dtype).itemsize
   flops = 2.0 * b * h * pairs * (dk + dv)
   nbytes = float(item * b * (h * m * dk + kv * n * dk + kv * n * dv + h * m * dv))
   params = {"batch": b, "heads": h, "kv_heads": kv, "M": m, "N": n, "K": dk, "H": dv,
-            "causal": causal, "layout": layout, "scale": scale}
+            "causal": causal, "window": window, "layout": layout, "scale": scale}
   params.update(extra or {})
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
@@ -184,7 +203,7 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
   the ``shapes`` cases."""
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
-            "gqa": [], "gqa-causal": [], "decode": [], "shapes": []}
+            "gqa": [], "gqa-causal": [], "decode": [], "window": [], "shapes": []}
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
@@ -213,6 +232,11 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                     group="decode", dtype=dtype)
       cases[c.name] = c
       groups["decode"].append(c.name)
+    for s, (b, h, kv, t, d, w) in WINDOWED.items():
+      c = make_case(s, b, h, t, t, d, d, causal=True, layout=layout, kv_heads=kv,
+                    window=w, group="sliding window", dtype=dtype)
+      cases[c.name] = c
+      groups["window"].append(c.name)
   for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
     causal = sfx == "c"
     kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""
@@ -240,7 +264,9 @@ def _dpa_xla_check():
   return None
 
 
-def _pallas_check(grouped: bool):
+def _pallas_check(grouped: bool, window: int = 0):
+  if window:
+    return "pallas mha has no sliding window"
   if grouped:
     return "pallas mha takes as many key/value heads as query heads"
   try:
@@ -250,8 +276,10 @@ def _pallas_check(grouped: bool):
   return None
 
 
-def _torch_backend_check(backend: str):
+def _torch_backend_check(backend: str, window: int = 0):
   def check():
+    if window:
+      return "torch SDPA takes a sliding window only as a dense mask (no flash or cuDNN kernel)"
     try:
       from torch.nn.attention import SDPBackend  # noqa: F401  pylint: disable=g-import-not-at-top
       getattr(SDPBackend, backend)
@@ -276,6 +304,7 @@ def _torch_context(backend: str):
 def impls_for(case: harness.Case) -> list[harness.Impl]:
   p = case.params
   causal, scale, layout = p["causal"], p["scale"], p["layout"]
+  window = p.get("window", 0)
   # Everything below but the plain function wants [B, T, N, H] (jax) or
   # [B, N, T, H] (torch); convert outside timing (for 'packed': q, k and v
   # split into their own arrays, each baseline's best case).
@@ -284,9 +313,12 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   if layout == "packed":
     to_btnh = lambda qkv: unpack_qkv(qkv, p["heads"])
 
+  # cuDNN takes a left window only (with the causal mask): what the cases use.
+  local = {"local_window_size": (window, 0)} if window else {}
+
   def dpa(impl):
     return lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=causal, implementation=impl)
+        q, k, v, scale=scale, is_causal=causal, implementation=impl, **local)
 
   def pallas(q, k, v):
     from jax.experimental.pallas.ops.gpu import attention as pa  # pylint: disable=g-import-not-at-top
@@ -325,13 +357,13 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
                       restore=from_btnh, check=_dpa_xla_check,
                       note="jaxfuse.jit of jax.nn.dot_product_attention(implementation='xla')"),
       harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
-                      needs_gpu=True, check=lambda: _pallas_check(grouped),
+                      needs_gpu=True, check=lambda: _pallas_check(grouped, window),
                       note="jax.experimental.pallas.ops.gpu.attention.mha"),
   ]
   for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
     impls.append(harness.TorchImpl(
         name, torch_sdpa, prepare=torch_prep, restore=torch_restore,
-        check=_torch_backend_check(backend), context=_torch_context(backend),
+        check=_torch_backend_check(backend, window), context=_torch_context(backend),
         note=f"torch SDPA {backend} (eager)"))
   return impls
 

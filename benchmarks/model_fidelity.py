@@ -211,6 +211,12 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   cases["GQA-T2048-h32-kv8-causal"] = attention.make_case(
       "GQA-T2048-h32-kv8-causal", b, h, t, t, d, d, causal=True, layout="bhtd", kv_heads=kv,
       group="grouped-query causal", dtype=dtype)
+  # Causal sliding windows (not run by default): each query tile runs only
+  # the key tiles its window spans, priced the same way.
+  for name, (b, h, kv, t, d, w) in attention.WINDOWED.items():
+    cases[name] = attention.make_case(name, b, h, t, t, d, d, causal=True, layout="bhtd",
+                                      kv_heads=kv, window=w, group="sliding window",
+                                      dtype=dtype)
   # Decoding steps (one query token against a key/value cache): plans
   # split the key loop across programs. Not run by default.
   for name, (b, h, kv, n, d) in attention.DECODE.items():

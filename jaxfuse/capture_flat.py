@@ -11,6 +11,11 @@ Because the same inner jaxpr object can be called from several places (a
 jitted helper called twice), every inlined instance gets fresh variables:
 ``FVar`` objects, one per value of the level.
 
+Closed-over constants that hold ``0, 1, ..., n-1`` (``jnp.array(range(n))``,
+as ``jax.nn.dot_product_attention`` builds its window masks) become ``iota``
+items, so that masks built from them are index compares a kernel computes
+rather than arrays it reads (``_arange_iota``).
+
 Example::
 
     level = flatten(jax.make_jaxpr(f)(x))
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from typing import Any, Callable, Sequence
 
@@ -173,6 +179,39 @@ def _sub_closed(eqn) -> ClosedJaxpr:
   return ClosedJaxpr(j, ())
 
 
+# Integer constants longer than this are not compared with a range: a
+# mask's positions are at most a few hundred thousand long, and a large
+# integer table (token ids, say) is not worth reading through.
+_ARANGE_MAX = 1 << 20
+
+
+def _is_arange(value, aval) -> bool:
+  """Whether constant ``value`` (of abstract value ``aval``) is the vector
+  ``0, 1, ..., n-1`` of a signed or unsigned integer type, n >= 2."""
+  shape = getattr(aval, "shape", None)
+  dtype = getattr(aval, "dtype", None)
+  if (shape is None or len(shape) != 1 or not 2 <= shape[0] <= _ARANGE_MAX
+      or dtype is None or not np.issubdtype(dtype, np.integer)):
+    return False
+  try:
+    v = np.asarray(value)
+  except Exception:  # pylint: disable=broad-except
+    return False     # not concrete
+  n = shape[0]
+  if v.shape != (n,) or v[0] != 0 or v[-1] != n - 1:
+    return False
+  return bool(np.array_equal(v, np.arange(n, dtype=v.dtype)))
+
+
+@functools.lru_cache(maxsize=256)
+def _iota_eqn(dtype: np.dtype, n: int):
+  """A traced ``iota`` equation (the parameters of this jax version)."""
+  dtype = np.dtype(dtype)
+  eqns = jax.make_jaxpr(lambda: jax.lax.iota(dtype, n))().jaxpr.eqns
+  assert len(eqns) == 1 and eqns[0].primitive.name == "iota", eqns
+  return eqns[0]
+
+
 def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
   """Flattens ``closed`` into a Level; custom calls whose key is in
   ``opaque`` stay single items."""
@@ -181,9 +220,22 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
   jaxpr = closed.jaxpr
   env: dict = {}
   invars = [FVar(v.aval) for v in jaxpr.invars]
-  constvars = [FVar(v.aval, c, True) for v, c in zip(jaxpr.constvars, closed.consts)]
+  constvars = []
   env.update(zip(jaxpr.invars, invars))
-  env.update(zip(jaxpr.constvars, constvars))
+
+  def const(aval, value, gpath: tuple):
+    """The atom of a constant: an iota item's output for a range."""
+    if _is_arange(value, aval):
+      out = FVar(aval)
+      items.append(Item(len(items), _iota_eqn(np.dtype(aval.dtype), aval.shape[0]),
+                        [], [out], gpath))
+      return out
+    return FVar(aval, value, True)
+
+  for v, c in zip(jaxpr.constvars, closed.consts):
+    env[v] = const(v.aval, c, ())
+    if env[v].is_const:
+      constvars.append(env[v])
 
   def read(e, a):
     return a if is_lit(a) else e[a]
@@ -192,13 +244,14 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
     for i, eqn in enumerate(jx.eqns):
       name = eqn.primitive.name
       key = keypath + (i,)
-      invals = [read(e, a) for a in eqn.invars]
+      invals = [const(a.aval, a.val, gpath) if is_lit(a) and _is_arange(a.val, a.aval)
+                else read(e, a) for a in eqn.invars]
       if name in INLINE_CALLS or (name in CUSTOM_CALLS and key not in opaque
                                   and "call_jaxpr" in eqn.params):
         inner = _sub_closed(eqn)
         ie: dict = {}
         for v, c in zip(inner.jaxpr.constvars, inner.consts):
-          ie[v] = FVar(v.aval, c, True)
+          ie[v] = const(v.aval, c, gpath)
         for v, a in zip(inner.jaxpr.invars, invals):
           ie[v] = a
         if name in CUSTOM_CALLS:

@@ -256,6 +256,38 @@ def test_attention_decode_cases_are_one_query_token_against_a_cache():
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_window_cases_match_dot_product_attention(kv_heads):
+  """The window group: causal sliding-window cases whose plain function
+  computes what ``jax.nn.dot_product_attention(local_window_size=(w, 0),
+  is_causal=True)`` does; jaxfuse fuses it into one region whose key loop
+  keeps the window's band (tiles outside it are skipped); the baselines
+  without a window (pallas, torch) are skipped with a reason."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases("bthd", "float32")
+  assert groups["window"] == list(attention.WINDOWED)
+  p = cases["SWA-T4096-w512-h32-kv8"].params
+  assert (p["window"], p["causal"], p["kv_heads"]) == (512, True, 8)
+  assert attention.causal_pairs(6, 6, 2) == 1 + 2 + 3 + 3 + 3 + 3
+  case = attention.make_case("w", 2, 4, 48, 48, 16, 16, causal=True, layout="bthd",
+                             group="window", dtype="float32", kv_heads=kv_heads, window=5)
+  q, k, v = case.make_inputs(jax.random.key(2), "float32")
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(5, 0))
+  np.testing.assert_allclose(np.asarray(jax.jit(case.fn)(q, k, v)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(case.fn)(q, k, v).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  [cap] = capture.find_regions(jax.make_jaxpr(case.fn)(q, k, v))
+  bands = streaming.masked_tile_relations(cap.region)
+  assert [(b.lower, b.upper) for b in bands.values()] == [(-5, 0)]
+  assert "window" in attention._pallas_check(False, 5)   # pylint: disable=protected-access
+  assert "window" in attention._torch_backend_check("FLASH_ATTENTION", 5)()  # pylint: disable=protected-access
+
+
 def test_mlp_chain_cpu(tmp_path):
   prefix = tmp_path / "mlp"
   out = _run(["-m", "benchmarks.mlp_chain", "--shapes=4x32x64x32x16", "--reps=1",

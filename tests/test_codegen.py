@@ -480,8 +480,9 @@ def test_dot_product_attention_causal_skips_hidden_key_tiles(kv_heads):
   r = _captured(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
                 (1, 200, 4, 16), (1, 200, kv_heads, 16), (1, 200, kv_heads, 16))
   assert not [op for op in r.ops if isinstance(op, Elementwise) and op.fn == "and"]
-  [(loop, (kind, other))] = streaming.masked_tile_relations(r).items()
-  assert kind == "le"
+  [(loop, band)] = streaming.masked_tile_relations(r).items()
+  assert (band.lower, band.upper) == (None, 0)
+  other = band.other
   best = plan_region(r, "h100", use_cache=False).best
   assert other in best.grid and best.tile(loop) < r.extent(loop)
   k = run_and_check(r, best)
@@ -509,8 +510,8 @@ def test_finite_mask_fill_skips_tiles_only_where_exact(fill, cmp, skips):
     return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
 
   r = _captured(attend, (2, 70, 16), (2, 70, 16), (2, 70, 16))
-  assert streaming.masked_tile_relations(r) == ({"n": ("le" if cmp == "ge" else "lt", "m")}
-                                                if skips else {})
+  assert streaming.masked_tile_relations(r) == (
+      {"n": streaming.Band("m", upper=0 if cmp == "ge" else -1)} if skips else {})
   if fill == "-inf":
     return   # query 0's row is NaN in the reference too
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
@@ -552,7 +553,7 @@ def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
     return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
 
   r = _captured(attend, (2, _T, 16), (2, _T, 16), (2, _T, 16))
-  assert streaming.masked_tile_relations(r) == {"n": ("le", "m")}
+  assert streaming.masked_tile_relations(r) == {"n": streaming.Band("m", upper=0)}
   k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
   assert "(pid_m + 1) * BLOCK_M" in k.source
   assert "pid_m = 4 - tl.program_id(" in k.source     # longest query tiles issued first
@@ -575,10 +576,71 @@ def test_causal_mask_idioms_skip_hidden_key_tiles(idiom):
   assert "tl.exp2(" in k.source and "tl.exp(" not in k.source
 
 
-@pytest.mark.parametrize("mask", ["band", "additive -1e3", "data"])
+_WINDOWS = {
+    "(i >= j) & (i - j < 8)": ((-7, 0), lambda i, j, jnp: (i >= j) & (i - j < 8)),
+    "abs(i - j) <= 20": ((-20, 20), lambda i, j, jnp: jnp.abs(i - j) <= 20),
+    "(j <= i + 3) & (j + 40 > i)": ((-39, 3), lambda i, j, jnp: (j <= i + 3) & (j + 40 > i)),
+    "~(j > i) & (i - 33 <= j)": ((-33, 0), lambda i, j, jnp: ~(j > i) & (i - 33 <= j)),
+}
+
+
+@pytest.mark.parametrize("window", sorted(_WINDOWS))
+def test_sliding_window_masks_skip_the_key_tiles_outside(window):
+  """Sliding windows as user code writes them (two compares of iotas plus
+  constants, an ``abs`` of their difference) bound the key loop on both
+  sides: each query tile runs the key tiles that hold its window, the
+  middle ones without the mask and the edges with it. Each kernel matches
+  the IR in Triton's interpreter."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  (lower, upper), mask = _WINDOWS[window]
+  t = 160
+
+  def attend(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    s = jnp.where(mask(i, j, jnp), s, -jnp.inf)
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+  r = _captured(attend, (2, t, 16), (2, t, 16), (2, t, 16))
+  assert streaming.masked_tile_relations(r) == {"n": streaming.Band("m", lower, upper)}
+  k = run_and_check(r, T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16)))
+  assert "tl.maximum(0, (pid_m * BLOCK_M" in k.source   # the first key tile
+  assert "tl.minimum(N, (pid_m + 1) * BLOCK_M" in k.source   # past the last
+  if upper - lower >= 30:   # a whole 16-key tile fits beside a 16-query tile
+    assert k.source.count("# tiles on the mask's edge") == 2
+    assert k.source.count("# tiles the mask keeps whole") == 1
+
+
+@pytest.mark.parametrize("left,right", [(24, 0), (40, 8), (3, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dot_product_attention_local_window_runs_the_window_only(left, right, causal):
+  """``jax.nn.dot_product_attention(local_window_size=..)`` builds its
+  window from ``jnp.array(range(T))`` constants; capture reads them as
+  iotas, so the window is a compare the kernel computes (not a T x T mask
+  it reads) and bounds the key loop. Matches the IR in Triton's
+  interpreter."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  r = _captured(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal, local_window_size=(left, right)),
+      (1, 200, 4, 16), (1, 200, 2, 16), (1, 200, 2, 16))
+  assert not [b for b in r.inputs if r.value_map[b.value].dtype == "bool"]   # no mask input
+  [(loop, band)] = streaming.masked_tile_relations(r).items()
+  assert (band.lower, band.upper) == (-left, 0 if causal else right)
+  best = plan_region(r, "h100", use_cache=False).best
+  assert band.other in best.grid and best.tile(loop) < r.extent(loop), best
+  k = run_and_check(r, best)
+  o, n = band.other, loop.upper()
+  assert f"tl.maximum(0, (pid_{o} * BLOCK_{o.upper()} - {left}) // BLOCK_{n}" in k.source
+
+
+@pytest.mark.parametrize("mask", ["or", "additive -1e3", "data"])
 def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
-  """A window (two relations), an additive fill too close to the scores and
-  a mask read from memory leave every key tile to the kernel."""
+  """A disjunction of compares, an additive fill too close to the scores
+  and a mask read from memory leave every key tile to the kernel."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
@@ -586,8 +648,8 @@ def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
   def attend(q, k, v, keep):
     s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
     i, j = jnp.arange(_T)[:, None], jnp.arange(_T)[None, :]
-    if mask == "band":
-      s = jnp.where((i >= j) & (i - j < 8), s, -jnp.inf)
+    if mask == "or":
+      s = jnp.where((i >= j) | (j - i > 40), s, -jnp.inf)
     elif mask == "additive -1e3":
       s = s + jnp.where(i >= j, 0.0, -1e3)
     else:

@@ -77,9 +77,10 @@ def test_scaled_shift_by_literal_and_exp2():
 
 def test_masked_tile_relation_of_a_causal_mask():
   # keep iota(m) cmp iota(n)  <=>  n flip(cmp) m: the key tiles outside it are skipped
-  for cmp, rel in (("ge", "le"), ("gt", "lt"), ("le", "ge"), ("lt", "gt")):
+  for cmp, band in (("ge", streaming.Band("m", upper=0)), ("gt", streaming.Band("m", upper=-1)),
+                    ("le", streaming.Band("m", lower=0)), ("lt", streaming.Band("m", lower=1))):
     r = testing.attention(causal=cmp)
-    assert streaming.masked_tile_relations(r) == {"n": (rel, "m")}, cmp
+    assert streaming.masked_tile_relations(r) == {"n": band}, cmp
   # A data mask or none: every key tile may contribute.
   assert streaming.masked_tile_relations(testing.attention()) == {}
   assert streaming.masked_tile_relations(testing.attention(mask=True)) == {}

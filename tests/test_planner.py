@@ -14,6 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
+from jaxfuse.codegen import streaming
 from jaxfuse import ir
 from jaxfuse.devices import get_device
 from jaxfuse.planner import (cache, cost_model, examples, lagrange, movement, plan_region,
@@ -1346,35 +1347,40 @@ def test_verdict_uncertain_for_float32_dots_and_near_the_bound():
 
 # -- causal masks: the key tiles each program runs ---------------------------
 
-def _kept_tiles(ext_l, t_l, ext_o, t_o, kind, parts):
+def _kept_tiles(ext_l, t_l, ext_o, t_o, lower, upper, parts):
   """Per (tile of the other loop, part of l): l's tiles holding an index
-  that the mask keeps against some index of that tile, by brute force."""
-  keep = {"le": lambda b, a: b <= a, "lt": lambda b, a: b < a,
-          "ge": lambda b, a: b >= a, "gt": lambda b, a: b > a}[kind]
+  that the mask keeps (o + lower <= i <= o + upper) against some index of
+  that tile, by brute force."""
+  def keep(b, a):
+    return (lower is None or b >= a + lower) and (upper is None or b <= a + upper)
   per = math.ceil(math.ceil(ext_l / t_l) / parts) * t_l
   out = []
   for i in range(math.ceil(ext_o / t_o)):
     rows = range(i * t_o, (i + 1) * t_o)   # the program's index span, unclipped
     for p in range(parts):
       starts = range(p * per, min(ext_l, p * per + per), t_l)
-      out.append(sum(any(keep(b, a) for b in range(s, min(s + t_l, ext_l)) for a in (rows[0], rows[-1]))
+      out.append(sum(any(keep(b, a) for b in range(s, min(s + t_l, ext_l)) for a in rows)
                      for s in starts))
   return out
 
 
-@pytest.mark.parametrize("kind", ["le", "lt", "ge", "gt"])
-def test_masked_trip_counts_are_the_tiles_a_mask_keeps(kind):
-  rng = random.Random(kind)
-  for _ in range(40):
+# (lower, upper): causal (le, lt, ge, gt) and sliding windows
+@pytest.mark.parametrize("bounds", [(None, 0), (None, -1), (0, None), (1, None),
+                                    (-7, 0), (-100, 0), (-64, 64), (-3, 5)])
+def test_masked_trip_counts_are_the_tiles_a_mask_keeps(bounds):
+  lower, upper = bounds
+  rng = random.Random(str(bounds))
+  for _ in range(25):
     ext_l, ext_o = rng.randint(1, 300), rng.randint(1, 300)
-    if kind in ("ge", "gt"):
-      # rows past the last key keep no key at all (an undefined softmax)
+    if lower is not None:
+      # rows whose window starts past the last key keep no key at all (an
+      # undefined softmax; the loop may then run one tile, all masked)
       ext_l = max(ext_l, 2)
-      ext_o = min(ext_o, ext_l - (kind == "gt"))
+      ext_o = max(1, min(ext_o, ext_l - lower))
     t_l, t_o = rng.choice((1, 16, 32, 64)), rng.choice((1, 16, 64, 128))
     parts = rng.choice((1, 1, 2, 4))
-    counts, full = cost_model._masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
-    assert list(counts) == _kept_tiles(ext_l, t_l, ext_o, t_o, kind, parts), (
+    counts, full = cost_model._masked_trip_counts(ext_l, t_l, ext_o, t_o, bounds, parts)
+    assert list(counts) == _kept_tiles(ext_l, t_l, ext_o, t_o, lower, upper, parts), (
         ext_l, t_l, ext_o, t_o, parts)
     assert max(counts) <= full
 
@@ -1394,7 +1400,7 @@ def test_causal_attention_is_priced_at_the_key_tiles_it_runs():
   t = {"b": 1, "g": 1, "m": 256, "n": 64, "d": 128, "e": 128}
   full, causal, expr, grid = _attention_pair(8, 16, 2048, 128, t)
   assert tiling.masked_tile_relations(full) == {}
-  assert tiling.masked_tile_relations(causal) == {"n": ("le", "m")}
+  assert tiling.masked_tile_relations(causal) == {"n": streaming.Band("m", upper=0)}
   # query tile i runs key tiles 0 .. 4(i+1) - 1 of 32: mean 18/32; the last runs all
   assert cost_model.masked_trip_fractions(causal, expr, t, grid) == {"n": (18 / 32, 1.0)}
   pc = cost_model.predict(causal, expr, t, grid, H100, num_stages=3)

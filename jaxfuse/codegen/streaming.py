@@ -22,9 +22,10 @@ Chimera's deferred division):
   ``alpha = exp(c (M_old - M_new))`` before adding its contribution; the
   deferred factors multiply/divide the final accumulator.
 
-A running max that reads a causal mask (``masked_value``: a literal fill far
-below any score where two iotas compare false, ``keep_predicate``) makes
-the tiles of ``n`` that the mask hides contribute exactly nothing: the code
+A running max that reads a causal mask or a sliding window
+(``masked_value``: a literal fill far below any score where compares of two
+iotas, each plus a constant, do not all hold, ``keep_predicate``) makes the
+tiles of ``n`` that the mask hides contribute exactly nothing: the code
 generator skips them and the cost model does not price them
 (``masked_tile_relation``).
 
@@ -47,7 +48,7 @@ from typing import Optional
 
 from jaxfuse import ir
 
-__all__ = ["Masked", "Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
+__all__ = ["Band", "Compare", "Keep", "Masked", "Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
            "keep_predicate", "masked_value", "masked_tile_relation", "masked_tile_relations",
            "relation_to"]
 
@@ -130,7 +131,7 @@ class StreamingInfo:
     s = self.streamed.get(loop)
     return bool(s and s.online)
 
-  def masked_tiles(self, region: ir.Region) -> dict[str, tuple[str, str]]:
+  def masked_tiles(self, region: ir.Region) -> dict[str, "Band"]:
     """``masked_tile_relation`` of every streamed loop that has one."""
     out = {}
     for l, st in self.streamed.items():
@@ -302,37 +303,149 @@ def analyze(region: ir.Region) -> StreamingInfo:
 _FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt"}
 
 
-def _iota_compare(region: ir.Region, v) -> Optional[tuple[str, str, str]]:
-  """``(cmp, a, b)`` when value ``v`` is ``cmp(iota(a), iota(b))`` of two
-  different loops."""
+@dataclasses.dataclass(frozen=True)
+class Compare:
+  """``iota(a) cmp iota(b) + offset`` of two different loops (cmp in 'le',
+  'lt', 'ge', 'gt')."""
+  cmp: str
+  a: str
+  b: str
+  offset: int = 0
+
+
+# A mask's keep predicate: a conjunction of compares (a causal mask is one,
+# a sliding window two).
+Keep = tuple[Compare, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+  """The indices ``i`` of a loop that a mask keeps against index ``o`` of
+  loop ``other``: ``o + lower <= i <= o + upper`` (None: no bound on that
+  side). A causal mask ``i <= o`` is ``Band(other, upper=0)``; a window of
+  ``w`` keys before each query and none after is ``Band(other, -w, 0)``."""
+  other: str
+  lower: Optional[int] = None
+  upper: Optional[int] = None
+
+  def keeps_some(self, ext: int, ext_other: int) -> bool:
+    """Whether every index of ``other`` (extent ``ext_other``) keeps at
+    least one of the loop's ``ext`` indices. The kept range's ends grow with
+    ``o``, so its first and last index decide."""
+    lo, hi = self.lower, self.upper
+    if lo is not None and hi is not None and lo > hi:
+      return False
+    if hi is not None and 0 + hi < 0:              # o = 0 keeps i <= hi
+      return False
+    if lo is not None and ext_other - 1 + lo > ext - 1:   # the last o keeps i >= o + lo
+      return False
+    return ext >= 1
+
+
+def _index_form(region: ir.Region, v, depth: int = 0) -> Optional[tuple[dict, int]]:
+  """``({loop: coefficient}, k)`` when value ``v`` is a sum of iotas and
+  integer literals, ``sum(c * iota(loop)) + k`` (``add``, ``sub``, ``neg``
+  and int converts, seen through); None otherwise."""
+  if isinstance(v, ir.Literal):
+    if isinstance(v.value, bool) or not float(v.value).is_integer():
+      return None
+    return {}, int(v.value)
   op = region.producer(v) if isinstance(v, str) else None
-  if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP
-          and all(isinstance(a, str) for a in op.args)):
+  if isinstance(op, ir.Iota):
+    return {op.loop: 1}, 0
+  if not isinstance(op, ir.Elementwise) or depth > 8:
     return None
-  i0, i1 = (region.producer(a) for a in op.args)
-  if isinstance(i0, ir.Iota) and isinstance(i1, ir.Iota) and i0.loop != i1.loop:
-    return op.fn, i0.loop, i1.loop
+  if op.fn == "convert" and region.value_map[op.out].dtype.startswith(("int", "uint")):
+    return _index_form(region, op.args[0], depth + 1)
+  if op.fn == "neg":
+    f = _index_form(region, op.args[0], depth + 1)
+    return None if f is None else ({l: -c for l, c in f[0].items()}, -f[1])
+  if op.fn in ("add", "sub") and len(op.args) == 2:
+    x, y = (_index_form(region, a, depth + 1) for a in op.args)
+    if x is None or y is None:
+      return None
+    sign = 1 if op.fn == "add" else -1
+    terms = dict(x[0])
+    for l, c in y[0].items():
+      terms[l] = terms.get(l, 0) + sign * c
+    return {l: c for l, c in terms.items() if c}, x[1] + sign * y[1]
   return None
 
 
-def relation_to(rel: Optional[tuple[str, str, str]], loop: str) -> Optional[tuple[str, str]]:
-  """``iota(a) cmp iota(b)`` as ``loop cmp' other``; None when neither
-  side is ``loop``."""
-  if rel is None:
+def _iota_compare(region: ir.Region, v) -> Optional[Compare]:
+  """The ``Compare`` value ``v`` is: a compare of two sums of iotas and
+  literals that differ by one iota minus another plus a constant
+  (``i >= j``, ``i <= j + w``, ``i - j < w``)."""
+  op = region.producer(v) if isinstance(v, str) else None
+  if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP and len(op.args) == 2):
     return None
-  cmp, a, b = rel
-  if b == loop:      # other (cmp) loop  ->  loop flip(cmp) other
-    return _FLIP[cmp], a
-  if a == loop:
-    return cmp, b
+  x, y = (_index_form(region, a) for a in op.args)
+  if x is None or y is None:
+    return None
+  # x cmp y  <=>  x - y cmp 0  <=>  iota(a) - iota(b) + k cmp 0  <=>  iota(a) cmp iota(b) - k
+  terms = dict(x[0])
+  for l, c in y[0].items():
+    terms[l] = terms.get(l, 0) - c
+  terms = {l: c for l, c in terms.items() if c}
+  if sorted(terms.values()) != [-1, 1]:
+    return None
+  a = next(l for l, c in terms.items() if c == 1)
+  b = next(l for l, c in terms.items() if c == -1)
+  return Compare(op.fn, a, b, -(x[1] - y[1]))
+
+
+def _abs_window(region: ir.Region, op) -> Optional[Keep]:
+  """``abs(iota(a) - iota(b) + c) <= k`` (or ``<``, either side) as the two
+  compares it is: ``a - b + c <= k`` and ``b - a - c <= k``."""
+  if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP and len(op.args) == 2):
+    return None
+  for i in (0, 1):
+    e, k = op.args[i], op.args[1 - i]
+    cmp = op.fn if i == 0 else _FLIP[op.fn]     # e cmp k
+    a = region.producer(e) if isinstance(e, str) else None
+    if cmp not in ("le", "lt") or not (isinstance(a, ir.Elementwise) and a.fn == "abs"):
+      continue
+    f, lim = _index_form(region, a.args[0]), _index_form(region, k)
+    if f is None or lim is None or lim[0] or sorted(f[0].values()) != [-1, 1]:
+      return None
+    p = next(l for l, c in f[0].items() if c == 1)
+    q = next(l for l, c in f[0].items() if c == -1)
+    c, k = f[1], lim[1]
+    # p - q + c cmp k  <=>  p cmp q + (k - c);  q - p - c cmp k  <=>  q cmp p + (k + c)
+    return (Compare(cmp, p, q, k - c), Compare(cmp, q, p, k + c))
   return None
 
 
-def iota_relation(region: ir.Region, pred, loop: str) -> Optional[tuple[str, str]]:
-  """``(cmp, other)`` when value ``pred`` is ``cmp(iota(a), iota(b))``
-  relating ``loop`` to another loop, normalized to ``loop cmp other``
-  (cmp in 'le', 'lt', 'ge', 'gt'); None otherwise."""
-  return relation_to(_iota_compare(region, pred), loop)
+def relation_to(keep: Optional[Keep], loop: str) -> Optional[Band]:
+  """The ``Band`` of ``loop`` that keep predicate ``keep`` allows; None
+  when a compare does not relate ``loop`` to one same other loop."""
+  if not keep:
+    return None
+  other, lower, upper = None, None, None
+  for c in keep:
+    if c.a == loop:
+      cmp, o, off = c.cmp, c.b, c.offset
+    elif c.b == loop:   # a cmp loop + off  <=>  loop flip(cmp) a - off
+      cmp, o, off = _FLIP[c.cmp], c.a, -c.offset
+    else:
+      return None
+    if other is not None and o != other:
+      return None
+    other = o
+    if cmp in ("le", "lt"):
+      off -= cmp == "lt"
+      upper = off if upper is None else min(upper, off)
+    else:
+      off += cmp == "gt"
+      lower = off if lower is None else max(lower, off)
+  return Band(other, lower, upper)
+
+
+def iota_relation(region: ir.Region, pred, loop: str) -> Optional[Band]:
+  """The ``Band`` of ``loop`` that value ``pred`` keeps when it is one
+  compare of two iotas (plus literals); None otherwise."""
+  c = _iota_compare(region, pred)
+  return None if c is None else relation_to((c,), loop)
 
 
 # A finite fill at or below this stands for -inf in a mask (jax's
@@ -346,19 +459,25 @@ MASK_FILL_MAX = -1e4
 _NEGATE = {"ge": "lt", "gt": "le", "le": "gt", "lt": "ge"}
 
 
-def _negate(rel: Optional[tuple[str, str, str]]) -> Optional[tuple[str, str, str]]:
-  return None if rel is None else (_NEGATE[rel[0]], rel[1], rel[2])
+def _negate(keep: Optional[Keep]) -> Optional[Keep]:
+  """``not keep`` where it is one compare (the negation of a conjunction
+  of two is a disjunction, which no ``Keep`` states)."""
+  if keep is None or len(keep) != 1:
+    return None
+  c = keep[0]
+  return (Compare(_NEGATE[c.cmp], c.a, c.b, c.offset),)
 
 
 def _literal(a) -> Optional[float]:
   return float(a.value) if isinstance(a, ir.Literal) else None
 
 
-def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, str, str]]:
-  """``(cmp, a, b)`` when boolean value ``v`` is ``iota(a) cmp iota(b)``,
-  seen through the forms masks take: a compare of two iotas; ``not``;
-  ``select(c, False, True)`` / ``select(c, True, False)``; and ``x == k`` /
-  ``x != k`` of ``x = select(c, k0, k1)`` with literal ``k``, ``k0``, ``k1``
+def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
+  """The ``Keep`` (a conjunction of ``Compare``) that boolean value ``v``
+  is, seen through the forms masks take: a compare of two iotas, each plus
+  an integer literal; ``and``; ``not``; ``select(c, False, True)`` /
+  ``select(c, True, False)``; and ``x == k`` / ``x != k`` of
+  ``x = select(c, k0, k1)`` with literal ``k``, ``k0``, ``k1``
   (``jnp.tril(jnp.ones((T, T))) == 0``). None otherwise."""
   op = region.producer(v) if isinstance(v, str) else None
   if not isinstance(op, ir.Elementwise) or depth > 8:
@@ -366,7 +485,10 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, 
   args = op.args
   bare = _iota_compare(region, v)
   if bare is not None:
-    return bare
+    return (bare,)
+  window = _abs_window(region, op)
+  if window is not None:
+    return window
   if op.fn in _FLIP or op.fn in ("eq", "ne"):
     # a compare of a two-valued select with a literal: c itself, or not c
     lits = [a for a in args if isinstance(a, ir.Literal)]
@@ -383,6 +505,18 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[tuple[str, 
     return None
   if op.fn == "not":
     return _negate(keep_predicate(region, args[0], depth + 1))
+  if op.fn == "and" and len(args) == 2:
+    parts = []
+    for a in args:
+      if _literal(a) is not None:
+        if not _literal(a):
+          return None      # keeps nothing
+        continue
+      k = keep_predicate(region, a, depth + 1)
+      if k is None:
+        return None
+      parts.extend(k)
+    return tuple(parts) or None
   if op.fn == "select" and _literal(args[1]) is not None and _literal(args[2]) is not None:
     return _predicate_of_select(region, args[0], bool(_literal(args[2])),
                                 bool(_literal(args[1])), depth)
@@ -401,7 +535,7 @@ class Masked:
   """A masked score (``masked_value``): ``kept`` where ``keep`` holds,
   ``fill`` elsewhere."""
   fill: float
-  keep: tuple[str, str, str]   # (cmp, loop a, loop b): iota(a) cmp iota(b)
+  keep: Keep
   kept: str
 
 
@@ -410,7 +544,8 @@ def masked_value(region: ir.Region, x) -> Optional[Masked]:
   ``keep_predicate``) holds and replaces it by literal ``fill`` otherwise:
   ``select(p, fill, s)``, ``select(p, s, fill)`` (fill where p), or the
   additive ``s + select(p, fill, 0)`` / ``s + select(p, 0, fill)``; None
-  for anything else."""
+  for anything else (a fill where a conjunction holds keeps a
+  disjunction, which is not read)."""
   op = region.producer(x) if isinstance(x, str) else None
   if not isinstance(op, ir.Elementwise):
     return None
@@ -420,8 +555,8 @@ def masked_value(region: ir.Region, x) -> Optional[Masked]:
       keep = keep_predicate(region, p)
       return None if keep is None else Masked(_literal(on_false), keep, on_true)
     if _literal(on_true) is not None and isinstance(on_false, str):
-      keep = keep_predicate(region, p)
-      return None if keep is None else Masked(_literal(on_true), _negate(keep), on_false)
+      keep = _negate(keep_predicate(region, p))
+      return None if keep is None else Masked(_literal(on_true), keep, on_false)
     return None
   if op.fn == "add" and all(isinstance(a, str) for a in op.args):
     for i, s in enumerate(op.args):
@@ -433,24 +568,23 @@ def masked_value(region: ir.Region, x) -> Optional[Masked]:
       if f0 is None or f1 is None or 0.0 not in (f0, f1) or f0 == f1:
         continue
       keep = keep_predicate(region, sel.args[0])
-      if keep is None:
-        return None
       kept = op.args[1 - i]
       if f1 == 0.0:     # 0 where p: p keeps
-        return Masked(f0, keep, kept)
-      return Masked(f1, _negate(keep), kept)
+        return None if keep is None else Masked(f0, keep, kept)
+      keep = _negate(keep)
+      return None if keep is None else Masked(f1, keep, kept)
   return None
 
 
-def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[str, str]]:
-  """``(cmp, other)`` when every contribution of an index of the streamed
-  loop ``st.loop`` that fails ``loop cmp other`` is masked out: each running
-  max reads a ``masked_value`` whose keep predicate compares an iota of the
-  loop with one of the same other loop, every shift by it subtracts from
-  that masked value, and every accumulator is rescaled by one of those
-  maxima (so a masked score adds exp(-inf) = 0 everywhere). A tile of the
-  loop whose indices all fail contributes nothing and may be skipped (a
-  causal mask). None otherwise.
+def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
+  """The ``Band`` of the streamed loop ``st.loop`` outside which every
+  contribution of an index is masked out: each running max reads a
+  ``masked_value`` whose keep predicate bounds the loop's iota by those of
+  one same other loop, every shift by it subtracts from that masked value,
+  and every accumulator is rescaled by one of those maxima (so a masked
+  score adds exp(-inf) = 0 everywhere). A tile of the loop whose indices
+  all fall outside contributes nothing and may be skipped (a causal mask,
+  a sliding window). None otherwise.
 
   The fill is -inf, or finite at most ``MASK_FILL_MAX`` when every index
   of the other loop keeps at least one index of this loop: a row that keeps
@@ -484,14 +618,12 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[tuple[
       return None
   if res is not None and finite:
     ext = region.loop_extents
-    n, o = ext[st.loop], ext[res[1]]
-    keeps = {"le": n >= 1, "lt": False, "ge": o <= n, "gt": o <= n - 1}[res[0]]
-    if not keeps:
+    if not res.keeps_some(ext[st.loop], ext[res.other]):
       return None
   return res
 
 
-def masked_tile_relations(region: ir.Region) -> dict[str, tuple[str, str]]:
-  """Loop -> ``(cmp, other)`` for every streamed loop of ``region`` whose
+def masked_tile_relations(region: ir.Region) -> dict[str, Band]:
+  """Loop -> ``Band`` for every streamed loop of ``region`` whose
   masked tiles the code generator skips (``masked_tile_relation``)."""
   return analyze(region).masked_tiles(region)

@@ -124,6 +124,11 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _plus(expr: str, k: int) -> str:
+  """``expr + k`` as printed source (nothing added for 0)."""
+  return expr if k == 0 else f"{expr} + {k}" if k > 0 else f"{expr} - {-k}"
+
+
 def _lit(a: ir.Literal) -> str:
   v = a.value
   if isinstance(v, bool) or a.dtype == "bool":
@@ -1007,46 +1012,44 @@ class _Printer:
       per = _cdiv(_cdiv(self.ext[l], self.T[l]), self.split[1]) * self.T[l]
       lo = f"part * {per}"
       hi = f"tl.minimum({self.EXT[l]}, part * {per} + {per})"
-    skip = self.causal_skip(l, lp)
-    if skip is not None:
-      kind, other = skip
-      span = self.index_span(other)
+    band = self.causal_skip(l, lp)
+    if band is not None:
+      span = self.index_span(band.other)
       if span is None:
         return lo, hi
       first, last1 = span
       bl = self.BLK[l] if self.T[l] > 1 else "1"
-      if kind == "le":      # loop index <= other: stop after the other tile's last index
-        hi = f"tl.minimum({hi}, {last1})"
-      elif kind == "lt":
-        hi = f"tl.minimum({hi}, {last1} - 1)"
-      elif kind == "ge":    # loop index >= other: start at the tile holding other's first index
-        lo = f"tl.maximum({lo}, ({first}) // {bl} * {bl})"
-      elif kind == "gt":
-        lo = f"tl.maximum({lo}, ({first} + 1) // {bl} * {bl})"
+      if band.upper is not None:   # l <= other + upper: stop after the other tile's last index
+        hi = f"tl.minimum({hi}, {_plus(last1, band.upper)})"
+      if band.lower is not None:   # l >= other + lower: start at the tile holding its first
+        # A negative start rounds to a tile start <= 0 whether // floors
+        # (the interpreter) or truncates (compiled); lo >= 0 takes over.
+        lo = f"tl.maximum({lo}, ({_plus(first, band.lower)}) // {bl} * {bl})"
     return lo, hi
 
-  def iota_relation(self, pred, l: str) -> Optional[tuple[str, str]]:
+  def iota_relation(self, pred, l: str) -> Optional[streaming.Band]:
     """``streaming.iota_relation`` of this region."""
     return streaming.iota_relation(self.r, pred, l)
 
-  def causal_skip(self, n: str, lp: _Open) -> Optional[tuple[str, str]]:
-    """('le'|'lt'|'ge'|'gt', other loop) when tiles of ``n`` outside that
-    relation contribute nothing (``streaming.masked_tile_relation``, which
+  def causal_skip(self, n: str, lp: _Open) -> Optional[streaming.Band]:
+    """The ``streaming.Band`` of ``n`` outside which its tiles contribute
+    nothing (``streaming.masked_tile_relation``, which
     the cost model prices the same way)."""
     if lp.stream is None:
       return None
     return streaming.masked_tile_relation(self.r, lp.stream)
 
-  def mask_relation(self, node: LoopNode) -> Optional[tuple[str, str, dict[str, str]]]:
-    """('le'|'lt'|'ge'|'gt', other loop, {value: kept operand}) when every
-    masking value of loop ``node``'s body says ``l cmp' other`` for the same
-    cmp' and other loop (a causal mask); None when there is none or they
+  def mask_relation(self, node: LoopNode) -> Optional[tuple[streaming.Band, dict[str, str]]]:
+    """(the ``streaming.Band`` of loop ``node`` that every masking value of
+    its body keeps, {value: kept operand}) when they all keep the same band
+    (a causal mask, a sliding window); None when there is none or they
     disagree. A masking value is a select whose predicate compares two
     iotas, ``select(cmp(iota(a), iota(l)), x, kept)``, or any form
-    ``streaming.masked_value`` reads (a predicate seen through ``not`` and
-    two-valued selects, the fill on either side, an added mask); where the
-    relation holds it equals its kept operand. Selects of literals (the
-    masks themselves, before they meet a score) are left as they are."""
+    ``streaming.masked_value`` reads (a predicate seen through ``and``,
+    ``not`` and two-valued selects, the fill on either side, an added
+    mask); where the band holds it equals its kept operand. Selects of
+    literals (the masks themselves, before they meet a score) are left as
+    they are."""
     l = node.loop
     rel = None
     kept_of: dict[str, str] = {}
@@ -1074,36 +1077,43 @@ class _Printer:
       kept_of[v] = kept
     if rel is None:
       return None
-    return rel[0], rel[1], kept_of
+    return rel, kept_of
 
-  def whole_tiles(self, node: LoopNode) -> Optional[tuple[str, bool, dict[str, str]]]:
+  def whole_tiles(self, node: LoopNode) -> Optional[tuple[Optional[str], Optional[str],
+                                                           dict[str, str]]]:
     """Where loop ``node`` runs tiles on which every masking value of its
     body (``mask_relation``) keeps every score (a causal mask's tiles below
-    the diagonal): (the tile start that separates them from the others,
-    whether they come first, those values with their kept operands). Those
-    tiles print each masking value as its kept operand; Triton drops the
-    compares nothing reads then: 2 of the 8-10 ALU ops per score of a causal
-    softmax.
-    Derived from the IR; None when there is none, the bound is not known, or
-    the plan is predicted to run in fewer than ``WHOLE_TILES_MIN_WAVES``
-    waves (latency-bound: a second pipelined loop costs more than it saves)."""
+    the diagonal, the middle of a sliding window): (the first such tile's
+    start, None when the band has no lower bound; the start past the last,
+    None when it has no upper bound; those values with their kept
+    operands). Those tiles print each masking value as its kept operand;
+    Triton drops the compares nothing reads then: 2 of the 8-10 ALU ops per
+    score of a causal softmax.
+    Derived from the IR; None when there is none, the bound is not known, a
+    window is too narrow to hold a whole tile, or the plan is predicted to
+    run in fewer than ``WHOLE_TILES_MIN_WAVES`` waves (latency-bound: a
+    second pipelined loop costs more than it saves)."""
     l = node.loop
     rel = self.mask_relation(node)
     pred = self.plan.predicted
     if rel is None or (pred is not None and pred.waves < WHOLE_TILES_MIN_WAVES):
       return None
-    kind, other, kept = rel
-    span = self.index_span(other)
+    band, kept = rel
+    span = self.index_span(band.other)
     if span is None:
       return None
+    if (band.lower is not None and band.upper is not None
+        and band.upper - band.lower < self.T[l] + self.T[band.other] - 2):
+      return None      # no tile of l fits the window beside a whole tile of other
     first, last1 = span
     bl = self.BLK[l] if self.T[l] > 1 else "1"
     # A tile [s, s + bl) of l against the other loop's [first, last1):
-    mid = {"le": f"({first} + 1) // {bl} * {bl}",            # s + bl - 1 <= first
-           "lt": f"({first}) // {bl} * {bl}",                # s + bl - 1 < first
-           "ge": f"({last1} - 1 + {bl} - 1) // {bl} * {bl}",  # s >= last1 - 1
-           "gt": f"({last1} + {bl} - 1) // {bl} * {bl}"}[kind]  # s >= last1
-    return mid, kind in ("le", "lt"), kept
+    lo = hi = None
+    if band.lower is not None:   # s >= last1 - 1 + lower, rounded up to a tile
+      lo = f"({_plus(last1, band.lower - 1)} + {bl} - 1) // {bl} * {bl}"
+    if band.upper is not None:   # s + bl - 1 <= first + upper
+      hi = f"({_plus(first, band.upper + 1)}) // {bl} * {bl}"
+    return lo, hi, kept
 
   def heavy_first_loops(self, body) -> set[str]:
     """Grid loops whose programs run longer as their index grows: a loop
@@ -1117,10 +1127,10 @@ class _Printer:
       for n in nodes:
         if isinstance(n, LoopNode):
           st = self.info.streamed.get(n.loop)
-          for rel in (self.mask_relation(n),
-                      st and streaming.masked_tile_relation(self.r, st)):
-            if rel and rel[0] in ("le", "lt") and self.kind.get(rel[1]) == "grid":
-              out.add(rel[1])
+          mask = self.mask_relation(n)
+          for band in (mask and mask[0], st and streaming.masked_tile_relation(self.r, st)):
+            if band and band.upper is not None and self.kind.get(band.other) == "grid":
+              out.add(band.other)
           walk(n.body)
     walk(body)
     return out
@@ -1190,10 +1200,21 @@ class _Printer:
     if whole is None:
       self.emit_loop_range(node, lp, lo, hi, {})
     else:
-      mid, first, kept = whole
-      cut = f"tl.maximum({lo}, tl.minimum({hi}, {mid}))"
-      parts = ([(lo, cut, kept), (cut, hi, {})] if first else
-               [(lo, cut, {}), (cut, hi, kept)])
+      w_lo, w_hi, kept = whole
+      if w_lo is not None and w_hi is not None:
+        # A window: edge tiles on both sides; three loops share the bounds.
+        self.emit(f"lo_{l} = {lo}")
+        self.emit(f"hi_{l} = {hi}")
+        self.emit(f"whole_lo_{l} = tl.maximum(lo_{l}, tl.minimum(hi_{l}, {w_lo}))")
+        self.emit(f"whole_hi_{l} = tl.maximum(whole_lo_{l}, tl.minimum(hi_{l}, {w_hi}))")
+        parts = [(f"lo_{l}", f"whole_lo_{l}", {}), (f"whole_lo_{l}", f"whole_hi_{l}", kept),
+                 (f"whole_hi_{l}", f"hi_{l}", {})]
+      elif w_lo is not None:
+        cut = f"tl.maximum({lo}, tl.minimum({hi}, {w_lo}))"
+        parts = [(lo, cut, {}), (cut, hi, kept)]
+      else:
+        cut = f"tl.maximum({lo}, tl.minimum({hi}, {w_hi}))"
+        parts = [(lo, cut, kept), (cut, hi, {})]
       for a, b, ss in parts:
         self.emit("# tiles the mask keeps whole" if ss else "# tiles on the mask's edge")
         self.emit_loop_range(node, lp, a, b, ss)

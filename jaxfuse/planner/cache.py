@@ -50,8 +50,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # key tiles a causal mask hides priced as skipped (grids of 4+ waves); 16:
 # the kernels of masks with finite fills or written through not/selects/adds
 # changed (exp2 fold, whole tiles unmasked), so their stored keep-or-drop
-# timings are stale.
-FORMAT_VERSION = 16
+# timings are stale; 17: sliding windows (iota compares with offsets) skip
+# the key tiles outside them and are priced so, at few waves too.
+FORMAT_VERSION = 17
 
 
 def _version() -> str:

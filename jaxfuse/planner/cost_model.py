@@ -69,7 +69,9 @@ program's share, and the longest program as a bound (grids of
 ``MASKED_MIN_WAVES`` or more waves). Priced as full, the plans of 12
 recorded causal attention runs (H100, sixteenth and thirty-fifth sessions)
 read 1.76-2.89x their measured kernel times, against 1.17-1.52x for 12
-non-causal runs; priced this way 0.94-1.50x.
+non-causal runs; priced this way 0.94-1.50x. A sliding window (a band
+bounded on both sides) is priced the same way, and in grids of fewer waves
+at its longest program, which runs only the tiles the window spans.
 
 A split reduction (``Plan.split``) adds the second pass: partial results
 in fp32 written by the first kernel, read and reduced by the second, plus
@@ -85,7 +87,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from jaxfuse import ir
 from jaxfuse.devices import DeviceSpec, contraction_dtype, region_peak
@@ -431,14 +433,15 @@ MASKED_MIN_WAVES = 4
 def masked_trip_fractions(region: ir.Region, expr: tiling.TilingExpr,
                           tiles: Mapping[str, int], grid: Sequence[str],
                           split: Optional[tuple[str, int]] = None,
-                          masked: Optional[Mapping[str, tuple[str, str]]] = None
+                          masked: Optional[Mapping[str, Any]] = None
                           ) -> dict[str, tuple[float, float]]:
   """Loop -> (mean, max) over programs of the fraction of its trips a
-  program runs, for each sequential loop whose tiles a causal mask hides
-  (``masked``: ``tiling.masked_tile_relations``, the relation the code
-  generator's loop bounds skip by) relative to a grid loop or a loop around
-  it. Why: the code generator skips those tiles, so causal attention runs
-  about half the key steps of the full loop; priced as full, every causal
+  program runs, for each sequential loop whose tiles a causal mask or a
+  sliding window hides (``masked``: ``tiling.masked_tile_relations``, the
+  ``streaming.Band`` the code generator's loop bounds skip by) relative to
+  a grid loop or a loop around it. Why: the code generator skips those
+  tiles, so causal attention runs about half the key steps of the full loop
+  (a window of w keys, about w / T of them); priced as full, every causal
   plan read ~2x its measured time and its tiles were chosen for the full
   loop."""
   if masked is None:
@@ -452,7 +455,8 @@ def masked_trip_fractions(region: ir.Region, expr: tiling.TilingExpr,
     for depth, l in enumerate(enclosing):
       if l in seen or l not in masked:
         continue
-      kind, other = masked[l]
+      band = masked[l]
+      other = band.other
       if other in grid:
         per_program = True
       elif other in enclosing[:depth]:
@@ -461,19 +465,23 @@ def masked_trip_fractions(region: ir.Region, expr: tiling.TilingExpr,
         continue
       seen.add(l)
       parts = split[1] if split and split[0] == l else 1
-      mean, most = _masked_trips(ext[l], tiles[l], ext[other], tiles[other], kind, parts)
+      bounds = (band.lower, band.upper)
+      mean, most = _masked_trips(ext[l], tiles[l], ext[other], tiles[other], bounds, parts)
       if not per_program:   # a program runs every tile of the other loop
-        most = _part_max(ext[l], tiles[l], ext[other], tiles[other], kind, parts)
+        most = _part_max(ext[l], tiles[l], ext[other], tiles[other], bounds, parts)
       out[l] = (mean, most)
   return out
 
 
 @functools.lru_cache(maxsize=4096)
-def _masked_trip_counts(ext_l: int, t_l: int, ext_o: int, t_o: int, kind: str,
+def _masked_trip_counts(ext_l: int, t_l: int, ext_o: int, t_o: int,
+                        bounds: tuple[Optional[int], Optional[int]],
                         parts: int) -> tuple[tuple[int, ...], int]:
   """Trips of loop l that the code generator runs for each (tile of the
   other loop, part of l) pair, as its loop bounds compute them, and the
-  full per-part trip count."""
+  full per-part trip count. ``bounds``: the ``streaming.Band``'s (lower,
+  upper) offsets, i in [o + lower, o + upper]."""
+  lower, upper = bounds
   full = math.ceil(math.ceil(ext_l / t_l) / parts)
   per = full * t_l
   counts = []
@@ -481,27 +489,23 @@ def _masked_trip_counts(ext_l: int, t_l: int, ext_o: int, t_o: int, kind: str,
     first, last1 = i * t_o, (i + 1) * t_o
     for p in range(parts):
       lo, hi = p * per, min(ext_l, p * per + per)
-      if kind == "le":
-        hi = min(hi, last1)
-      elif kind == "lt":
-        hi = min(hi, last1 - 1)
-      elif kind == "ge":
-        lo = max(lo, first // t_l * t_l)
-      else:   # gt
-        lo = max(lo, (first + 1) // t_l * t_l)
+      if upper is not None:
+        hi = min(hi, last1 + upper)
+      if lower is not None:
+        lo = max(lo, (first + lower) // t_l * t_l)
       counts.append(max(0, math.ceil((hi - lo) / t_l)))
   return tuple(counts), full
 
 
-def _masked_trips(ext_l, t_l, ext_o, t_o, kind, parts) -> tuple[float, float]:
-  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
+def _masked_trips(ext_l, t_l, ext_o, t_o, bounds, parts) -> tuple[float, float]:
+  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, bounds, parts)
   return sum(counts) / (len(counts) * full), max(counts) / full
 
 
-def _part_max(ext_l, t_l, ext_o, t_o, kind, parts) -> float:
+def _part_max(ext_l, t_l, ext_o, t_o, bounds, parts) -> float:
   """The largest fraction one part runs over all tiles of the other loop
   (when that loop is sequential, a program runs all of its tiles)."""
-  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, kind, parts)
+  counts, full = _masked_trip_counts(ext_l, t_l, ext_o, t_o, bounds, parts)
   tiles_o = len(counts) // parts
   return max(sum(counts[i * parts + p] for i in range(tiles_o))
              for p in range(parts)) / (tiles_o * full)
@@ -513,7 +517,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
             streamable: Optional[frozenset] = None,
             num_stages: Optional[int] = None,
             num_warps: Optional[int] = None,
-            masked: Optional[Mapping[str, tuple[str, str]]] = None) -> Prediction:
+            masked: Optional[Mapping[str, Any]] = None) -> Prediction:
   """The model's time for a placed plan (see the module docstring).
   ``streamable``: loops the code generator streams (default
   ``tiling.streamable_loops(region)``); ``num_stages``, ``num_warps``: the
@@ -522,7 +526,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   ``tiling.masked_tile_relations(region)``, see ``masked_trip_fractions``).
   Where a plan of ``MASKED_MIN_WAVES`` or more waves skips tiles, programs
   differ in length: the grid's time is its average program's per wave, and
-  at least its longest program's."""
+  at least its longest program's; with fewer waves, the longest program's
+  (full length under a causal mask, a window's span under a window)."""
   if streamable is None:
     streamable = tiling.streamable_loops(region)
   if num_stages is None:
@@ -542,9 +547,17 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
   pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps, smem_bytes)
   waves = math.ceil(programs / (sms * pps))
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
   fractions = {}
-  if waves >= MASKED_MIN_WAVES:
+  if masked:
     fractions = masked_trip_fractions(region, expr, tiles, grid, split, masked)
+    if waves < MASKED_MIN_WAVES:
+      # Few waves: the longest program sets the time. Under a one-sided
+      # (causal) band that is the full loop, priced as such; under a
+      # window, the tiles its span covers.
+      fractions = {l: (f[1], f[1]) for l, f in fractions.items()
+                   if masked[l].lower is not None and masked[l].upper is not None}
   mean = {l: f[0] for l, f in fractions.items()}
   work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean)
   bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())

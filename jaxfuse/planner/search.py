@@ -76,7 +76,7 @@ class Space:
   tile_cands: dict[str, tuple[int, ...]]
   splits: list[Optional[tuple[str, int]]]
   streamable: frozenset[str]
-  masked: dict[str, tuple[str, str]]   # tiling.masked_tile_relations, once per search
+  masked: dict   # loop -> streaming.Band, tiling.masked_tile_relations, once per search
   counts: dict
 
 

@@ -519,10 +519,10 @@ def streamable_loops(region) -> frozenset[str]:
   return _streamable_from(res)
 
 
-def masked_tile_relations(region) -> dict[str, tuple[str, str]]:
-  """Streamed loop -> ``(cmp, other loop)`` where the code generator skips
-  the loop's tiles whose indices all fail ``loop cmp other`` (a causal
-  mask hides them; ``jaxfuse.codegen.streaming.masked_tile_relation``).
+def masked_tile_relations(region) -> dict:
+  """Streamed loop -> ``streaming.Band`` where the code generator skips the
+  loop's tiles whose indices all fall outside the band (a causal mask or a
+  sliding window hides them; ``jaxfuse.codegen.streaming.masked_tile_relation``).
   Empty when the code generator's analysis is absent or fails, which
   prices every tile: conservative, never wrong."""
   try:

@@ -805,3 +805,35 @@ def test_max_contractions_captures_the_parts_of_a_chain():
       capture.find_regions(closed, max_contractions=bad)
     with pytest.raises(ValueError, match="max_contractions"):
       capture.rewrite(closed, lambda cap, *xs: None, max_contractions=bad)
+
+
+def test_closed_over_ranges_are_read_as_iotas():
+  """A closed-over ``0, 1, ..., n-1`` vector (``jnp.array(range(n))``, as
+  ``jax.nn.dot_product_attention`` builds window masks) becomes an ``iota``
+  item; other integer constants stay constants. The rewritten program
+  computes what the original does."""
+  from jaxfuse.capture_flat import flatten  # pylint: disable=g-import-not-at-top
+  ramp, perm = jnp.array(range(8)), jnp.array([0, 2, 1, 3, 4, 5, 6, 7])
+  ramp16 = np.arange(5, dtype=np.int16)
+
+  def f(x):
+    return x + ramp, x + perm, x[:5] * ramp16
+
+  x = jnp.arange(8, dtype=jnp.int32) * 3
+  lvl = flatten(jax.make_jaxpr(f)(x))
+  iotas = [it for it in lvl.items if it.prim == "iota"]
+  assert sorted(str(it.outvars[0].aval) for it in iotas) == ["int16[5]", "int32[8]"]
+  assert [c.aval.shape for c in lvl.constvars] == [(8,)]   # perm
+  for got, want in zip(jaxfuse.jit(f)(x), f(x)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_sliding_window_mask_of_ranges_is_computed_in_the_region():
+  """``jax.nn.dot_product_attention(local_window_size=..)``: the window is
+  an index compare inside the region, not a [T, S] mask read from memory."""
+  sd = jax.ShapeDtypeStruct((1, 64, 2, 16), np.float32)
+  jp = jax.make_jaxpr(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, local_window_size=(8, 0)))(sd, sd, sd)
+  [cap] = capture.find_regions(jp)
+  assert len(cap.region.inputs) == 3
+  assert sum(isinstance(op, ir.Iota) for op in cap.region.ops) == 2

@@ -14,7 +14,7 @@ jitted helper called twice), every inlined instance gets fresh variables:
 Closed-over constants that hold ``0, 1, ..., n-1`` (``jnp.array(range(n))``,
 as ``jax.nn.dot_product_attention`` builds its window masks) become ``iota``
 items, so that masks built from them are index compares a kernel computes
-rather than arrays it reads (``_arange_iota``).
+rather than arrays it reads (``_is_arange``).
 
 Example::
 

@@ -223,14 +223,17 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
   constvars = []
   env.update(zip(jaxpr.invars, invars))
 
-  def const(aval, value, gpath: tuple):
-    """The atom of a constant: an iota item's output for a range."""
-    if _is_arange(value, aval):
-      out = FVar(aval)
-      items.append(Item(len(items), _iota_eqn(np.dtype(aval.dtype), aval.shape[0]),
-                        [], [out], gpath))
-      return out
-    return FVar(aval, value, True)
+  def iota_of(aval, value, gpath: tuple) -> FVar | None:
+    """The output of a new iota item when constant ``value`` is a range."""
+    if not _is_arange(value, aval):
+      return None
+    out = FVar(aval)
+    items.append(Item(len(items), _iota_eqn(np.dtype(aval.dtype), aval.shape[0]),
+                      [], [out], gpath))
+    return out
+
+  def const(aval, value, gpath: tuple) -> FVar:
+    return iota_of(aval, value, gpath) or FVar(aval, value, True)
 
   for v, c in zip(jaxpr.constvars, closed.consts):
     env[v] = const(v.aval, c, ())
@@ -244,8 +247,8 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
     for i, eqn in enumerate(jx.eqns):
       name = eqn.primitive.name
       key = keypath + (i,)
-      invals = [const(a.aval, a.val, gpath) if is_lit(a) and _is_arange(a.val, a.aval)
-                else read(e, a) for a in eqn.invars]
+      invals = [(is_lit(a) and iota_of(a.aval, a.val, gpath)) or read(e, a)
+                for a in eqn.invars]
       if name in INLINE_CALLS or (name in CUSTOM_CALLS and key not in opaque
                                   and "call_jaxpr" in eqn.params):
         inner = _sub_closed(eqn)

@@ -335,7 +335,7 @@ class Band:
     lo, hi = self.lower, self.upper
     if lo is not None and hi is not None and lo > hi:
       return False
-    if hi is not None and 0 + hi < 0:              # o = 0 keeps i <= hi
+    if hi is not None and hi < 0:                  # o = 0 keeps i <= hi
       return False
     if lo is not None and ext_other - 1 + lo > ext - 1:   # the last o keeps i >= o + lo
       return False
@@ -432,11 +432,13 @@ def relation_to(keep: Optional[Keep], loop: str) -> Optional[Band]:
     if other is not None and o != other:
       return None
     other = o
-    if cmp in ("le", "lt"):
-      off -= cmp == "lt"
+    if cmp == "lt":     # integers: i < x  <=>  i <= x - 1
+      cmp, off = "le", off - 1
+    elif cmp == "gt":
+      cmp, off = "ge", off + 1
+    if cmp == "le":
       upper = off if upper is None else min(upper, off)
     else:
-      off += cmp == "gt"
       lower = off if lower is None else max(lower, off)
   return Band(other, lower, upper)
 

@@ -228,6 +228,20 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   for model, d in mlp_chain.MODELS.items():
     for m in (8, 32):
       cases[f"E-{model}-M{m}"] = epilogue_case(f"E-{model}-M{m}", m, d, 4 * d, dtype)
+  # The GEMM chains with a tanh-GELU between the GEMMs (``gemm_chain
+  # --epilogue=gelu``): plans that recompute the first GEMM per output tile
+  # recompute its GELU too, so these rank the elementwise ops' price. Not
+  # run by default.
+  for g in ("G8", "G9", "G10", "G11", "G12"):
+    b, m, n, k, h = gemm_chain.MCFUSER[g]
+    c = gemm_chain.make_case(g, b, m, n, k, h, epilogue="gelu", dtype=dtype,
+                             group="MCFuser Table II + GELU")
+    cases[c.name] = c
+  for g in ("G11", "G12"):
+    b, m, n_ch, k, l, _ = gemm_chain.CHIMERA[g]
+    c = gemm_chain.make_case(f"CH-{g}", b, m, l, k, n_ch, epilogue="gelu", dtype=dtype,
+                             group="Chimera Table IV + GELU")
+    cases[c.name] = c
   return cases
 
 

@@ -84,6 +84,22 @@ _MAX_AXIS12 = 65535
 WHOLE_TILES_MIN_WAVES = 2
 
 
+# Triton spelling of each elementwise fn ({i} is operand i). cost_model's
+# ELEMENTWISE_COST prices these spellings (and _HELPERS) as they compile.
+ELEMENTWISE_SPELLING = {
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "neg": "(-{0})", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})",
+    "abs": "tl.abs({0})", "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})",
+    "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "square": "({0} * {0})",
+    "erf": "tl.erf({0})", "log1p": "log1p_({0})", "expm1": "expm1_({0})",
+    "tanh": "tanh_({0})", "pow": "pow_({0}, {1})",
+    "logistic": "(1.0 / (1.0 + tl.exp(-{0})))",
+    "sign": "tl.where({0} > 0, 1.0, tl.where({0} < 0, -1.0, 0.0))",
+    "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})", "le": "({0} <= {1})",
+    "gt": "({0} > {1})", "ge": "({0} >= {1})", "and": "({0} & {1})", "or": "({0} | {1})",
+    "not": "({0} == 0)", "select": "tl.where({0}, {2}, {1})"}
+
+
 # Math without libdevice, so that the interpreter (which has no libdevice)
 # runs exactly the source the GPU compiles.
 _HELPERS = {
@@ -688,24 +704,10 @@ class _Printer:
     fn = op.fn
     A = args
     float_out = out_dt in _FLOAT
-    simple = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
-              "div": "({0} / {1})", "neg": "(-{0})", "max": "tl.maximum({0}, {1})",
-              "min": "tl.minimum({0}, {1})", "abs": "tl.abs({0})", "exp": "tl.exp({0})",
-              "exp2": "tl.exp2({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})",
-              "rsqrt": "tl.rsqrt({0})", "square": "({0} * {0})", "erf": "tl.erf({0})",
-              "log1p": "log1p_({0})", "expm1": "expm1_({0})",
-              "tanh": "tanh_({0})", "pow": "pow_({0}, {1})",
-              "logistic": "(1.0 / (1.0 + tl.exp(-{0})))",
-              "eq": "({0} == {1})", "ne": "({0} != {1})", "lt": "({0} < {1})",
-              "le": "({0} <= {1})", "gt": "({0} > {1})", "ge": "({0} >= {1})",
-              "and": "({0} & {1})", "or": "({0} | {1})", "not": "({0} == 0)",
-              "select": "tl.where({0}, {2}, {1})"}
     if fn in _HELPERS:
       self.helpers.add(fn)
     if op.out in self.whole_kept:
       expr = A[op.args.index(self.whole_kept[op.out])]
-    elif fn == "sign":
-      expr = f"tl.where({A[0]} > 0, 1.0, tl.where({A[0]} < 0, -1.0, 0.0))"
     elif fn == "convert":
       src = kinds[0]
       if float_out:
@@ -714,8 +716,8 @@ class _Printer:
         expr = f"({A[0]} != 0)"
       else:
         expr = f"{A[0]}.to({_TL_DTYPE[out_dt]})"
-    elif fn in simple:
-      expr = simple[fn].format(*A)
+    elif fn in ELEMENTWISE_SPELLING:
+      expr = ELEMENTWISE_SPELLING[fn].format(*A)
     else:
       raise CodegenError(f"no Triton spelling for elementwise fn {fn!r}")
     if float_out:

@@ -51,8 +51,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # the kernels of masks with finite fills or written through not/selects/adds
 # changed (exp2 fold, whole tiles unmasked), so their stored keep-or-drop
 # timings are stale; 17: sliding windows (iota compares with offsets) skip
-# the key tiles outside them and are priced so, at few waves too.
-FORMAT_VERSION = 17
+# the key tiles outside them and are priced so, at few waves too; 18:
+# elementwise ops priced at the instructions their spellings compile to
+# (cost_model.ELEMENTWISE_COST).
+FORMAT_VERSION = 18
 
 
 def _version() -> str:

@@ -57,7 +57,9 @@ slower than cuDNN):
   rows ``tl.dot`` cannot use wgmma (``NARROW_ROWS_EFFICIENCY`` x rows /
   ``mma_rows``), and narrow column and reduction tiles pay per-instruction
   operand traffic and per-step loop overhead (``x / (x + 16)`` each);
-* transcendental ops (``exp``...) run at the SFU rate, not the FMA rate;
+* each elementwise op costs the vector ops and SFU results its printed
+  Triton spelling compiles to (``ELEMENTWISE_COST``: ``exp`` one SFU
+  result, ``tanh`` ten vector ops and two), at the FMA and SFU rates;
 * an accumulator fed through a streamed (online) softmax is rescaled once
   per step of the streamed loop (the code generator's
   ``acc *= exp(m_old - m_new)``), which narrow key tiles multiply.
@@ -94,7 +96,8 @@ from jaxfuse.devices import DeviceSpec, contraction_dtype, region_peak
 from jaxfuse.planner import movement, pruning, tiling
 from jaxfuse.planner.plan import Prediction
 
-__all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "programs_per_sm",
+__all__ = ["predict", "elementwise_cost", "ELEMENTWISE_COST", "num_programs", "choose_warps",
+           "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "register_budget_bytes", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
            "verdict_uncertain", "UNCERTAIN_BELOW", "STREAMED_SPLIT_UNCERTAIN_BELOW",
@@ -106,6 +109,37 @@ __all__ = ["predict", "num_programs", "choose_warps", "choose_warps_stages", "pr
 # Elementwise functions that run on the special-function units.
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
                             "erf", "sin", "cos", "rsqrt", "sqrt", "pow"})
+# What one result of an elementwise fn costs as the Triton printer spells it:
+# (vector ops, SFU results), counted in the PTX Triton emits for sm_90
+# (triton 3.9; the spellings are codegen.triton_printer's). ``tl.log`` and
+# ``tl.erf`` are libdevice polynomials on the FMA pipe; ``/`` inside the
+# helpers is div.full.f32 (MUFU.RCP plus a scaled multiply). Pricing
+# tanh-GELU as one SFU op (its printed tanh_ is an exp, a division and 8
+# more ops) ranked plans that recompute a GEMM's GELU for every output tile
+# first: MCFuser G9 + GELU ran 77% slower than the best measured plan (H100,
+# fortieth session). ``exp`` is priced as softmax prints it, one ex2 after
+# codegen.rewrite.fold_exp2 moves log2(e) into the scores' scale. ``div``
+# stays one vector op: softmax's division, which streamed plans apply to the
+# accumulator after the loop, is priced on the score tile, and the attention
+# samples were fitted with that; pricing it at div.full's MUFU.RCP and the
+# deferred division at the accumulator (tried, fortieth session) turned
+# regrets of 2-9% into 30-58% on two sliding-window and one decode sample.
+# Functions not listed cost one vector op, or one SFU result if in
+# TRANSCENDENTAL.
+ELEMENTWISE_COST = {
+    "exp": (0, 1), "exp2": (0, 1), "sqrt": (0, 1), "rsqrt": (0, 1),
+    "logistic": (4, 2), "tanh": (10, 2), "erf": (15, 1), "log": (25, 0),
+    "log1p": (33, 1), "expm1": (38, 2), "pow": (42, 1), "sign": (4, 0),
+}
+
+
+def elementwise_cost(fn: str) -> tuple[int, int]:
+  """(vector ops, SFU results) per result of elementwise ``fn``."""
+  if fn in ELEMENTWISE_COST:
+    return ELEMENTWISE_COST[fn]
+  return (0, 1) if fn in TRANSCENDENTAL else (1, 0)
+
+
 # Tile width at which operand traffic / loop overhead halves tensor-core
 # throughput (see dot_efficiency).
 HALF_EFFICIENCY_TILE = 16
@@ -669,8 +703,10 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
       for l in _rescaled_by_stream(region, op, streamable):
         if l in around and trips(l) > 1:
           vec += work // tiles[l] if run == 1.0 else work / tiles[l]
-    elif isinstance(op, ir.Elementwise) and op.fn in TRANSCENDENTAL:
-      sfu += work
+    elif isinstance(op, ir.Elementwise):
+      v, f = elementwise_cost(op.fn)
+      vec += v * work
+      sfu += f * work
     else:
       vec += work
   return flops, t_dot, vec, sfu, steps

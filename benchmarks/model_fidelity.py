@@ -555,11 +555,18 @@ def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
         continue
       region = capture_region(cases[name], row.get("dtype") or dtype)
       scored = []
-      for c in cands:
-        p = parse_plan(c["plan"], region.loop_extents)
-        t = cost_model.predict(region, p.expr, p.tile_map, p.grid, dev, p.split,
-                               num_stages=p.num_stages, num_warps=p.num_warps).time_s
-        scored.append((t, float(c["measured_s"]), c["plan"]))
+      try:
+        for c in cands:
+          p = parse_plan(c["plan"], region.loop_extents)
+          t = cost_model.predict(region, p.expr, p.tile_map, p.grid, dev, p.split,
+                                 num_stages=p.num_stages, num_warps=p.num_warps).time_s
+          scored.append((t, float(c["measured_s"]), c["plan"]))
+      except Exception as e:  # pylint: disable=broad-except
+        # A sample from before capture changed the case's region (its loops
+        # or values): its plans no longer place on the region captured now.
+        res["error"] = (f"saved plan {c['plan']!r} does not fit the region captured now "
+                        f"(loops {dict(region.loop_extents)}): {type(e).__name__}: {e}")
+        continue
       scored.sort(key=lambda x: (x[0], x[2]))
       res["stats"] = fidelity_stats([x[0] for x in scored], [x[1] for x in scored])
       res["candidates"] = [{"rank": i, "plan": pl, "predicted_s": t, "measured_s": m}

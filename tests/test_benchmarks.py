@@ -479,7 +479,8 @@ def test_parse_shapes():
 def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
   """--rescore re-predicts the measured candidates of a saved run with the
   current model (no GPU): the model's ranking decides the pick and the
-  statistics; unknown cases are reported, not fatal."""
+  statistics; unknown cases and plans that no longer fit the case's region
+  are reported, not fatal."""
   from benchmarks import model_fidelity as mf
   from jaxfuse.planner import plan_region
   region = mf.capture_region(mf.fidelity_cases("float16")["G1"], "float16")
@@ -491,12 +492,17 @@ def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
   row = {"case": "G1", "dtype": "float16", "region": region.einsum_summary(),
          "candidates": [{"rank": i, "plan": str(p), "predicted_s": 1.0, "measured_s": m}
                         for i, (p, m) in enumerate(zip(reversed(ranked), reversed(meas)))]}
+  # a plan saved before capture renamed the case's loops
+  stale = str(ranked[0]).replace("grid(m", "grid(b,m").replace("tiles(m", "tiles(b=1, m")
   path = tmp_path / "fid.json"
   path.write_text(json.dumps({"meta": {"device": "gpu:NVIDIA H200"},
-                              "rows": [row, {"case": "nope", "candidates": []}]}))
+                              "rows": [row, {"case": "nope", "candidates": []},
+                                       dict(row, candidates=[dict(row["candidates"][1],
+                                                                  plan=stale)])]}))
   rows = mf.rescore_rows([str(path)], "float16")
-  good, bad = rows
+  good, bad, old = rows
   assert bad["error"] == "unknown case"
+  assert "does not fit the region captured now" in old["error"] and not old["stats"]
   s = good["stats"]
   assert good["device"] == "h200" and s["measured_ok"] == len(ranked) - 1
   # ranked by the current model again: its first plan is the pick, the

@@ -237,11 +237,9 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
     c = gemm_chain.make_case(g, b, m, n, k, h, epilogue="gelu", dtype=dtype,
                              group="MCFuser Table II + GELU")
     cases[c.name] = c
-  for g in ("G11", "G12"):
-    b, m, n_ch, k, l, _ = gemm_chain.CHIMERA[g]
-    c = gemm_chain.make_case(f"CH-{g}", b, m, l, k, n_ch, epilogue="gelu", dtype=dtype,
-                             group="Chimera Table IV + GELU")
-    cases[c.name] = c
+  chimera = gemm_chain.all_cases("gelu", dtype)[0]
+  for g in ("CH-G11", "CH-G12"):
+    cases[chimera[g].name] = chimera[g]   # named CH-G11+gelu
   return cases
 
 

@@ -1472,11 +1472,11 @@ def test_elementwise_prices_are_what_the_printed_spellings_compile_to():
   tanh-GELU priced as one SFU op ranked a plan that recomputes it per
   output tile first, 77% slower than the best (H100, fortieth session)."""
   from jaxfuse.codegen import triton_printer as tp  # pylint: disable=g-import-not-at-top
+  import triton.backends  # pylint: disable=g-import-not-at-top
+  if "nvidia" not in triton.backends.backends:
+    pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90")
   helpers = "\n\n".join("@jit\n" + h for h in tp._HELPERS.values())
-  try:
-    base = len(_ptx_ops("x", helpers))
-  except Exception as e:  # no CUDA backend in this Triton build
-    pytest.skip(f"Triton cannot compile for sm_90 here: {type(e).__name__}: {e}")
+  base = len(_ptx_ops("x", helpers))
   # softmax's exp prints as exp2 once fold_exp2 has moved log2(e) into the
   # scale, and is priced so
   spelling = dict(tp.ELEMENTWISE_SPELLING, exp=tp.ELEMENTWISE_SPELLING["exp2"])
@@ -1496,7 +1496,7 @@ def test_a_gelu_recomputed_per_output_tile_is_priced_at_its_instructions():
   GEMMs: a grid over H recomputes the first GEMM and its GELU for every H
   tile. Measured on the H100 (fortieth session) the h=32 plan the old
   prices ranked first ran 15.9 us, the split plan with h=128 9.0 us; the
-  model now ranks the split plan first and the h=32 plan above it."""
+  model now prices the split plan below the h=32 plan and picks it."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top

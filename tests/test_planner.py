@@ -1426,43 +1426,61 @@ _SFU_PTX = ("ex2.", "lg2.", "rcp.", "rsqrt.", "sqrt.approx", "sin.", "cos.", "ta
             "div.full")
 
 
-def _ptx_ops(body: str, helpers: str) -> list[str]:
-  """The PTX instructions of ``z = body`` (x, y fp32 vectors) compiled for
-  sm_90, without the loads, stores and address arithmetic around it."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  import triton  # pylint: disable=g-import-not-at-top
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  from triton.compiler import ASTSource  # pylint: disable=g-import-not-at-top
-  # JITFunction, not triton.jit: the tests run under TRITON_INTERPRET=1.
-  src = (f"import triton\nimport triton.language as tl\njit = triton.runtime.jit.JITFunction\n\n"
-         f"{helpers}\n\n@jit\n"
+_PTX_PROBE = r"""
+import importlib.util, json, os, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+helpers, bodies = json.loads(sys.stdin.read())
+out = {}
+d = tempfile.mkdtemp()
+for name, body in bodies.items():
+  src = ("import triton\nimport triton.language as tl\n\n" + helpers + "\n\n@triton.jit\n"
          "def k(x_ptr, y_ptr, z_ptr):\n  o = tl.arange(0, 128)\n  x = tl.load(x_ptr + o)\n"
-         f"  y = tl.load(y_ptr + o)\n  tl.store(z_ptr + o, {body})\n")
-  d = tempfile.mkdtemp()
-  name = f"jaxfuse_ptx_probe_{abs(hash(src))}"
-  path = os.path.join(d, name + ".py")
+         "  y = tl.load(y_ptr + o)\n  tl.store(z_ptr + o, " + body + ")\n")
+  mod_name = "ptx_probe_" + name
+  path = os.path.join(d, mod_name + ".py")
   with open(path, "w") as f:
     f.write(src)
-  spec = importlib.util.spec_from_file_location(name, path)
+  spec = importlib.util.spec_from_file_location(mod_name, path)
   mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod
+  sys.modules[mod_name] = mod
   spec.loader.exec_module(mod)
   sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32"}
-  compiled = triton.compile(ASTSource(fn=mod.k, signature=sig, constexprs={}),
-                            target=GPUTarget("cuda", 90, 32))
-  ops = []
-  for line in compiled.asm["ptx"].splitlines():
-    line = line.strip()
-    if not line or line.startswith(("//", ".", "{", "}", "(", ")", "$", "@")) or line.endswith(":"):
-      continue
-    op = line.split()[0].rstrip(";")
-    if op.startswith(("ld.", "st.", "mov.", "ret", "cvt.u64", "mad.wide", "mul.wide", "add.s64",
-                      "and.b32")):
-      continue
-    ops.append(op)
-  return ops
+  out[name] = triton.compile(ASTSource(fn=mod.k, signature=sig, constexprs={}),
+                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def _ptx_ops(bodies: dict[str, str], helpers: str) -> dict[str, list[str]]:
+  """The PTX instructions of ``z = body`` (x, y fp32 vectors) compiled for
+  sm_90, without the loads, stores and address arithmetic around it, per
+  name in ``bodies``. Compiled in a fresh process: once Triton's
+  interpreter has run in this one (TRITON_INTERPRET=1, other tests), its
+  patched language cannot compile for a GPU."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  run = subprocess.run([sys.executable, "-c", _PTX_PROBE], input=json.dumps([helpers, bodies]),
+                       capture_output=True, text=True, env=env, timeout=300, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  ptx = json.loads(run.stdout.strip().splitlines()[-1])
+  out = {}
+  for name, text in ptx.items():
+    ops = []
+    for line in text.splitlines():
+      line = line.strip()
+      if (not line or line.startswith(("//", ".", "{", "}", "(", ")", "$", "@"))
+          or line.endswith(":")):
+        continue
+      op = line.split()[0].rstrip(";")
+      if op.startswith(("ld.", "st.", "mov.", "ret", "cvt.u64", "mad.wide", "mul.wide",
+                        "add.s64", "and.b32")):
+        continue
+      ops.append(op)
+    out[name] = ops
+  return out
 
 
 def test_elementwise_prices_are_what_the_printed_spellings_compile_to():
@@ -1475,13 +1493,15 @@ def test_elementwise_prices_are_what_the_printed_spellings_compile_to():
   import triton.backends  # pylint: disable=g-import-not-at-top
   if "nvidia" not in triton.backends.backends:
     pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90")
-  helpers = "\n\n".join("@jit\n" + h for h in tp._HELPERS.values())
-  base = len(_ptx_ops("x", helpers))
+  helpers = "\n\n".join("@triton.jit\n" + h for h in tp._HELPERS.values())
   # softmax's exp prints as exp2 once fold_exp2 has moved log2(e) into the
   # scale, and is priced so
   spelling = dict(tp.ELEMENTWISE_SPELLING, exp=tp.ELEMENTWISE_SPELLING["exp2"])
+  bodies = {fn: spelling[fn].format("x", "y") for fn in cost_model.ELEMENTWISE_COST}
+  compiled = _ptx_ops(dict(bodies, identity="x"), helpers)
+  base = len(compiled["identity"])
   for fn, (vec, sfu) in cost_model.ELEMENTWISE_COST.items():
-    ops = _ptx_ops(spelling[fn].format("x", "y"), helpers)
+    ops = compiled[fn]
     got_sfu = sum(op.startswith(_SFU_PTX) for op in ops)
     got_vec = len(ops) - base - got_sfu + 2 * sum(op.startswith("div.full") for op in ops)
     assert got_sfu == sfu, (fn, ops)

@@ -514,6 +514,34 @@ def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
   assert s["spearman"] is not None and "| G1 |" in mf.table(rows)
 
 
+def test_fidelity_rescore_leaves_out_plans_the_planner_now_rejects(tmp_path):
+  """A saved plan that the current planner's rules reject (here 128x128
+  causal scores over the masked register budget) is not ranked again; the
+  regret still counts against the fastest plan of the whole sample, so a
+  rule that drops the fastest plan shows."""
+  from benchmarks import model_fidelity as mf
+  from jaxfuse.planner import plan_region
+  case = "L-T2048-d64-causal"
+  region = mf.capture_region(mf.fidelity_cases("float16")[case], "float16")
+  ranked = [p for p in plan_region(region, "h100", use_cache=False, top=12).ranked
+            if p.tile("m") == 128 and p.tile("n") == 64]
+  assert ranked
+  kept = str(ranked[0])
+  dropped = kept.replace("n=64,", "n=128,")
+  assert dropped != kept
+  row = {"case": case, "dtype": "float16", "candidates": [
+      {"rank": 0, "plan": dropped, "predicted_s": 1.0, "measured_s": 2e-4},
+      {"rank": 1, "plan": kept, "predicted_s": 1.0, "measured_s": 3e-4}]}
+  path = tmp_path / "fid.json"
+  path.write_text(json.dumps({"meta": {"device": "gpu:NVIDIA H100"}, "rows": [row]}))
+  (got,) = mf.rescore_rows([str(path)], "float16")
+  assert [c["plan"] for c in got["candidates"]] == [kept]
+  assert [r["plan"] for r in got["rejected"]] == [dropped]
+  assert "masked key tiles" in got["rejected"][0]["reason"]
+  assert got["stats"]["best_measured_s"] == pytest.approx(2e-4)
+  assert got["stats"]["regret_top1"] == pytest.approx(0.5)
+
+
 def test_measured_runs_record_the_plans_jaxfuse_compiled(tmp_path):
   """Under --tune=measure a row also records ``plans_run``, read back from
   the plan cache that jaxfuse.jit's compile filled (on a CPU no tuning runs,

@@ -1007,6 +1007,45 @@ def test_warps_follow_wgmma_rows_and_registers_bound_accumulators():
   assert best.num_warps == 4 or best.tile("m") >= 128
 
 
+def test_masked_key_tiles_get_the_smaller_register_budget():
+  """A causal mask's compares live beside the accumulators (Triton 3.6
+  spills there), so a masked region gets MASKED_ACC_REGS_PER_THREAD per
+  thread: 128x128 scores with a 128x64 output (192 per thread at 4 warps)
+  place unmasked and are rejected masked; 128x64 scores (128) place in
+  both."""
+  from jaxfuse.codegen import testing  # pylint: disable=import-outside-toplevel
+  full = testing.attention(2048, 2048, 64, B=8, heads=16, dtype="float16")
+  causal = testing.attention(2048, 2048, 64, B=8, heads=16, dtype="float16", causal=True)
+  assert tiling.masked_tile_relations(causal) and not tiling.masked_tile_relations(full)
+  assert cost_model.register_budget_bytes(4, masked=True) == 64 * 1024
+  assert cost_model.register_budget_bytes(8, rows=64, masked=True) == 128 * 1024
+  wide = {"b": 1, "g": 1, "m": 128, "n": 128, "d": 64, "e": 64}
+  narrow = dict(wide, n=64)
+  assert cost_model.choose_warps(causal, wide) == 4
+  search.check_tiles(full, wide, H100)
+  search.check_tiles(causal, narrow, H100)
+  with pytest.raises(tiling.PlacementError,
+                     match=r"register budget of 4 warps \(65536 B with masked key tiles\)"):
+    search.check_tiles(causal, wide, H100)
+  assert search.rejection_kind("fp32 accumulators of 98304 B exceed the register budget of 4 "
+                               "warps (65536 B with masked key tiles)") == (
+      "fp32 accumulators exceed the register budget of masked key tiles")
+  # make_plan applies the same check, and the search counts its rejections
+  grid = ("b", "g", "m")
+  sp = search.build_space(causal, H100)
+  sk = sp.skeletons[grid][0]
+  with pytest.raises(tiling.PlacementError, match="masked key tiles"):
+    search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(wide.items())),
+                     sp.streamable, masked=sp.masked)
+  assert search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(narrow.items())),
+                          sp.streamable, masked=sp.masked).predicted.time_s > 0
+  res = plan_region(causal, H100, use_cache=False, top=20)
+  assert all(cost_model.accumulator_bytes(causal, dict(p.tiles))
+             <= cost_model.register_budget_bytes(p.num_warps, masked=True) for p in res.ranked)
+  assert res.space["rejected"].get(
+      "fp32 accumulators exceed the register budget of masked key tiles", 0) > 0
+
+
 def test_loop_invariant_tf32_operand_tiles_count_against_the_register_budget():
   """float32 operands are rounded to TF32 in registers, and a tile loaded
   outside the loop of its dot stays there: MCFuser G12's old float32 pick

@@ -53,8 +53,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # timings are stale; 17: sliding windows (iota compares with offsets) skip
 # the key tiles outside them and are priced so, at few waves too; 18:
 # elementwise ops priced at the instructions their spellings compile to
-# (cost_model.ELEMENTWISE_COST).
-FORMAT_VERSION = 18
+# (cost_model.ELEMENTWISE_COST); 19: a smaller register budget where key
+# tiles are masked (cost_model.MASKED_ACC_REGS_PER_THREAD).
+FORMAT_VERSION = 19
 
 
 def _version() -> str:

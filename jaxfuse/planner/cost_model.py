@@ -350,6 +350,18 @@ ACC_REGS_PER_THREAD = 192
 # 1.34x with them out (H200, 2026-11-21; S4 5.07 vs 4.06 us). Until the
 # model prices what they lose, 64-row tiles keep 128.
 NARROW_ACC_REGS_PER_THREAD = 128
+# The budget of a region whose key tiles a causal mask or a sliding window
+# hides (``tiling.masked_tile_relations``), at any tile height. The mask's
+# compares do not wait for the score tile's wgmma, so they are computed
+# early and held beside the accumulators: Triton 3.6 compiled for sm_90
+# (ptxas -v; benchmarks/RESULTS.md, forty-first session) spills 932-1000 B
+# per thread on causal d=64 scores of 128x128 at 4 warps (352-396 B
+# unmasked; without its mask the same edge loop spills 592 B, not 980), and
+# 172-328 B where 128 fp32 registers per thread sufficed unmasked. In the
+# six causal and window fidelity samples (299 candidates measured on an
+# H100), no plan holding more than 128 per thread ran within 8% of its
+# sample's best; the best of each held 64-128.
+MASKED_ACC_REGS_PER_THREAD = 128
 
 
 def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
@@ -443,10 +455,15 @@ def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
                     2048 // threads, int(device.regs_per_sm // (threads * regs))))
 
 
-def register_budget_bytes(num_warps: int, rows: int = 128) -> int:
+def register_budget_bytes(num_warps: int, rows: int = 128, masked: bool = False) -> int:
   """Bytes of fp32 accumulators a program of ``num_warps`` warps, on tiles
-  of ``rows`` rows, may hold in registers (see ``ACC_REGS_PER_THREAD``)."""
-  per_thread = ACC_REGS_PER_THREAD if rows >= 128 else NARROW_ACC_REGS_PER_THREAD
+  of ``rows`` rows, may hold in registers (see ``ACC_REGS_PER_THREAD``);
+  ``masked``: the region's key tiles are masked
+  (``MASKED_ACC_REGS_PER_THREAD``)."""
+  if masked:
+    per_thread = MASKED_ACC_REGS_PER_THREAD
+  else:
+    per_thread = ACC_REGS_PER_THREAD if rows >= 128 else NARROW_ACC_REGS_PER_THREAD
   return num_warps * 32 * per_thread * 4
 
 

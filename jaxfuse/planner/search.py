@@ -200,6 +200,54 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
                tiling.masked_tile_relations(region), counts)
 
 
+def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
+                masked: Optional[dict] = None) -> None:
+  """Raises PlacementError where tiles alone rule a plan out: shared memory
+  (Rule 4), a dot Triton mishandles (Rule 5), or fp32 accumulators over the
+  register budget of ``choose_warps``' warps (smaller where the region's
+  key tiles are masked: ``masked``, ``tiling.masked_tile_relations``,
+  derived when None).
+
+  Example: ``check_tiles(region, dict(plan.tiles), H100)`` tells whether
+  the current planner still accepts a plan saved earlier."""
+  # Accumulators are bounded by the register budget below, not here.
+  if not pruning.rule4_ok(region, tiles, device.smem_per_block_bytes, register_accumulators=True):
+    raise tiling.PlacementError(
+        f"shared memory estimate "
+        f"{pruning.smem_estimate(region, tiles, register_accumulators=True)} B exceeds "
+        f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
+  hazard = pruning.dot_hazard(region, tiles)
+  if hazard:
+    raise tiling.PlacementError(f"{hazard} (Rule 5)")
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
+  warps = cost_model.choose_warps(region, tiles)
+  acc = cost_model.accumulator_bytes(region, tiles)
+  budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles),
+                                            masked=bool(masked))
+  if acc > budget:
+    raise tiling.PlacementError(
+        f"fp32 accumulators of {acc} B exceed the register budget of {warps} warps "
+        f"({budget} B{' with masked key tiles' if masked else ''})")
+
+
+def rejection_kind(reason: str) -> str:
+  """The rule behind a PlacementError's message, without its numbers: the
+  key under which searches count rejected candidates."""
+  if "Rule 4" in reason:
+    return "Rule 4: shared memory"
+  if "TF32 operand tiles" in reason:
+    return "fp32 accumulators and TF32 operand tiles exceed the register budget"
+  if "masked key tiles" in reason:
+    return "fp32 accumulators exceed the register budget of masked key tiles"
+  if "register budget" in reason:
+    return "fp32 accumulators exceed the register budget"
+  if "(Rule 5)" in reason:
+    return ("Rule 5: a TF32 dot that spills registers" if "spills" in reason
+            else "Rule 5: a dot Triton miscompiles")
+  return reason.split(" (")[0]
+
+
 def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
               streamable: frozenset[str],
               placements: Optional[dict] = None,
@@ -212,22 +260,11 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   ``masked``: ``tiling.masked_tile_relations(region)`` (derived when None;
   a search passes its space's, so the streaming analysis runs once)."""
   tiles = dict(cand.tiles)
-  # Accumulators are bounded by the register budget below, not here.
-  if not pruning.rule4_ok(region, tiles, device.smem_per_block_bytes, register_accumulators=True):
-    raise tiling.PlacementError(
-        f"shared memory estimate "
-        f"{pruning.smem_estimate(region, tiles, register_accumulators=True)} B exceeds "
-        f"{pruning.SMEM_SLACK} x {device.smem_per_block_bytes} B (Rule 4)")
-  hazard = pruning.dot_hazard(region, tiles)
-  if hazard:
-    raise tiling.PlacementError(f"{hazard} (Rule 5)")
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
+  check_tiles(region, tiles, device, masked)
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.accumulator_bytes(region, tiles)
-  budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles))
-  if acc > budget:
-    raise tiling.PlacementError(
-        f"fp32 accumulators of {acc} B exceed the register budget of {warps} warps "
-        f"({budget} B)")
   if cand.split:
     l, parts = cand.split
     if math.ceil(region.extent(l) / tiles[l]) < parts:
@@ -361,15 +398,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
     try:
       p = make_plan(region, device, c, space.streamable, placements, space.masked)
     except (tiling.PlacementError, ValueError) as e:
-      reason = str(e)
-      key = reason.split(" (")[0] if "Rule 4" not in reason else "Rule 4: shared memory"
-      if "TF32 operand tiles" in reason:
-        key = "fp32 accumulators and TF32 operand tiles exceed the register budget"
-      elif "register budget" in reason:
-        key = "fp32 accumulators exceed the register budget"
-      elif "(Rule 5)" in reason:
-        key = ("Rule 5: a TF32 dot that spills registers" if "spills" in reason
-               else "Rule 5: a dot Triton miscompiles")
+      key = rejection_kind(str(e))
       rejected[key] = rejected.get(key, 0) + 1
       p = None
     memo[c] = p

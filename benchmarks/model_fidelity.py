@@ -593,13 +593,13 @@ def main(argv) -> int:
   del argv
   prefix = FLAGS.out or harness.default_out("model_fidelity", FLAGS.dtype)
   if FLAGS.rescore:
+    from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
     rows = rescore_rows(FLAGS.rescore, FLAGS.dtype)
     print(table(rows))
     for r in rows:
       if r.get("error"):
         print(f"[model_fidelity] {r['source']}: {r['case']}: {r['error']}")
       elif r.get("rejected"):
-        from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
         reasons = sorted({search.rejection_kind(x["reason"]) for x in r["rejected"]})
         print(f"[model_fidelity] {r['case']}: {len(r['rejected'])} saved plans left out, "
               f"the current planner rejects them: {'; '.join(reasons)}")

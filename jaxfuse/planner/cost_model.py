@@ -356,7 +356,7 @@ NARROW_ACC_REGS_PER_THREAD = 128
 # early and held beside the accumulators: Triton 3.6 compiled for sm_90
 # (ptxas -v; benchmarks/RESULTS.md, forty-first session) spills 932-1000 B
 # per thread on causal d=64 scores of 128x128 at 4 warps (352-396 B
-# unmasked; without its mask the same edge loop spills 592 B, not 980), and
+# unmasked; that loop alone spills 980 B masked and 592 B unmasked), and
 # 172-328 B where 128 fp32 registers per thread sufficed unmasked. In the
 # six causal and window fidelity samples (299 candidates measured on an
 # H100), no plan holding more than 128 per thread ran within 8% of its

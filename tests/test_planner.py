@@ -1209,6 +1209,89 @@ def test_bert_small_ffn_predicted_slower_fused_is_left_to_xla():
   assert "separate kernels" in cost_model.slower_than_unfused(ffn, best, h100)
 
 
+def _ffn_chain_region(m, n, k, h):
+  """GEMM + GELU + GEMM at FFN widths, as benchmarks/gemm_chain.py builds it
+  (batch 1): (m, k) @ (k, n), tanh-GELU, @ (n, h)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  f16 = lambda *shape: jax.ShapeDtypeStruct(shape, "float16")
+  closed = jax.make_jaxpr(lambda a, b, d: jax.nn.gelu(a @ b) @ d)(
+      f16(1, m, k), f16(1, k, n), f16(1, n, h))
+  [captured] = capture.find_regions(closed)
+  return captured.region
+
+
+def test_unfused_time_counts_the_elementwise_instructions_inside_xla_kernels(monkeypatch):
+  """A GELU between two GEMMs runs in XLA's kernels as it runs in the fused
+  one: ``unfused_time`` adds its instructions once per element, at the
+  prices the fused prediction uses (``elementwise_cost``)."""
+  h100 = get_device("h100")
+  r = _ffn_chain_region(1024, 1024, 128, 128)
+  ext, vm = r.loop_extents, r.value_map
+  ew = [op for op in r.ops if isinstance(op, ir.Elementwise)]
+  assert any(op.fn == "tanh" for op in ew)
+  expected = 0.0
+  for op in ew:
+    v, f = cost_model.elementwise_cost(op.fn)
+    n = math.prod(ext[l] for l in vm[op.out].loops)
+    expected += n * v / h100.vector_flops + n * f / h100.sfu_ops
+  priced = cost_model.unfused_time(r, h100)
+  monkeypatch.setattr(cost_model, "elementwise_cost", lambda fn: (0, 0))
+  assert priced - cost_model.unfused_time(r, h100) == pytest.approx(expected)
+  assert expected > 0.05 * priced
+
+
+def test_xla_epilogue_kernel_is_bound_by_traffic_or_instructions(monkeypatch):
+  """A single GEMM's epilogue after XLA's cut runs as a kernel of its own:
+  its traffic when its instructions take less (a float16 GELU), its
+  instructions when they take longer."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+  f16 = lambda *shape: jax.ShapeDtypeStruct(shape, "float16")
+  closed = jax.make_jaxpr(lambda x, w: jax.nn.gelu(x @ w))(f16(512, 768), f16(768, 3072))
+  [captured] = capture.find_regions(closed)
+  r = captured.region
+  cut = ir.xla_epilogue_split(r)
+  assert cut is not None
+  traffic = 2 * 512 * 3072 * 2 / h100.mem_bandwidth_Bps
+  free = lambda fn: (0, 0)
+  real = cost_model.elementwise_cost
+  cheap = cost_model.unfused_time(r, h100)
+  monkeypatch.setattr(cost_model, "elementwise_cost", free)
+  # The GELU's instructions hide under the kernel's traffic.
+  assert cost_model.unfused_time(r, h100) == pytest.approx(cheap)
+  # The cut is the GEMM's result itself (the GELU reads it twice): every
+  # elementwise op runs in the epilogue kernel.
+  assert isinstance(r.producer(cut), ir.Contraction)
+  after = [op for op in r.ops if isinstance(op, ir.Elementwise)]
+  slow = 100 * traffic * h100.vector_flops / (512 * 3072 * len(after))
+  monkeypatch.setattr(cost_model, "elementwise_cost", lambda fn: (slow, 0))
+  # Instructions at 100x the traffic set the kernel's time.
+  costly = cost_model.unfused_time(r, h100)
+  monkeypatch.setattr(cost_model, "elementwise_cost", real)
+  assert costly - cheap == pytest.approx(99 * traffic, rel=0.02)
+
+
+@pytest.mark.parametrize("shape", [(512, 1024, 256, 256), (1024, 1024, 128, 128),
+                                   (2048, 2048, 256, 256)])
+def test_ffn_chains_that_ran_faster_fused_stay_fused_under_the_model(shape, monkeypatch):
+  """Three GEMM-GELU-GEMM chains forced fused in the twentieth session ran
+  1.04x, 1.32x and 1.05x ``jax.jit``'s device span (H100, float16). With
+  XLA's GELU priced as free their predictions sat at 0.75-0.77x the unfused
+  estimate, just above the 0.75 bound, and the model left them to XLA;
+  priced at its instructions, all three stay fused (forty-second session:
+  1.06x, 1.36x and 1.10x per call, 1.31-1.48x in kernel time). BERT-Small's
+  FFN, which lost, stays with XLA
+  (test_bert_small_ffn_predicted_slower_fused_is_left_to_xla)."""
+  h100 = get_device("h100")
+  r = _ffn_chain_region(*shape)
+  best = plan_region(r, h100, use_cache=False).best
+  assert cost_model.slower_than_unfused(r, best, h100) is None
+  monkeypatch.setattr(cost_model, "elementwise_cost", lambda fn: (0, 0))
+  assert "separate kernels" in cost_model.slower_than_unfused(r, best, h100)
+
+
 def test_parse_plan_roundtrip():
   from jaxfuse.config import config
   from jaxfuse.planner.plan import parse_plan

@@ -784,16 +784,57 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
   return min(best, streaming)
 
 
+def _elementwise_instruction_time(region: ir.Region, device: DeviceSpec,
+                                  outs: Optional[frozenset] = None) -> float:
+  """Seconds of vector and SFU work for the region's elementwise ops (those
+  whose output is in ``outs``, or all), each result computed once at the
+  price ``elementwise_cost`` gives its Triton spelling."""
+  ext, vm = region.loop_extents, region.value_map
+  vec = sfu = 0.0
+  for op in region.ops:
+    if isinstance(op, ir.Elementwise) and (outs is None or op.out in outs):
+      n = math.prod(ext[l] for l in vm[op.out].loops)
+      v, f = elementwise_cost(op.fn)
+      vec += v * n
+      sfu += f * n
+  return vec / device.vector_flops + sfu / device.sfu_ops
+
+
+def _computed_from(region: ir.Region, sources) -> set:
+  """Outputs of the elementwise ops computed from ``sources`` through
+  elementwise ops only (XLA fuses those into one kernel)."""
+  down = set(sources)
+  found = set()
+  for op in region.ops:
+    if isinstance(op, ir.Elementwise) and any(a in down for a in op.inputs):
+      down.add(op.out)
+      found.add(op.out)
+  return found
+
+
 def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   """The region as XLA runs it unfused: each contraction one library GEMM
   (``_library_gemm_time``), each reduction one memory-bound kernel over its
-  input, elementwise ops fused into those kernels, except a single
-  contraction's epilogue after ``ir.xla_epilogue_split`` (one more kernel).
+  input, elementwise ops fused into those kernels (their instructions
+  added), except where XLA runs them in elementwise kernels of their own: a
+  single contraction's epilogue after ``ir.xla_epilogue_split``, the join of
+  sibling GEMMs (``ir.xla_joins``), the per-part kernels of stacked dots.
+  Each of those is bound by its traffic or its instructions, whichever is
+  longer.
 
   Why: a fused plan predicted slower than this is left to XLA under
   tune=model. On an H200 (fourth session) this estimate was 0.6-1.7x XLA's
   measured kernel time on the 33 paper cases; the fused plans it rejects
-  (MCFuser G5, G6) measured 1.4-1.7x slower than XLA.
+  (MCFuser G5, G6) measured 1.4-1.7x slower than XLA. Elementwise work
+  priced as free (until the forty-second session) left three GEMM-GELU-GEMM
+  chains that ran 1.04-1.32x faster fused to XLA, while the fused side
+  counts the same GELU's instructions; with it the 0.75 bound
+  (``UNFUSED_MARGIN``) separates all 18 FFN-width chains of the twentieth
+  session (benchmarks/RESULTS.md).
+
+  Example::
+
+      ratio = plan.predicted.time_s / unfused_time(region, get_device("h100"))
   """
   vm = region.value_map
   ext = region.loop_extents
@@ -808,34 +849,49 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
       src = vm[op.inputs[0]]
       n = math.prod(ext[l] for l in src.loops)
       total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+  # Elementwise kernels of their own: (op outputs, traffic s, launches).
+  own: list[tuple[set, float, int]] = []
+  placed: set = set()
   cut = ir.xla_epilogue_split(region)
   if cut is not None:
-    # The epilogue after the cut: one elementwise kernel that reads the cut
-    # value and writes the result. Single contractions only: the keep-or-
-    # drop margin of chains (UNFUSED_MARGIN) was fit with every elementwise
-    # op priced as fused.
+    # The epilogue after the cut: one kernel that reads the cut value and
+    # writes the result.
     src = vm[cut]
     n = math.prod(ext[l] for l in src.loops)
-    total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+    outs = _computed_from(region, {cut})
+    own.append((outs, 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps, 1))
+    placed |= outs
   for join, dots in ir.xla_joins(region).items():
     # Sibling GEMMs joined (a gated MLP): XLA's kernel after the GEMMs reads
-    # each joined result and writes the join (the rest of the epilogue
-    # fused into it).
+    # each joined result and writes the join, with the ops between them and
+    # the rest of the epilogue fused into it.
     n = math.prod(ext[l] for l in vm[join].loops)
     read = sum(math.prod(ext[l] for l in vm[d].loops) * ir.dtype_itemsize(vm[d].dtype)
                for d in dots)
-    total += ((read + n * ir.dtype_itemsize(vm[join].dtype)) / device.mem_bandwidth_Bps
-              + device.min_kernel_s)
+    after = _computed_from(region, {join})
+    outs = ({o for o in _computed_from(region, set(dots))
+             if o == join or join in _computed_from(region, {o})} | after) - placed
+    own.append((outs, (read + n * ir.dtype_itemsize(vm[join].dtype)) / device.mem_bandwidth_Bps, 1))
+    placed |= outs
   if region.part_loop:
     # Sibling dots (ir.with_parts): XLA merges them into one GEMM (priced
     # above, the parts as more columns) and then runs one kernel per part
     # that reads the merged result and writes the part's output (its slice,
     # with the epilogue fused in). Measured on an H100 at 512x768, three
     # parts (2026-11-22): 1.34-2.14 us each after a 7.5 us GEMM.
-    for b in region.outputs:
-      n = math.prod(b.shape)
-      total += (2 * n * ir.dtype_itemsize(vm[b.value].dtype) / device.mem_bandwidth_Bps
-                + b.parts * device.min_kernel_s)
+    outs = _computed_from(region, {c.out for c in region.contractions}) - placed
+    traffic = sum(2 * math.prod(b.shape) * ir.dtype_itemsize(vm[b.value].dtype)
+                  for b in region.outputs) / device.mem_bandwidth_Bps
+    own.append((outs, traffic, sum(b.parts for b in region.outputs)))
+    placed |= outs
+  # The rest run inside the GEMMs' and reductions' kernels, after (or
+  # between) their loads and dots: their instructions add, as they add to a
+  # fused plan's compute time in ``predict``.
+  total += _elementwise_instruction_time(region, device, frozenset(
+      o.out for o in region.ops if isinstance(o, ir.Elementwise) and o.out not in placed))
+  for outs, traffic, launches in own:
+    total += (max(traffic, _elementwise_instruction_time(region, device, frozenset(outs)))
+              + launches * device.min_kernel_s)
   return total
 
 

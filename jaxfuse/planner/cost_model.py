@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from jaxfuse import ir
 from jaxfuse.devices import DeviceSpec, contraction_dtype, region_peak
@@ -785,7 +785,7 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
 
 
 def _elementwise_instruction_time(region: ir.Region, device: DeviceSpec,
-                                  outs: Optional[frozenset] = None) -> float:
+                                  outs: Optional[Collection[str]] = None) -> float:
   """Seconds of vector and SFU work for the region's elementwise ops (those
   whose output is in ``outs``, or all), each result computed once at the
   price ``elementwise_cost`` gives its Triton spelling."""
@@ -863,14 +863,13 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
     placed |= outs
   for join, dots in ir.xla_joins(region).items():
     # Sibling GEMMs joined (a gated MLP): XLA's kernel after the GEMMs reads
-    # each joined result and writes the join, with the ops between them and
-    # the rest of the epilogue fused into it.
+    # each joined result and writes the join, with the elementwise ops on
+    # the GEMMs' results (the join's operands and the rest of the epilogue)
+    # fused into it.
     n = math.prod(ext[l] for l in vm[join].loops)
     read = sum(math.prod(ext[l] for l in vm[d].loops) * ir.dtype_itemsize(vm[d].dtype)
                for d in dots)
-    after = _computed_from(region, {join})
-    outs = ({o for o in _computed_from(region, set(dots))
-             if o == join or join in _computed_from(region, {o})} | after) - placed
+    outs = _computed_from(region, set(dots)) - placed
     own.append((outs, (read + n * ir.dtype_itemsize(vm[join].dtype)) / device.mem_bandwidth_Bps, 1))
     placed |= outs
   if region.part_loop:
@@ -887,10 +886,10 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   # The rest run inside the GEMMs' and reductions' kernels, after (or
   # between) their loads and dots: their instructions add, as they add to a
   # fused plan's compute time in ``predict``.
-  total += _elementwise_instruction_time(region, device, frozenset(
-      o.out for o in region.ops if isinstance(o, ir.Elementwise) and o.out not in placed))
+  total += _elementwise_instruction_time(region, device, {
+      o.out for o in region.ops if isinstance(o, ir.Elementwise) and o.out not in placed})
   for outs, traffic, launches in own:
-    total += (max(traffic, _elementwise_instruction_time(region, device, frozenset(outs)))
+    total += (max(traffic, _elementwise_instruction_time(region, device, outs))
               + launches * device.min_kernel_s)
   return total
 

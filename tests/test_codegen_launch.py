@@ -451,7 +451,7 @@ def test_keep_or_drop_timing_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
 
   def decide():
     launch._xla_decisions.clear()      # a new process
-    with pytest.raises(CodegenError, match="measured slower than XLA: fused 6.0 us vs XLA 5.0"):
+    with pytest.raises(CodegenError, match="measured slower than XLA: fused 6.0 us vs 5.0 us"):
       launch._keep_fused(K(), lambda *a: a)
     return len(timed)
   try:
@@ -747,7 +747,7 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
   monkeypatch.setattr(launch, "select_kernel",
                       lambda region, plans, **kw: K(region, plans[0]))
   monkeypatch.setattr(launch, "_keep_fused",
-                      lambda k, original, model_plan=None: kept.append(k.region))
+                      lambda k, original, model_plan=None, parts=0: kept.append(k.region))
   monkeypatch.setattr(launch, "triton_launch", lambda k, args, offsets=None: list(args))
   with config.override(tune="auto"):
     for r in (g1, g4_32):
@@ -1396,6 +1396,72 @@ def test_chain_left_to_xla_lowers_its_parts(monkeypatch, caplog):
     else:
       assert seen == [2, 1]
   primitive._warned.clear()
+
+
+def test_keep_or_drop_times_a_chain_against_the_fallback_it_would_run(monkeypatch):
+  """A chain's keep-or-drop timing runs against what replaces a dropped
+  chain: its GEMM-GELU part fused plus XLA's GEMM, not XLA's plain ops.
+  The fallback handed to ``fused_call`` evaluates like the chain and holds
+  the part as a region; attention, whose parts capture nothing, is timed
+  against XLA's ops as before."""
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import primitive  # pylint: disable=g-import-not-at-top
+
+  def attn(q, k, v):
+    return jax.nn.softmax((q @ k.T) * 0.125, axis=-1) @ v
+
+  rng = np.random.default_rng(3)
+  qkv = tuple(jax.numpy.asarray(rng.standard_normal((32, 16)), "float16") for _ in range(3))
+  real = launch.fused_call
+  for fn, args, want_parts in ((_ffn, _ffn_args(), 1), (attn, qkv, 0)):
+    seen = []
+
+    def fused_call(region, xs, seen=seen, **kw):
+      if len(region.contractions) > 1:
+        seen.append((region, kw["original"], kw["original_parts"]))
+      return real(region, xs, **kw)
+
+    monkeypatch.setattr(launch, "fused_call", fused_call)
+    with config.override(backend="interpret"):
+      jax.jit(jaxfuse.fuse(fn))(*args)
+    [(region, original, parts)] = seen
+    assert parts == want_parts
+    xs = launch.random_inputs(region, seed=1)     # the region's inputs, in its order
+    assert primitive.count_regions(jax.make_jaxpr(original)(*xs)) == want_parts
+    assert launch.compare(region, [np.asarray(o) for o in jax.jit(original)(*xs)],
+                          ir.evaluate(region, xs)) <= launch.tolerance(region)
+
+
+def test_keep_or_drop_against_the_fallback_names_it_and_keys_it_apart(tmp_path, monkeypatch):
+  """Timed against a fallback with a part fused, the verdict and the
+  recorded outcome name that fallback, and the timing is stored under its
+  own key (a timing against XLA's plain ops is not reused for it)."""
+  from jaxfuse.codegen import CodegenError  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    region = r
+    plan = "plan A"
+  timed = []
+  monkeypatch.setattr(launch, "_per_call_times",
+                      lambda fns, region: [timed.append(1) or t for t in ((6e-6, 0.1), (5e-6, 0.1))])
+  monkeypatch.setattr(launch, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+  assert launch._timing_key(K(), 1) not in (None, launch._timing_key(K()))
+  assert launch._timing_key(K(), 1) != launch._timing_key(K(), 2)
+  try:
+    for parts, name in ((0, "XLA"), (1, "XLA with 1 part fused"), (2, "XLA with 2 parts fused")):
+      launch._xla_decisions.clear()
+      with pytest.raises(CodegenError, match=f"measured slower than {name}: fused 6.0 us vs 5.0 us"):
+        launch._keep_fused(K(), lambda *a: a, parts=parts)
+      launch._record_outcome(r, "triton", launch.Outcome(False, reason="r"))
+      assert str(launch.outcome(r, "triton")).startswith(
+          f"XLA's ops (measured 6.0 us fused vs 5.0 us {name}): r")
+    assert len(timed) == 6 and len(os.listdir(tmp_path / "timings")) == 3
+  finally:
+    launch._xla_decisions.clear()
+    launch._outcomes.pop((r.signature(), "triton"), None)
 
 
 def test_compute_bound_gemm_gelu_is_left_to_the_model_not_the_mbci_rule():

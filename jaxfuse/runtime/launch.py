@@ -63,18 +63,21 @@ MEASURE_SEED = 7   # random inputs of measured tuning's self-check
 class Outcome:
   """How ``fused_call`` settled a region in this process: its kernel's plan
   when fused, else why XLA's ops run; with the keep-or-drop timing when one
-  was taken (per-call seconds, ``tune='measure'`` on the GPU)."""
+  was taken (per-call seconds, ``tune='measure'`` on the GPU).
+  ``measured_xla_s`` is the fallback's time: XLA's ops, with
+  ``fallback_parts`` parts of a chain fused (``_fallback_name``)."""
   fused: bool
   plan: Optional[str] = None
   reason: Optional[str] = None
   measured_fused_s: Optional[float] = None
   measured_xla_s: Optional[float] = None
+  fallback_parts: int = 0
 
   def __str__(self) -> str:
     timed = ""
     if self.measured_fused_s is not None and self.measured_xla_s is not None:
       timed = (f" (measured {self.measured_fused_s * 1e6:.1f} us fused vs "
-               f"{self.measured_xla_s * 1e6:.1f} us XLA)")
+               f"{self.measured_xla_s * 1e6:.1f} us {_fallback_name(self.fallback_parts)})")
     return (f"fused{timed}: {self.plan}" if self.fused
             else f"XLA's ops{timed}: {self.reason}")
 
@@ -640,8 +643,17 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
                                       get_device(None)) is not None
 
 
-# region signature -> ((fused s, spread), (XLA s, spread)) per call.
+# region signature -> ((fused s, spread), (fallback s, spread)) per call.
 _xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
+# region signature -> parts fused in the fallback that _xla_decisions timed.
+_timed_parts: dict[str, int] = {}
+
+
+def _fallback_name(parts: int) -> str:
+  """What a region's keep-or-drop timing ran against: XLA's plain ops, or
+  (``parts`` > 0) XLA's ops with that many parts of the chain fused
+  (``primitive._fallback``)."""
+  return "XLA" if not parts else f"XLA with {parts} part{'s' if parts > 1 else ''} fused"
 
 
 def _per_call_times(fns: Sequence[Callable], region: ir.Region, lo: int = 4, hi: int = 16,
@@ -728,9 +740,14 @@ def _shifted_sets(xs: Sequence[Any], n: int) -> list[list[Any]]:
     return [list(s) for s in prog(list(xs))]
 
 
-def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None:
-  """Measured refinement's last step: the chosen kernel against XLA's own
-  ops, timed the same way; raises CodegenError when XLA is faster.
+def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
+                parts: int = 0) -> None:
+  """Measured refinement's last step: the chosen kernel against what would
+  run instead (``original``: XLA's own ops, or with ``parts`` > 0 a chain's
+  parts, that many of them fused: ``primitive._fallback``), timed the same
+  way; raises CodegenError when that is faster. Why the parts: a chain kept
+  because it beat XLA's plain ops may still lose to its own GEMM + GELU
+  part fused, which is what a dropped chain runs.
 
   ``model_plan``: the plan whose prediction stands for the region when the
   timing cannot decide (default ``k.plan``). Measured tuning times the
@@ -744,7 +761,7 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
   # logged one region's timings 40 times (H100, 2026-11-22).
   first = sig not in _xla_decisions
   if first:
-    key = _timing_key(k)
+    key = _timing_key(k, parts)
     stored = _load_timing(key)
     if stored is None:
       fused, xla = _per_call_times([lambda *a: triton_launch(k, a), original], k.region)
@@ -754,15 +771,17 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None) -> None
       fused, xla = stored
       how = "timed in an earlier process (plan cache)"
     _xla_decisions[sig] = (fused, xla)
+    _timed_parts[sig] = parts
   (t_fused, s_fused), (t_xla, s_xla) = _xla_decisions[sig]
+  other = _fallback_name(_timed_parts.get(sig, parts))
   if first:
-    logging.info("jaxfuse: region %s %s fused %.1f us (spread %.2f), XLA %.1f us "
+    logging.info("jaxfuse: region %s %s fused %.1f us (spread %.2f), %s %.1f us "
                  "(spread %.2f)", k.region.einsum_summary(), how, t_fused * 1e6, s_fused,
-                 t_xla * 1e6, s_xla)
+                 other, t_xla * 1e6, s_xla)
   noise = min(t_fused, t_xla) <= 0 or max(s_fused, s_xla) > MAX_TIMING_SPREAD
   if not noise and t_fused > (1 + TIMING_TIE) * t_xla:
-    raise LeftToXLA(f"measured slower than XLA: fused {t_fused * 1e6:.1f} us vs "
-                    f"XLA {t_xla * 1e6:.1f} us")
+    raise LeftToXLA(f"measured slower than {other}: fused {t_fused * 1e6:.1f} us vs "
+                    f"{t_xla * 1e6:.1f} us")
   if noise or t_fused > (1 - TIMING_TIE) * t_xla:
     # Noise or a tie, not a verdict: the cost model decides, as under
     # tune='model'. A tie went to the fused kernel until BERT-Small's FFN
@@ -801,11 +820,15 @@ def _gpu_key(k: GeneratedKernel, *parts: str) -> Optional[str]:
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _timing_key(k: GeneratedKernel) -> Optional[str]:
-  """The key of ``k``'s keep-or-drop timing. Why keep it: the measured plan
-  is cached on disk, but each new process timed the decision again, 2-3 s
-  per region (H100, twenty-first session)."""
-  return _gpu_key(k)
+def _timing_key(k: GeneratedKernel, parts: int = 0) -> Optional[str]:
+  """The key of ``k``'s keep-or-drop timing against a fallback with
+  ``parts`` parts fused (their plans follow ``config.tune``). Why keep it:
+  the measured plan is cached on disk, but each new process timed the
+  decision again, 2-3 s per region (H100, twenty-first session)."""
+  if not parts:
+    return _gpu_key(k)
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return _gpu_key(k, f"fallback with {parts} part(s) fused", f"tune={config.tune}")
 
 
 def _check_key(k: GeneratedKernel) -> Optional[str]:
@@ -870,7 +893,8 @@ def _record_outcome(region: ir.Region, backend: str, out: Outcome) -> None:
   with _lock:
     timed = _xla_decisions.get(sig)
     if timed is not None:
-      out = dataclasses.replace(out, measured_fused_s=timed[0][0], measured_xla_s=timed[1][0])
+      out = dataclasses.replace(out, measured_fused_s=timed[0][0], measured_xla_s=timed[1][0],
+                                fallback_parts=_timed_parts.get(sig, 0))
     _outcomes[(sig, backend)] = out
 
 
@@ -917,16 +941,17 @@ def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
 
 def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton",
                plan=None, check: bool = True,
-               original: Optional[Callable] = None) -> list[Any]:
+               original: Optional[Callable] = None, original_parts: int = 0) -> list[Any]:
   """Runs ``region`` on ``args`` (jax arrays or tracers) through a generated kernel.
 
   ``plan``: a Plan (or a ranked list) to use instead of the planner's. The
   kernel that survives the fallback chain is cached per region and backend.
-  ``original``: the region's original ops as a function; on the GPU, where
+  ``original``: what the caller runs instead of the kernel, as a function
+  (the region's original ops; ``original_parts``: how many regions of
+  their own it lowers, a chain's parts); on the GPU, where
   ``keep_or_drop_timed`` (``config.tune`` 'measure', or 'auto' and the
-  model unsure), the chosen kernel is timed against it and dropped when XLA
-  is faster. Raises CodegenError (the caller then
-  runs the original ops).
+  model unsure), the chosen kernel is timed against it and dropped when
+  that is faster. Raises CodegenError (the caller then runs ``original``).
 
   Example::
 
@@ -947,7 +972,7 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
       k = select_kernel(region, candidates, backend=backend, check=check)
       if (backend == "triton" and original is not None and plan is None
           and keep_or_drop_timed(region, candidates)):
-        _keep_fused(k, original, model_plan=_best_predicted(candidates))
+        _keep_fused(k, original, model_plan=_best_predicted(candidates), parts=original_parts)
     except CodegenError as e:
       if plan is None:
         _record_outcome(region, backend, Outcome(False, reason=str(e)[:500]))

@@ -13,8 +13,10 @@ Rules:
   ``jax.jit``'s exactly); on CUDA with ``config.backend`` in (auto, triton)
   the generated Triton kernel via ``jaxfuse.runtime.launch.fused_call``; on the
   CPU with ``config.backend == 'interpret'`` the same kernel in Triton's
-  interpreter. Any failure there falls back to the original ops with one log
-  line;
+  interpreter. Where the kernel is dropped (a keep-or-drop decision) or
+  fails (one log line), the region runs its fallback: a chain's parts with
+  fewer contractions, each lowered as a region of its own, else the original
+  ops. A keep-or-drop timing compares the kernel with that fallback;
 * JVP: the primal through the primitive, tangents through ``jax.jvp`` of the
   original ops (so ``jax.grad`` works; the backward runs the original ops);
 * batching: the vmapped original ops are re-captured, so the batch folds into
@@ -178,15 +180,52 @@ def _warn_fallback(region: ir.Region, name: str, what: str,
                   type(err).__name__, msg[:300])
 
 
+# (region signature, original ops) -> (fallback jaxpr, regions in it); see _fallback.
+_fallbacks: dict[tuple[str, Any], tuple[ClosedJaxpr, int]] = {}
+_MAX_FALLBACKS = 512
+
+
+def _fallback(region: ir.Region, jaxpr: ClosedJaxpr, name: str) -> tuple[ClosedJaxpr, int]:
+  """What runs where the region's kernel is not used: for a chain, its
+  original ops captured again with fewer contractions per region, so that a
+  part worth fusing still is (an FFN's GEMM-GELU-GEMM is compute-bound, its
+  first GEMM with the GELU is worth a kernel); else the original ops. Also
+  the region's keep-or-drop timing runs against it: a chain is kept only
+  when it beats what would replace it. Returns the jaxpr and how many
+  regions it holds (0: XLA's plain ops). Memoized: a region is lowered once
+  per program that holds it, and a capture takes milliseconds."""
+  if len(region.contractions) < 2:
+    return jaxpr, 0
+  key = (region.signature(), jaxpr)
+  hit = _fallbacks.get(key)
+  if hit is not None:
+    return hit
+  try:
+    from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+    parts = capture.rewrite(jaxpr, _bind_captured,
+                            max_contractions=len(region.contractions) - 1)
+    found = (jaxpr, 0) if parts is jaxpr else (parts, count_regions(parts.jaxpr))
+  except Exception as e:  # pylint: disable=broad-except
+    _warn_fallback(region, name, "re-capture of its parts", e)
+    found = (jaxpr, 0)
+  if len(_fallbacks) >= _MAX_FALLBACKS:
+    _fallbacks.clear()
+  _fallbacks[key] = found
+  return found
+
+
 def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
-  """Lowers through the generated kernel, or the original ops on failure."""
+  """Lowers through the generated kernel, or the fallback (``_fallback``)
+  when the kernel is dropped or fails."""
+  fallback, parts = _fallback(region, jaxpr, name)
   try:
     # Imported lazily: launch pulls in codegen/triton (and jax_triton on CUDA).
     from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
 
     def fused(*xs):
       outs = launch.fused_call(region, list(xs), backend=backend,
-                               original=functools.partial(_eval_original, jaxpr=jaxpr))
+                               original=functools.partial(_eval_original, jaxpr=fallback),
+                               original_parts=parts)
       outs = list(outs)
       want = region_out_avals(region, jaxpr)
       if len(outs) != len(want):
@@ -203,31 +242,25 @@ def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
     return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, f"{backend} kernel", e)
-    if len(region.contractions) > 1:
-      # Left to XLA whole (decided, or no plan worked): a part with fewer
-      # contractions may still be worth its own kernel.
-      return _lower_parts(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+    if parts:
+      # Left to XLA whole (decided, or no plan worked): its parts are
+      # lowered, and decided, like any region.
+      return _lower_parts(ctx, *args, region=region, jaxpr=jaxpr, parts=parts,
+                          fallback=fallback, name=name)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 
-def _lower_parts(ctx, *args, region, jaxpr, name):
-  """A chain left to XLA as a whole: its original ops, captured again with
-  fewer contractions per region, so that a part worth fusing still is (an
-  FFN's GEMM-GELU-GEMM is compute-bound, its first GEMM with the GELU is
-  worth a kernel). Each part is lowered, and decided, like any region."""
+def _lower_parts(ctx, *args, region, jaxpr, parts, fallback, name):
+  """A chain left to XLA as a whole: its ``parts`` regions (``fallback``,
+  from ``_fallback``), else, where they fail to lower, its original ops."""
   try:
-    from jaxfuse import capture  # pylint: disable=g-import-not-at-top
-    parts = capture.rewrite(jaxpr, _bind_captured,
-                            max_contractions=len(region.contractions) - 1)
-    if parts is jaxpr:
-      return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
     if _first_time(region, "parts"):
       logging.info("jaxfuse: region %s (%s) lowers as %d part(s) with fewer contractions",
-                   name, region.einsum_summary(), count_regions(parts.jaxpr))
-    return mlir.lower_fun(functools.partial(_eval_original, jaxpr=parts),
+                   name, region.einsum_summary(), parts)
+    return mlir.lower_fun(functools.partial(_eval_original, jaxpr=fallback),
                           multiple_results=True)(ctx, *args)
   except Exception as e:  # pylint: disable=broad-except
-    _warn_fallback(region, name, "re-capture of its parts", e)
+    _warn_fallback(region, name, "lowering of its parts", e)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 

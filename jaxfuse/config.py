@@ -54,10 +54,11 @@ class Config:
     where its keep-or-drop verdict is uncertain (float32 dots, or a 16-bit
     prediction near its bound, below parity with XLA's separate kernels:
     ``cost_model.verdict_uncertain``) the kernel
-    is timed against XLA's ops on the GPU once per machine and cache, the
-    faster kept; ``measure``: also time the model's top candidates and its
-    best plan of each other structure on the GPU (MCFuser Alg. 1's measured
-    step), and time every region against XLA's ops.
+    is timed on the GPU against what would run instead (XLA's ops; for a
+    chain, its parts with fewer contractions, each fused where that pays)
+    once per machine and cache, the faster kept; ``measure``: also time the
+    model's top candidates and its best plan of each other structure on the
+    GPU (MCFuser Alg. 1's measured step), and time every region so.
   tune_budget_s: seconds of measured tuning allowed per region.
   compile_workers: processes that compile measured tuning's candidate
     kernels (``jaxfuse.runtime.compile_pool``); 0 compiles them in this

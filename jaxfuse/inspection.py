@@ -367,11 +367,11 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
         if why:
           rr.why_not = f"{why}; left to XLA under tune='model'"
           if unsure:
-            rr.why_not += (f"; tune='auto' times it against XLA's ops on the GPU "
-                           f"first ({unsure})")
+            rr.why_not += (f"; tune='auto' times it on the GPU against the ops that "
+                           f"would run instead first ({unsure})")
         elif unsure:
-          rr.notes.append(f"tune='auto' times this kernel against XLA's ops on the GPU "
-                          f"before keeping it ({unsure})")
+          rr.notes.append(f"tune='auto' times this kernel on the GPU against the ops "
+                          f"that would run instead before keeping it ({unsure})")
       except Exception as e:  # pylint: disable=broad-except
         rr.notes.append(f"unfused estimate failed: {_err(e)}")
   rest = [p for p in ranked if p is not best and p != best][:5]

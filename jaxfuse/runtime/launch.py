@@ -627,8 +627,8 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
 
 
 def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
-  """Whether the region's kernel is timed against XLA's ops on the GPU
-  (``_keep_fused``) rather than kept or dropped on the model's word: always
+  """Whether the region's kernel is timed on the GPU against what would run
+  instead (``_keep_fused``) rather than kept or dropped on the model's word: always
   under ``tune='measure'``; under ``tune='auto'`` where the model's verdict
   on its best plan is uncertain (``cost_model.verdict_uncertain``); never
   under ``tune='model'``."""

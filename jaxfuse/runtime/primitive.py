@@ -257,8 +257,7 @@ def _lower_parts(ctx, *args, region, jaxpr, parts, fallback, name):
     if _first_time(region, "parts"):
       logging.info("jaxfuse: region %s (%s) lowers as %d part(s) with fewer contractions",
                    name, region.einsum_summary(), parts)
-    return mlir.lower_fun(functools.partial(_eval_original, jaxpr=fallback),
-                          multiple_results=True)(ctx, *args)
+    return _lower_original(ctx, *args, region=region, jaxpr=fallback, name=name)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, "lowering of its parts", e)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)

@@ -383,7 +383,7 @@ def test_fused_call_records_how_it_settled_a_region(monkeypatch):
   r = T.gemm_chain(M=16, N=24, K=8, H=8)
   xs = launch.random_inputs(r, seed=2)
   assert launch.outcome(r) is None
-  launch._xla_decisions[r.signature()] = ((5e-6, 0.01), (7e-6, 0.01))
+  launch._xla_decisions[r.signature()] = ((5e-6, 0.01), (7e-6, 0.01), 0)
   try:
     launch.fused_call(r, xs, backend="interpret")
   finally:
@@ -432,22 +432,30 @@ def test_undecided_keep_or_drop_asks_the_model_about_its_best_plan(monkeypatch):
   launch._xla_decisions.clear()
 
 
+def _timed_kernel(tmp_path, monkeypatch, gpu):
+  """A stand-in kernel of a small chain whose keep-or-drop timings read
+  6 us fused and 5 us for the other side, a plan cache in ``tmp_path``, and
+  the GPU named ``gpu[0]``; returns the kernel's class and the list that
+  counts timings."""
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+
+  class K:
+    region = examples.gemm_chain(1, 32, 16, 16, 16)
+    plan = "plan A"
+  timed = []
+  monkeypatch.setattr(launch, "_per_call_times",
+                      lambda fns, region: [timed.append(1) or t for t in ((6e-6, 0.1), (5e-6, 0.1))])
+  monkeypatch.setattr(launch, "_gpu_name", lambda: gpu[0])
+  return K, timed
+
+
 def test_keep_or_drop_timing_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
   """A process that finds a region's keep-or-drop timing on disk (same
   region, plan, GPU and versions) decides from it without timing again;
   another plan, another GPU, or no GPU at all times afresh."""
   from jaxfuse.codegen import CodegenError
-  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
-  r = examples.gemm_chain(1, 32, 16, 16, 16)
-
-  class K:
-    region = r
-    plan = "plan A"
-  timed = []
-  monkeypatch.setattr(launch, "_per_call_times",
-                      lambda fns, region: [timed.append(1) or t for t in ((6e-6, 0.1), (5e-6, 0.1))])
   gpu = ["NVIDIA H100 80GB HBM3"]
-  monkeypatch.setattr(launch, "_gpu_name", lambda: gpu[0])
+  K, timed = _timed_kernel(tmp_path, monkeypatch, gpu)
 
   def decide():
     launch._xla_decisions.clear()      # a new process
@@ -1438,16 +1446,8 @@ def test_keep_or_drop_against_the_fallback_names_it_and_keys_it_apart(tmp_path, 
   recorded outcome name that fallback, and the timing is stored under its
   own key (a timing against XLA's plain ops is not reused for it)."""
   from jaxfuse.codegen import CodegenError  # pylint: disable=g-import-not-at-top
-  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
-  r = examples.gemm_chain(1, 32, 16, 16, 16)
-
-  class K:
-    region = r
-    plan = "plan A"
-  timed = []
-  monkeypatch.setattr(launch, "_per_call_times",
-                      lambda fns, region: [timed.append(1) or t for t in ((6e-6, 0.1), (5e-6, 0.1))])
-  monkeypatch.setattr(launch, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+  K, timed = _timed_kernel(tmp_path, monkeypatch, ["NVIDIA H100 80GB HBM3"])
+  r = K.region
   assert launch._timing_key(K(), 1) not in (None, launch._timing_key(K()))
   assert launch._timing_key(K(), 1) != launch._timing_key(K(), 2)
   try:

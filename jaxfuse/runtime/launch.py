@@ -643,10 +643,9 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
                                       get_device(None)) is not None
 
 
-# region signature -> ((fused s, spread), (fallback s, spread)) per call.
-_xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
-# region signature -> parts fused in the fallback that _xla_decisions timed.
-_timed_parts: dict[str, int] = {}
+# region signature -> ((fused s, spread), (fallback s, spread), parts fused in
+# the fallback) per call.
+_xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float], int]] = {}
 
 
 def _fallback_name(parts: int) -> str:
@@ -770,10 +769,9 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
     else:
       fused, xla = stored
       how = "timed in an earlier process (plan cache)"
-    _xla_decisions[sig] = (fused, xla)
-    _timed_parts[sig] = parts
-  (t_fused, s_fused), (t_xla, s_xla) = _xla_decisions[sig]
-  other = _fallback_name(_timed_parts.get(sig, parts))
+    _xla_decisions[sig] = (fused, xla, parts)
+  (t_fused, s_fused), (t_xla, s_xla), timed_parts = _xla_decisions[sig]
+  other = _fallback_name(timed_parts)
   if first:
     logging.info("jaxfuse: region %s %s fused %.1f us (spread %.2f), %s %.1f us "
                  "(spread %.2f)", k.region.einsum_summary(), how, t_fused * 1e6, s_fused,
@@ -894,7 +892,7 @@ def _record_outcome(region: ir.Region, backend: str, out: Outcome) -> None:
     timed = _xla_decisions.get(sig)
     if timed is not None:
       out = dataclasses.replace(out, measured_fused_s=timed[0][0], measured_xla_s=timed[1][0],
-                                fallback_parts=_timed_parts.get(sig, 0))
+                                fallback_parts=timed[2])
     _outcomes[(sig, backend)] = out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import jax
@@ -1194,6 +1195,62 @@ def test_grouped_query_attention_runs_through_the_kernel(causal, caplog):
   assert not [r for r in caplog.records if "original ops" in r.getMessage()]
   want = jax.jit(attend)(q, k, v)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
+def _grouped_causal_head_major(q, k, v):
+  """Grouped-query causal attention on [B, heads, T, D] (the benchmarks'
+  head-major layout): query heads h*g..h*g+g-1 read key/value head h."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  b, n, t, d = q.shape
+  qg = q.reshape(b, k.shape[1], n // k.shape[1], t, d)
+  s = jnp.einsum("bkgqd,bksd->bkgqs", qg, k) * 0.25
+  s = jnp.where(jnp.arange(t)[:, None] >= jnp.arange(t)[None, :], s, -jnp.inf)
+  o = jnp.einsum("bkgqs,bksd->bkgqd", jax.nn.softmax(s, -1), v)
+  return o.reshape(b, n, t, d)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+def test_causal_query_heads_that_share_keys_run_together_longest_first(layout):
+  """Under a causal mask, the query heads that read one key/value head
+  are issued together, all of their longest query tiles first (chunked
+  longest-first order): in the head-major layout each head's query tiles
+  had run one head after another, and MQA/GQA kernels ran 6-14% slower on
+  the H100. Every program runs once; the kernel matches the IR's evaluator
+  (Triton's interpreter)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import tiling  # pylint: disable=g-import-not-at-top
+
+  if layout == "head-major":
+    fn, shapes = _grouped_causal_head_major, [(2, 8, 64, 32), (2, 2, 64, 32), (2, 2, 64, 32)]
+  else:
+    fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    shapes = [(2, 64, 8, 32), (2, 64, 2, 32), (2, 64, 2, 32)]
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  r = cap.region
+  [group] = tiling.scalar_dot_loops(r)
+  [(keys, band)] = tiling.masked_tile_relations(r).items()
+  grid = tuple(l.name for l in r.loops if l.name not in (keys, "k", "h"))
+  plan = T.simple_plan(r, grid, [(keys, [])], {**{l: 1 for l in grid}, band.other: 16, keys: 16})
+  kern = generate(r, plan, interpret=True)
+  order = T.issue_order(kern.source, kern.grid)
+  heavy, member = f"pid_{band.other}", f"pid_{group}"
+  assert len({tuple(sorted(p.items())) for p in order}) == len(order) == math.prod(kern.grid)
+  # The programs of one key/value head: contiguous in issue order, each
+  # query tile of all its query heads before the next shorter one.
+  runs: dict = {}
+  for i, p in enumerate(order):
+    runs.setdefault(tuple(sorted((n, x) for n, x in p.items() if n not in (heavy, member))),
+                    []).append(i)
+  assert len(runs) == 2 * 2
+  for idx in runs.values():
+    assert idx == list(range(idx[0], idx[0] + 4 * (64 // 16)))
+    assert [order[i][heavy] for i in idx] == [3] * 4 + [2] * 4 + [1] * 4 + [0] * 4
+    assert {order[i][member] for i in idx[:4]} == set(range(4))
+  xs = launch.random_inputs(r, seed=3)
+  err = launch.compare(r, launch.run_interpreted(kern, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r), err
 
 
 def test_dot_of_two_loaded_operands_yields_its_result_in_the_order_read():

@@ -18,7 +18,7 @@ from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
 from jaxfuse.planner.tiling import next_pow2
 
-__all__ = ["gemm_chain", "attention", "mlp", "simple_plan", "with_precision"]
+__all__ = ["gemm_chain", "attention", "mlp", "simple_plan", "with_precision", "issue_order"]
 
 
 def _buf(name: str, loops: Sequence[str], ext: dict[str, int], order: Optional[Sequence[str]] = None) -> Buffer:
@@ -260,4 +260,41 @@ def _reduced_before(region: Region, v: str, loop: str) -> set:
       return {loop}
     stack.extend(op.inputs)
   return set()
+
+
+# The printer's intermediate program-id names (not a grid loop's).
+_PID_TEMPS = ("pid_lpt", "pid_chunk", "pid_rest")
+
+
+def issue_order(source: str, grid: Sequence[int], kernel_name: str = "fused_kernel"
+                ) -> list[dict[str, int]]:
+  """The grid positions a printed kernel's programs take, in the order the
+  GPU issues them (axis 0 fastest): for each program, its ``pid_<loop>``
+  (and ``part``) values, computed by running the kernel's program-id lines.
+
+  Example::
+
+      k = generate(attention(M=64, N=64, B=2, causal=True), plan)
+      [p["pid_m"] for p in issue_order(k.source, k.grid)]
+  """
+  import itertools  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  body = source.split(f"def {kernel_name}(", 1)[1].splitlines()[1:]
+  lines = []
+  for line in body:
+    stmt = line.strip()
+    if not stmt.startswith(("pid", "part")):
+      break
+    lines.append(stmt)
+  code = compile("\n".join(lines), "<program ids>", "exec")
+  out = []
+  axes = [range(n) for n in grid]
+  for idx in itertools.product(*reversed(axes)):   # the last axis slowest
+    ids = tuple(reversed(idx))
+    tl = types.SimpleNamespace(program_id=lambda a, ids=ids: ids[a], minimum=min, maximum=max)
+    env = {"tl": tl}
+    exec(code, env)  # pylint: disable=exec-used
+    out.append({k: v for k, v in env.items()
+                if (k == "part" or k.startswith("pid_")) and k not in _PID_TEMPS})
+  return out
 

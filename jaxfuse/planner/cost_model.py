@@ -477,7 +477,11 @@ def register_budget_bytes(num_warps: int, rows: int = 128, masked: bool = False)
 # and the grids it would pick there (MCFuser S2 causal: 192-384 programs with
 # 2 per SM) are the partly co-resident ones the model already prices ~20%
 # fast (S2 non-causal, 192 programs: 6.7 predicted, 8.0 us measured; H100
-# fidelity sample of the thirteenth session).
+# fidelity sample of the thirteenth session). Not priced: where heads that
+# read different keys run one after another (plain multi-head attention),
+# each head's longest programs start after the previous head's shortest,
+# and the grid's last wave holds one head's long programs (a 3-14% tail in
+# simulation; forty-fourth session of benchmarks/RESULTS.md).
 MASKED_MIN_WAVES = 4
 
 

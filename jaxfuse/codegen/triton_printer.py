@@ -219,6 +219,7 @@ class _Printer:
     self.whole_kept: dict[str, str] = {}
     self.lazy_loads = False                   # combine pass: load inputs where first needed
     self.lpt: Optional[tuple[str, list[str], int]] = None   # see grid_axes
+    self.heavy: set[str] = set()                            # heavy_first_loops of the plan
     self._setup_loops()
 
   # ------------------------------------------------------------------ setup
@@ -555,13 +556,13 @@ class _Printer:
       return f"{counts[l] - 1} - {e}" if l in reverse and counts[l] > 1 else e
     for i, ax in enumerate(axes):
       if len(ax) == 1:
-        nm = "part" if ax[0] == "__split__" else f"pid_{ax[0]}"
+        nm = self._pid_name(ax[0])
         self.emit(f"{nm} = {order(ax[0], f'tl.program_id({i})')}")
         continue
       self.emit(f"pid{i} = tl.program_id({i})")
       rem = f"pid{i}"
       for j, l in enumerate(ax):   # innermost first within the folded axis
-        nm = "part" if l == "__split__" else f"pid_{l}"
+        nm = self._pid_name(l)
         if j == len(ax) - 1:
           self.emit(f"{nm} = {order(l, rem)}")
         else:
@@ -1408,7 +1409,7 @@ class _Printer:
   # ------------------------------------------------------------ top level
   def build(self) -> PrintedKernel:
     body = self.plan.expr.body
-    heavy = self.heavy_first_loops(body)
+    heavy = self.heavy = self.heavy_first_loops(body)
     axes, sizes = self.grid_axes(heavy)
     scratch: tuple[ScratchSpec, ...] = ()
     header = [
@@ -1477,7 +1478,7 @@ class _Printer:
 
   def _kernel_body(self, axes, body, with_split: bool) -> list[str]:
     self._reset_state()
-    self.emit_program_ids(axes, self.heavy_first_loops(body) if self.lpt is None else ())
+    self.emit_program_ids(axes, self.heavy)
     self.emit_window_bases()
     self.emit_part_bases(outputs=not with_split)
     self.emit_loop_indices()

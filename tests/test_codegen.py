@@ -420,6 +420,18 @@ def test_hazardous_plan_is_refused_and_the_next_plan_runs():
   assert k.plan is good
 
 
+def test_chained_dot_of_a_cast_accumulator_is_refused():
+  """MCFuser G1 at m=64, n=16, h=16 returned an error of 0.34 on the H100
+  (forty-sixth session); the interpreter runs it correctly, so only the
+  printer's refusal keeps it off the GPU."""
+  r = T.gemm_chain(M=512, N=256, K=64, H=64, dtype="float16")
+  bad = T.simple_plan(r, ("b", "m", "h"), [("n", [])], dict(b=1, m=64, n=16, k=64, h=16))
+  with pytest.raises(CodegenError, match="accumulator.*miscompiles"):
+    generate(r, bad, interpret=True)
+  generate(r, T.simple_plan(r, ("b", "m", "h"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=16)),
+           interpret=True)
+
+
 def test_planner_pick_with_a_batch_of_one_uses_tl_dot():
   """BERT's FFN chain at batch 1: the activations carry a loop of extent 1
   that the weights do not. Its tile is 1 (a scalar index); it was 16, which

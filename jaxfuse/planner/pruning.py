@@ -148,6 +148,17 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
 # session). The interpreter runs them correctly, so only this rule keeps
 # them off the GPU (Rule 5: what the backend cannot compile correctly).
 HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
+# A second family (Triton 3.6.0, H100, 2026-11-24): a dot whose 16-bit
+# operand is the previous dot's accumulator, only cast between them (a plain
+# GEMM chain; an activation or a softmax between them never failed), at
+# >= 64 rows (warpgroup MMA), a reduction of <= 32 and a first-dot
+# reduction tile of <= 64. Of 1,654 probed kernels, 95 returned errors of
+# 0.33-0.86, all 95 among the 512 inside this corner. Which of them fail
+# moves with warps and stages (2 and 3 stages each fail somewhere), so the
+# rule covers the whole corner. The plans it drops have 16- or 32-wide tiles
+# on the chain's middle loop, far down the model's ranking (benchmarks/
+# RESULTS.md, forty-sixth session). The interpreter runs them correctly.
+ACC_FEED_MIN_ROWS, ACC_FEED_MAX_RED, ACC_FEED_MAX_FIRST_RED = 64, 32, 64
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
 # tile with a reduction of at least this many: the converted float32 tile
 # is held in registers, and the kernel spills. MCFuser G2
@@ -190,7 +201,7 @@ def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, 
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
                ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS``), a broadcast product too large to compile
+  (see ``HAZARD_ROWS`` and ``ACC_FEED_MIN_ROWS``), a broadcast product too large to compile
   (``MAX_BROADCAST_PRODUCT``) or, with ``tf32``, a dot that spills
   registers (see ``TF32_MAX_COMPUTED_RED``), or None.
   The search drops such plans, and the printer refuses the first two
@@ -219,11 +230,29 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
+      first = _cast_accumulator_of(region, computed)
+      if (first is not None and rows >= ACC_FEED_MIN_ROWS and red <= ACC_FEED_MAX_RED
+              and math.prod(t(l) for l in first.reduce) <= ACC_FEED_MAX_FIRST_RED):
+        return (f"{op.out}: a dot of {first.out}'s accumulator ({rows}x{red} tile, "
+                f"first reduction tile {math.prod(t(l) for l in first.reduce)}), "
+                "which Triton miscompiles")
       if (tf32 and contraction_dtype(region, op) == "float32" and op.precision != "ieee"
               and red >= TF32_MAX_COMPUTED_RED):
         return (f"{op.out}: a TF32 dot of a computed {rows}x{red} tile, which spills "
                 "registers")
   return None
+
+
+def _cast_accumulator_of(region: ir.Region, v: str) -> Optional[ir.Contraction]:
+  """The contraction whose result reaches ``v`` through casts only, where
+  ``v`` is a 16-bit float (see ``ACC_FEED_MIN_ROWS``), or None."""
+  if region.value_map[v].dtype not in ("float16", "bfloat16"):
+    return None
+  producer = {op.out: op for op in region.ops}
+  op = producer.get(v)
+  while isinstance(op, ir.Elementwise) and op.fn == "convert" and op.inputs:
+    op = producer.get(op.inputs[0])
+  return op if isinstance(op, ir.Contraction) else None
 
 
 # -- Rule 1 / Rule 2 --------------------------------------------------------

@@ -420,7 +420,7 @@ def test_hazardous_plan_is_refused_and_the_next_plan_runs():
   assert k.plan is good
 
 
-def test_chained_dot_of_a_cast_accumulator_is_refused():
+def test_chained_dot_of_an_elementwise_accumulator_is_refused():
   """MCFuser G1 at m=64, n=16, h=16 returned an error of 0.34 on the H100
   (forty-sixth session); the interpreter runs it correctly, so only the
   printer's refusal keeps it off the GPU."""

@@ -149,15 +149,19 @@ def tile_candidates(region: ir.Region, loop: str, *, rule3: bool = True) -> tupl
 # them off the GPU (Rule 5: what the backend cannot compile correctly).
 HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 # A second family (Triton 3.6.0, H100, 2026-11-24): a dot whose 16-bit
-# operand is the previous dot's accumulator, only cast between them (a plain
-# GEMM chain; an activation or a softmax between them never failed), at
-# >= 64 rows (warpgroup MMA), a reduction of <= 32 and a first-dot
-# reduction tile of <= 64. Of 1,654 probed kernels, 95 returned errors of
-# 0.33-0.86, all 95 among the 512 inside this corner. Which of them fail
-# moves with warps and stages (2 and 3 stages each fail somewhere), so the
-# rule covers the whole corner. The plans it drops have 16- or 32-wide tiles
-# on the chain's middle loop, far down the model's ranking (benchmarks/
-# RESULTS.md, forty-sixth session). The interpreter runs them correctly.
+# operand is computed from the previous dot's result by elementwise ops
+# only (a cast, a scale, a bias, ReLU), at >= 64 rows (warpgroup MMA), a
+# reduction of <= 32 and a first-dot reduction tile of <= 64. Of 2,482
+# probed kernels, 151 returned errors of 0.30-0.86 (float16 and bfloat16),
+# all inside this corner (992 probed there), none outside it. Which of
+# them fail moves with warps and stages (2 and 3 stages each fail
+# somewhere), so the rule covers the whole corner. tanh and logistic
+# between the dots (192 kernels) and attention's softmax, whose path
+# passes a row reduction (120), never failed; the rule still covers the
+# activations, as no reason for their luck is known. The plans it drops
+# have 16- or 32-wide tiles on the chain's middle loop, far down the
+# model's ranking (benchmarks/RESULTS.md, forty-sixth session). The
+# interpreter runs them correctly.
 ACC_FEED_MIN_ROWS, ACC_FEED_MAX_RED, ACC_FEED_MAX_FIRST_RED = 64, 32, 64
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
 # tile with a reduction of at least this many: the converted float32 tile
@@ -230,12 +234,13 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
-      first = _cast_accumulator_of(region, computed)
-      if (first is not None and rows >= ACC_FEED_MIN_ROWS and red <= ACC_FEED_MAX_RED
-              and math.prod(t(l) for l in first.reduce) <= ACC_FEED_MAX_FIRST_RED):
-        return (f"{op.out}: a dot of {first.out}'s accumulator ({rows}x{red} tile, "
-                f"first reduction tile {math.prod(t(l) for l in first.reduce)}), "
-                "which Triton miscompiles")
+      if rows >= ACC_FEED_MIN_ROWS and red <= ACC_FEED_MAX_RED:
+        for first in _elementwise_feeders(region, computed):
+          first_red = math.prod(t(l) for l in first.reduce)
+          if first_red <= ACC_FEED_MAX_FIRST_RED:
+            return (f"{op.out}: a dot of {first.out}'s accumulator, elementwise ops apart "
+                    f"({rows}x{red} tile, first reduction tile {first_red}), which "
+                    "Triton miscompiles")
       if (tf32 and contraction_dtype(region, op) == "float32" and op.precision != "ieee"
               and red >= TF32_MAX_COMPUTED_RED):
         return (f"{op.out}: a TF32 dot of a computed {rows}x{red} tile, which spills "
@@ -243,16 +248,27 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
   return None
 
 
-def _cast_accumulator_of(region: ir.Region, v: str) -> Optional[ir.Contraction]:
-  """The contraction whose result reaches ``v`` through casts only, where
-  ``v`` is a 16-bit float (see ``ACC_FEED_MIN_ROWS``), or None."""
+def _elementwise_feeders(region: ir.Region, v: str) -> list[ir.Contraction]:
+  """The contractions whose results reach ``v`` through elementwise ops
+  only, where ``v`` is a 16-bit float; none where a reduction lies on the
+  way (see ``ACC_FEED_MIN_ROWS``)."""
   if region.value_map[v].dtype not in ("float16", "bfloat16"):
-    return None
+    return []
   producer = {op.out: op for op in region.ops}
-  op = producer.get(v)
-  while isinstance(op, ir.Elementwise) and op.fn == "convert" and op.inputs:
-    op = producer.get(op.inputs[0])
-  return op if isinstance(op, ir.Contraction) else None
+  feeders, todo, seen = [], [v], set()
+  while todo:
+    x = todo.pop()
+    if x in seen:
+      continue
+    seen.add(x)
+    op = producer.get(x)
+    if isinstance(op, ir.Contraction):
+      feeders.append(op)
+    elif isinstance(op, ir.Elementwise):
+      todo.extend(op.inputs)
+    elif op is not None:
+      return []
+  return feeders
 
 
 # -- Rule 1 / Rule 2 --------------------------------------------------------

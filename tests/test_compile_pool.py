@@ -272,7 +272,7 @@ def test_submit_returns_at_once_and_compiles_a_split_plans_two_kernels(tmp_path,
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
   monkeypatch.setattr(driver, "_active", compile_worker._CompileOnlyDriver(TARGET))
   r = T.gemm_chain(M=64, N=96 + 16 * next(_fresh), K=32, H=32, B=1, dtype="float16")
-  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=64, n=16, k=32, h=32),
+  plan = T.simple_plan(r, ("b", "m"), [("n", [])], dict(b=1, m=32, n=16, k=32, h=32),
                        split=("n", 2))
   k = codegen.generate(r, plan, interpret=False)
   assert k.combine_fn is not None

@@ -102,6 +102,25 @@ def test_rule5_drops_chained_dots_fed_an_elementwise_accumulator():
   assert all(pruning.dot_hazard(g1, p.tile_map) is None for p in res.ranked)
 
 
+def test_rule5_drops_third_chained_dots_into_few_columns():
+  # The forty-sixth session's 3-GEMM miscompiles (Triton 3.6, H100): the
+  # third dot at >= 64 rows, a >= 64-wide reduction and <= 32 columns.
+  for act in ("", "abs"):
+    r = examples.mlp_chain(1, 128, [256, 1024, 256, 64], act=act)
+    bad = dict(b=1, m=64, k0=128, k1=128, k2=64, k3=16)
+    for t in (bad, dict(bad, k3=32), dict(bad, m=128, k2=128), dict(bad, k1=32)):
+      assert "third chained dot" in pruning.dot_hazard(r, t), (act, t)
+    for t in (dict(bad, k3=64), dict(bad, k2=32), dict(bad, m=32)):   # measured correct
+      assert pruning.dot_hazard(r, t) is None, (act, t)
+  # Two-dot chains at the same tiles are correct (MCFuser G1's best plan).
+  assert pruning.dot_hazard(examples.gemm_chain(1, 512, 256, 64, 64, batch=False),
+                            dict(m=64, n=128, k=64, h=16)) is None
+  r = examples.mlp_chain(1, 128, [256, 1024, 256, 64], act="")
+  res = plan_region(r, "h100", use_cache=False, top=10000)
+  assert all(pruning.dot_hazard(r, p.tile_map) is None for p in res.ranked)
+  assert res.best is not None
+
+
 def test_rule5_drops_tf32_dots_over_a_256_wide_computed_reduction():
   # MCFuser G2 in float32 with 32 rows and a whole 256-wide second reduction
   # spilled registers and ran 25x slower than XLA (H100, nineteenth session).

@@ -163,6 +163,16 @@ HAZARD_ROWS, HAZARD_RED, HAZARD_MAX_COLS = 128, 256, 64
 # model's ranking (benchmarks/RESULTS.md, forty-sixth session). The
 # interpreter runs them correctly.
 ACC_FEED_MIN_ROWS, ACC_FEED_MAX_RED, ACC_FEED_MAX_FIRST_RED = 64, 32, 64
+# A third family (same probes): in a chain of three dots, the third, whose
+# operand comes (elementwise ops apart) from a dot that itself read a
+# computed operand, at >= 64 rows, a reduction of >= 64 and <= 32 columns.
+# On a 3-GEMM chain (x·W1·W2·W3, 128 x 256-1024-256-64, with and without
+# abs between), 137 of 193 such kernels returned errors of 0.76-1.65 (the
+# 56 correct ones all 64 rows at 8 warps), none of 341 outside the corner;
+# two-dot chains at these tiles are correct (MCFuser G1's best plan has 64
+# rows, a 128-wide reduction and 16 columns). Many of these kernels in one
+# process also ended in illegal memory accesses, none alone.
+CHAIN3_MIN_ROWS, CHAIN3_MIN_RED, CHAIN3_MAX_COLS = 64, 64, 32
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
 # tile with a reduction of at least this many: the converted float32 tile
 # is held in registers, and the kernel spills. MCFuser G2
@@ -205,8 +215,9 @@ def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, 
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
                ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS`` and ``ACC_FEED_MIN_ROWS``), a broadcast product too large to compile
-  (``MAX_BROADCAST_PRODUCT``) or, with ``tf32``, a dot that spills
+  (see ``HAZARD_ROWS``, ``ACC_FEED_MIN_ROWS`` and ``CHAIN3_MIN_ROWS``), a
+  broadcast product too large to compile (``MAX_BROADCAST_PRODUCT``) or,
+  with ``tf32``, a dot that spills
   registers (see ``TF32_MAX_COMPUTED_RED``), or None.
   The search drops such plans, and the printer refuses the first two
   (``CodegenError``) should one be handed over."""
@@ -234,8 +245,13 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
+      feeders = _elementwise_feeders(region, computed)
+      if (rows >= CHAIN3_MIN_ROWS and red >= CHAIN3_MIN_RED and cols <= CHAIN3_MAX_COLS
+              and any(f.lhs in produced or f.rhs in produced for f in feeders)):
+        return (f"{op.out}: a third chained dot ({rows}x{red} tile into {cols} columns), "
+                "which Triton miscompiles")
       if rows >= ACC_FEED_MIN_ROWS and red <= ACC_FEED_MAX_RED:
-        for first in _elementwise_feeders(region, computed):
+        for first in feeders:
           first_red = math.prod(t(l) for l in first.reduce)
           if first_red <= ACC_FEED_MAX_FIRST_RED:
             return (f"{op.out}: a dot of {first.out}'s accumulator, elementwise ops apart "

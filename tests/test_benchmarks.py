@@ -312,6 +312,35 @@ def test_model_fidelity_cpu_dry_run(tmp_path):
   assert "dry run" in out
 
 
+def test_plan_check_cpu_runs_the_tiny_regions_in_the_interpreter(tmp_path):
+  prefix = tmp_path / "pc"
+  out = _run(["-m", "benchmarks.plan_check", "--cases=paper", f"--out={prefix}"], tmp_path)
+  assert "no GPU" in out and "0 wrong" in out
+  with open(str(prefix) + ".json") as f:
+    rows = json.load(f)["rows"]
+  assert [r["region"] for r in rows] == ["tiny-gemm", "tiny-mlp3", "tiny-attention-causal"]
+  assert all(len(r["plans"]) == 3 and r["ok"] == 3 and r["wrong"] == 0 for r in rows)
+
+
+def test_plan_check_counts_a_wrong_plan_and_fails(monkeypatch):
+  """A plan whose self-check fails is counted wrong (the binary then exits
+  1); the other plans of its region still run."""
+  from benchmarks import plan_check
+  from jaxfuse.runtime import launch
+  regions, _ = plan_check.check_regions("float16")
+  real, calls = launch.self_check, []
+
+  def flaky(k, runner, seed=None):
+    calls.append(k)
+    if len(calls) == 2:
+      raise launch.CodegenError(f"self-check failed: relative error 0.9 > 0.002 for plan {k.plan}")
+    return real(k, runner, seed)
+  monkeypatch.setattr(launch, "self_check", flaky)
+  row = plan_check.check_region("tiny-gemm", regions["tiny-gemm"], 3, 60.0, gpu=False)
+  assert row["wrong"] == 1 and row["ok"] == 2
+  assert row["plans"][1]["wrong"] and "self-check failed" in row["plans"][1]["status"]
+
+
 def test_plan_time_cpu(tmp_path):
   out = _run(["benchmarks/plan_time.py", "--filter=G1", "--set=all", "--repeat=1"], tmp_path)
   assert "| mcfuser/G1 |" in out and "| chimera/G1 |" in out and "grid(" in out

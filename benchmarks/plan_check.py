@@ -1,0 +1,182 @@
+"""Plan check: the planner's best plans, each compiled and self-checked on the GPU.
+
+Triton miscompiles some dots: wrong values and, with many such kernels in one
+process, illegal memory accesses. The pruning rules
+(``jaxfuse.planner.pruning.dot_hazard``) keep the known families out of the
+search; they were measured on one Triton version and one GPU. This binary
+looks for families they miss. For a spread of regions (the papers' tables,
+MLP chains of two and three GEMMs with and without an activation, attention
+variants, small-K chains) it asks the planner for its best ``--top`` plans
+and runs each through ``jaxfuse.runtime.launch.measure_plans``: compile,
+self-check against a float32 reference, time. Run it after a Triton, jax or
+GPU change. It exits 1 when any plan computes a wrong answer or a region's
+process dies. With ``--isolate`` (the default) each region runs in its own
+process, since a fault poisons the CUDA context for the rest of a process.
+
+Without a GPU it checks the ``tiny`` regions' best plans in Triton's
+interpreter against the IR evaluator. That tests the code generator, not the
+GPU backend, and the output says so.
+
+Example::
+
+    python -m benchmarks.plan_check                      # every region, top 24
+    python -m benchmarks.plan_check --cases=mlp,attention --top=48 --out=/tmp/pc
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app
+from absl import flags
+
+from benchmarks import harness
+
+harness.define_flags(default_cases="all")
+flags.DEFINE_integer("top", 24, "Plans per region: the planner's best, in its order.")
+flags.DEFINE_float("budget_s", 30.0, "Compile-and-check budget per region (seconds).")
+flags.DEFINE_bool("isolate", True, "Check each region in a fresh process (GPU only).")
+
+FLAGS = flags.FLAGS
+
+
+def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
+  """Regions to check by name, and their groups."""
+  from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import examples  # pylint: disable=g-import-not-at-top
+  regions: dict[str, Any] = {}
+  groups: dict[str, list[str]] = {}
+
+  def add(group: str, name: str, region) -> None:
+    regions[name] = region
+    groups.setdefault(group, []).append(name)
+  for name, r in examples.paper_cases(dtype):
+    add("paper", name, r)
+  for act in ("", "tanh"):
+    for m in (32, 128, 512):
+      add("mlp", f"mlp-{act or 'none'}-M{m}", examples.mlp_chain(1, m, [768, 3072, 768], dtype=dtype,
+                                                                  act=act))
+    add("mlp", f"mlp3-{act or 'none'}-M128",
+        examples.mlp_chain(1, 128, [256, 1024, 256, 64], dtype=dtype, act=act))
+  for d in (32, 64, 128):
+    add("attention", f"att-d{d}-causal", T.attention(M=512, N=512, D=d, B=2, heads=4, dtype=dtype,
+                                                      causal=True, scale=d ** -0.5))
+  add("attention", "att-d64-bias-mask", T.attention(M=256, N=384, D=64, B=2, heads=2, dtype=dtype,
+                                                    bias=True, mask=True))
+  add("attention", "att-d80-dv48", T.attention(M=200, N=300, D=80, Dv=48, heads=4, dtype=dtype,
+                                               scale=0.1))
+  for k in (16, 32):
+    add("chains", f"gemm-K{k}", examples.gemm_chain(2, 512, 256, k, 64, dtype=dtype))
+  # Small enough for Triton's interpreter (the check without a GPU).
+  add("tiny", "tiny-gemm", T.gemm_chain(M=64, N=64, K=32, H=32, dtype="float32"))
+  add("tiny", "tiny-mlp3", examples.mlp_chain(1, 32, [32, 64, 32, 16], dtype="float32", act="tanh"))
+  add("tiny", "tiny-attention-causal", T.attention(M=32, N=48, D=16, heads=2, causal=True))
+  groups["all"] = [n for n in regions if n not in groups["tiny"]]
+  return regions, groups
+
+
+def check_region(name: str, region, top: int, budget_s: float, gpu: bool) -> dict:
+  """The region's best ``top`` plans, each compiled and self-checked: a row
+  with each plan's status ('ok' or why not) and time (GPU only)."""
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+  t0 = time.perf_counter()
+  res = plan_region(region, "h100" if not gpu else None, use_cache=False, top=top)
+  plans = list(res.ranked[:top])
+  row: dict = {"region": name, "einsum": region.einsum_summary(), "why_not": res.why_not,
+               "plans": [], "wrong": 0}
+  if gpu:
+    errors: list = []
+    times = launch.measure_plans(region, plans, budget_s=budget_s, errors=errors)
+  else:
+    errors, times = [], []
+    for p in plans:
+      try:
+        launch.self_check(launch.generate(region, p, interpret=True), launch.run_interpreted)
+        errors.append(None)
+      except Exception as e:  # pylint: disable=broad-except  (refusals and wrong answers alike)
+        errors.append(f"{type(e).__name__}: {e}")
+      times.append(float("nan"))
+  for p, e, t in zip(plans, errors, times):
+    wrong = e is not None and "self-check failed" in e
+    row["wrong"] += wrong
+    row["plans"].append({"plan": str(p), "status": "ok" if e is None else e[:300],
+                         "wrong": wrong, "time_s": float(t)})
+  row["ok"] = sum(p["status"] == "ok" for p in row["plans"])
+  row["check_s"] = time.perf_counter() - t0
+  return row
+
+
+def _in_child(name: str, prefix: str) -> dict:
+  """``check_region`` for ``name`` in a fresh process; its row, or a row
+  that says how the process ended."""
+  child = f"{prefix}.{name}"
+  keep = [a for a in sys.argv[1:] if a.split("=")[0] not in ("--cases", "--out", "--isolate",
+                                                              "--noisolate")]
+  argv = [sys.executable, os.path.abspath(__file__), *keep, f"--cases={name}", f"--out={child}",
+          "--noisolate"]
+  try:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.budget_s + 600)
+  except subprocess.TimeoutExpired:
+    return {"region": name, "error": "process timed out", "plans": [], "wrong": 0, "ok": 0}
+  try:
+    with open(child + ".json") as f:
+      return json.load(f)["rows"][0]
+  except (OSError, ValueError, KeyError, IndexError):
+    return {"region": name, "error": f"process exited {p.returncode}: "
+            f"{(p.stderr or p.stdout or '')[-600:]}", "plans": [], "wrong": 0, "ok": 0}
+
+
+def main(argv) -> int:
+  del argv
+  gpu = harness.on_gpu()
+  prefix = FLAGS.out or harness.default_out("plan_check", FLAGS.dtype)
+  regions, groups = check_regions(FLAGS.dtype)
+  names = harness.select(regions, FLAGS.cases, groups)
+  if not gpu:
+    print("[plan_check] no GPU: the tiny regions' best plans run in Triton's interpreter "
+          "against the IR evaluator (this checks the code generator, not the GPU backend).")
+    names = groups["tiny"]
+  top = FLAGS.top if gpu else min(FLAGS.top, 3)
+  rows = []
+  for n in names:
+    if gpu and FLAGS.isolate and len(names) > 1:
+      row = _in_child(n, prefix)
+    else:
+      row = check_region(n, regions[n], top, FLAGS.budget_s, gpu)
+    rows.append(row)
+    print(f"[plan_check] {n}: {len(row['plans'])} plans, {row['ok']} ok, {row['wrong']} WRONG"
+          f"{', ' + row['error'] if row.get('error') else ''}"
+          f"{', no plan: ' + row['why_not'] if not row['plans'] and row.get('why_not') else ''}",
+          flush=True)
+    for p in row["plans"]:
+      if p["status"] != "ok":
+        print(f"[plan_check]   {'WRONG' if p['wrong'] else 'not run'}: {p['plan']}: "
+              f"{p['status'][:160]}")
+  wrong = sum(r["wrong"] for r in rows)
+  died = [r["region"] for r in rows if r.get("error")]
+  checked = sum(len(r["plans"]) for r in rows)
+  meta = {"binary": "plan_check", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "device": harness._device_kind(), "versions": harness.versions(),  # pylint: disable=protected-access
+          "flags": {"dtype": FLAGS.dtype, "top": top, "budget_s": FLAGS.budget_s,
+                    "isolate": FLAGS.isolate, "gpu": gpu}}
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+  with open(prefix + ".json", "w") as f:
+    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+  print(f"[plan_check] {len(rows)} regions, {checked} plans, "
+        f"{sum(r['ok'] for r in rows)} ok, {wrong} wrong"
+        f"{', processes died: ' + ', '.join(died) if died else ''}; wrote {prefix}.json")
+  return 1 if wrong or died else 0
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -6,11 +6,11 @@ process, illegal memory accesses. The pruning rules
 search; they were measured on one Triton version and one GPU. This binary
 looks for families they miss. For a spread of regions (the papers' tables,
 MLP chains of two and three GEMMs with and without an activation, attention
-variants, small-K chains) it asks the planner for its best ``--top`` plans
+variants, small-K chains) it asks the planner for its best ``--plans_per_region`` plans
 and runs each through ``jaxfuse.runtime.launch.measure_plans``: compile,
 self-check against a float32 reference, time. Run it after a Triton, jax or
 GPU change. It exits 1 when any plan computes a wrong answer or a region's
-process dies. With ``--isolate`` (the default) each region runs in its own
+process dies. With ``--process_per_region`` (the default) each region runs in its own
 process, since a fault poisons the CUDA context for the rest of a process.
 
 Without a GPU it checks the ``tiny`` regions' best plans in Triton's
@@ -20,7 +20,7 @@ GPU backend, and the output says so.
 Example::
 
     python -m benchmarks.plan_check                      # every region, top 24
-    python -m benchmarks.plan_check --cases=mlp,attention --top=48 --out=/tmp/pc
+    python -m benchmarks.plan_check --cases=mlp,attention --plans_per_region=48 --out=/tmp/pc
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ from absl import flags
 from benchmarks import harness
 
 harness.define_flags(default_cases="all")
-flags.DEFINE_integer("top", 24, "Plans per region: the planner's best, in its order.")
-flags.DEFINE_float("budget_s", 30.0, "Compile-and-check budget per region (seconds).")
-flags.DEFINE_bool("isolate", True, "Check each region in a fresh process (GPU only).")
+flags.DEFINE_integer("plans_per_region", 24, "Plans per region: the planner's best, in its "
+                     "order.")
+flags.DEFINE_float("region_budget_s", 30.0, "Compile-and-check budget per region (seconds).")
+flags.DEFINE_bool("process_per_region", True, "Check each region in a fresh process "
+                  "(GPU only).")
 
 FLAGS = flags.FLAGS
 
@@ -120,12 +122,12 @@ def _in_child(name: str, prefix: str) -> dict:
   """``check_region`` for ``name`` in a fresh process; its row, or a row
   that says how the process ended."""
   child = f"{prefix}.{name}"
-  keep = [a for a in sys.argv[1:] if a.split("=")[0] not in ("--cases", "--out", "--isolate",
-                                                              "--noisolate")]
+  keep = [a for a in sys.argv[1:] if a.split("=")[0] not in (
+      "--cases", "--out", "--process_per_region", "--noprocess_per_region")]
   argv = [sys.executable, os.path.abspath(__file__), *keep, f"--cases={name}", f"--out={child}",
-          "--noisolate"]
+          "--noprocess_per_region"]
   try:
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.budget_s + 600)
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.region_budget_s + 600)
   except subprocess.TimeoutExpired:
     return {"region": name, "error": "process timed out", "plans": [], "wrong": 0, "ok": 0}
   try:
@@ -146,13 +148,13 @@ def main(argv) -> int:
     print("[plan_check] no GPU: the tiny regions' best plans run in Triton's interpreter "
           "against the IR evaluator (this checks the code generator, not the GPU backend).")
     names = groups["tiny"]
-  top = FLAGS.top if gpu else min(FLAGS.top, 3)
+  top = FLAGS.plans_per_region if gpu else min(FLAGS.plans_per_region, 3)
   rows = []
   for n in names:
-    if gpu and FLAGS.isolate and len(names) > 1:
+    if gpu and FLAGS.process_per_region and len(names) > 1:
       row = _in_child(n, prefix)
     else:
-      row = check_region(n, regions[n], top, FLAGS.budget_s, gpu)
+      row = check_region(n, regions[n], top, FLAGS.region_budget_s, gpu)
     rows.append(row)
     print(f"[plan_check] {n}: {len(row['plans'])} plans, {row['ok']} ok, {row['wrong']} WRONG"
           f"{', ' + row['error'] if row.get('error') else ''}"
@@ -167,8 +169,9 @@ def main(argv) -> int:
   checked = sum(len(r["plans"]) for r in rows)
   meta = {"binary": "plan_check", "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "device": harness._device_kind(), "versions": harness.versions(),  # pylint: disable=protected-access
-          "flags": {"dtype": FLAGS.dtype, "top": top, "budget_s": FLAGS.budget_s,
-                    "isolate": FLAGS.isolate, "gpu": gpu}}
+          "flags": {"dtype": FLAGS.dtype, "plans_per_region": top,
+                    "region_budget_s": FLAGS.region_budget_s,
+                    "process_per_region": FLAGS.process_per_region, "gpu": gpu}}
   os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
   with open(prefix + ".json", "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -217,8 +217,8 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
   """Why a plan with these tiles would print a dot that Triton miscompiles
   (see ``HAZARD_ROWS``, ``ACC_FEED_MIN_ROWS`` and ``CHAIN3_MIN_ROWS``), a
   broadcast product too large to compile (``MAX_BROADCAST_PRODUCT``) or,
-  with ``tf32``, a dot that spills
-  registers (see ``TF32_MAX_COMPUTED_RED``), or None.
+  with ``tf32``, a dot that spills registers (see ``TF32_MAX_COMPUTED_RED``),
+  or None.
   The search drops such plans, and the printer refuses the first two
   (``CodegenError``) should one be handed over."""
   vm = region.value_map

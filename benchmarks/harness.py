@@ -1285,6 +1285,29 @@ def markdown_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def run_in_child(script: str, case: str, prefix: str, isolate_flag: str,
+                 timeout_s: float) -> tuple[Optional[dict], str, str]:
+  """Binary ``script`` for one ``case`` in a fresh process (a kernel fault
+  poisons the CUDA context for the rest of a process): this process's own
+  flags but ``--cases``, ``--out`` and ``--[no]<isolate_flag>``, writing
+  ``<prefix>.<case>.json``. Returns (its first row or None, why not, its
+  stdout)."""
+  child = f"{prefix}.{case}"
+  drop = ("--cases", "--out", f"--{isolate_flag}", f"--no{isolate_flag}")
+  keep = [a for a in sys.argv[1:] if a.split("=")[0] not in drop]
+  argv = [sys.executable, os.path.abspath(script), *keep, f"--cases={case}", f"--out={child}",
+          f"--no{isolate_flag}"]
+  try:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return None, "child process timed out", ""
+  try:
+    with open(child + ".json") as f:
+      return json.load(f)["rows"][0], "", p.stdout
+  except (OSError, ValueError, KeyError, IndexError):
+    return None, f"child exited {p.returncode}: {(p.stderr or p.stdout or '')[-800:]}", p.stdout
+
+
 def default_out(binary: str, dtype: str) -> str:
   dev = _table_name(_device_kind()) if on_gpu() else "cpu"
   return os.path.join(REPO_ROOT, "benchmarks", "results", f"{binary}-{dev}-{dtype}")

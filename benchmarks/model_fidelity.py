@@ -492,33 +492,13 @@ def dry_run(prefix: str) -> int:
   return 0
 
 
-def _child_argv(case: str, prefix: str) -> list[str]:
-  """This binary's own flags for one case, writing under ``prefix``."""
-  drop = ("--cases", "--out", "--plot", "--noplot", "--isolate", "--noisolate")
-  keep = [a for a in sys.argv[1:] if not a.split("=")[0] in drop]
-  return [sys.executable, os.path.abspath(__file__), *keep, f"--cases={case}",
-          f"--out={prefix}", "--noisolate"]
-
-
 def run_case_in_child(case: str, prefix: str) -> dict:
   """``run_case`` in a fresh process; its row, or an error row."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  child = f"{prefix}.{case}"
-  try:
-    p = subprocess.run(_child_argv(case, child), capture_output=True, text=True,
-                       timeout=FLAGS.budget_s + 900)
-  except subprocess.TimeoutExpired:
-    return {"case": case, "error": "child process timed out", "stats": {}}
-  for line in p.stdout.splitlines():
+  row, why, out = harness.run_in_child(__file__, case, prefix, "isolate", FLAGS.budget_s + 900)
+  for line in out.splitlines():
     if line.startswith("[model_fidelity]") and "summary" not in line and "wrote" not in line:
       print("  " + line)
-  try:
-    with open(child + ".json") as f:
-      rows = json.load(f)["rows"]
-    return rows[0]
-  except (OSError, ValueError, KeyError, IndexError):
-    tail = (p.stderr or p.stdout or "")[-800:]
-    return {"case": case, "error": f"child exited {p.returncode}: {tail}", "stats": {}}
+  return row if row is not None else {"case": case, "error": why, "stats": {}}
 
 
 def _device_of(meta: dict):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -121,21 +120,10 @@ def check_region(name: str, region, top: int, budget_s: float, gpu: bool) -> dic
 def _in_child(name: str, prefix: str) -> dict:
   """``check_region`` for ``name`` in a fresh process; its row, or a row
   that says how the process ended."""
-  child = f"{prefix}.{name}"
-  keep = [a for a in sys.argv[1:] if a.split("=")[0] not in (
-      "--cases", "--out", "--process_per_region", "--noprocess_per_region")]
-  argv = [sys.executable, os.path.abspath(__file__), *keep, f"--cases={name}", f"--out={child}",
-          "--noprocess_per_region"]
-  try:
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=FLAGS.region_budget_s + 600)
-  except subprocess.TimeoutExpired:
-    return {"region": name, "error": "process timed out", "plans": [], "wrong": 0, "ok": 0}
-  try:
-    with open(child + ".json") as f:
-      return json.load(f)["rows"][0]
-  except (OSError, ValueError, KeyError, IndexError):
-    return {"region": name, "error": f"process exited {p.returncode}: "
-            f"{(p.stderr or p.stdout or '')[-600:]}", "plans": [], "wrong": 0, "ok": 0}
+  row, why, _ = harness.run_in_child(__file__, name, prefix, "process_per_region",
+                                     FLAGS.region_budget_s + 600)
+  return row if row is not None else {"region": name, "error": why, "plans": [], "wrong": 0,
+                                      "ok": 0}
 
 
 def main(argv) -> int:
@@ -147,7 +135,7 @@ def main(argv) -> int:
   if not gpu:
     print("[plan_check] no GPU: the tiny regions' best plans run in Triton's interpreter "
           "against the IR evaluator (this checks the code generator, not the GPU backend).")
-    names = groups["tiny"]
+    names = [n for n in names if n in groups["tiny"]] or groups["tiny"]
   top = FLAGS.plans_per_region if gpu else min(FLAGS.plans_per_region, 3)
   rows = []
   for n in names:

@@ -623,3 +623,24 @@ def test_join_counted_names_each_text_once_with_its_count():
   assert harness.join_counted(["a", "b", "a", "a"]) == "a (x3); b"
   assert harness.join_counted(x for x in ["b", "a"]) == "b; a"
   assert harness.join_counted([]) == ""
+
+
+def test_run_in_child_returns_the_childs_row(tmp_path, monkeypatch):
+  """The binaries' per-case child process (model_fidelity, plan_check):
+  the child gets the parent's flags but --cases, --out and the isolate flag,
+  and its first JSON row comes back; a child that writes nothing says why."""
+  from benchmarks import harness
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setattr(sys, "argv", ["plan_check.py", "--plans_per_region=2", "--cases=all",
+                                    "--process_per_region"])
+  script = os.path.join(REPO, "benchmarks", "plan_check.py")
+  row, why, out = harness.run_in_child(script, "tiny-gemm", str(tmp_path / "pc"),
+                                       "process_per_region", 240)
+  assert why == "" and row["region"] == "tiny-gemm" and len(row["plans"]) == 2, out
+  with open(str(tmp_path / "pc.tiny-gemm.json")) as f:
+    assert [r["region"] for r in json.load(f)["rows"]] == ["tiny-gemm"]   # --cases replaced
+  monkeypatch.setattr(sys, "argv", ["plan_check.py", "--no_such_flag"])
+  row, why, _ = harness.run_in_child(script, "tiny-gemm", str(tmp_path / "bad"),
+                                     "process_per_region", 240)
+  assert row is None and "child exited" in why

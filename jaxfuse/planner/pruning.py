@@ -245,7 +245,9 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
-      feeders = _elementwise_feeders(region, computed)
+      # Both families below need warpgroup-MMA rows; the walk is skipped otherwise.
+      feeders = (_elementwise_feeders(region, computed)
+                 if rows >= min(CHAIN3_MIN_ROWS, ACC_FEED_MIN_ROWS) else [])
       if (rows >= CHAIN3_MIN_ROWS and red >= CHAIN3_MIN_RED and cols <= CHAIN3_MAX_COLS
               and any(f.lhs in produced or f.rhs in produced for f in feeders)):
         return (f"{op.out}: a third chained dot ({rows}x{red} tile into {cols} columns), "
@@ -270,14 +272,13 @@ def _elementwise_feeders(region: ir.Region, v: str) -> list[ir.Contraction]:
   way (see ``ACC_FEED_MIN_ROWS``)."""
   if region.value_map[v].dtype not in ("float16", "bfloat16"):
     return []
-  producer = {op.out: op for op in region.ops}
   feeders, todo, seen = [], [v], set()
   while todo:
     x = todo.pop()
     if x in seen:
       continue
     seen.add(x)
-    op = producer.get(x)
+    op = region.producer(x)
     if isinstance(op, ir.Contraction):
       feeders.append(op)
     elif isinstance(op, ir.Elementwise):

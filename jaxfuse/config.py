@@ -60,6 +60,11 @@ class Config:
     model's top candidates and its best plan of each other structure on the
     GPU (MCFuser Alg. 1's measured step), and time every region so.
   tune_budget_s: seconds of measured tuning allowed per region.
+  tune_isolate: measured tuning compiles, checks and times its candidate
+    kernels in a child process (``jaxfuse.runtime.measure_worker``), so
+    that a candidate that faults on the GPU (an illegal memory access
+    poisons a process's CUDA context) ends that process, not the caller's;
+    the candidate is then dropped. Off: they run in this process.
   compile_workers: processes that compile measured tuning's candidate
     kernels (``jaxfuse.runtime.compile_pool``); 0 compiles them in this
     process, on threads. Default: all but 2 CPUs (at least 8, at most 16,
@@ -83,6 +88,7 @@ class Config:
   device: str = "auto"
   tune: str = "auto"
   tune_budget_s: float = 4.0
+  tune_isolate: bool = True
   compile_workers: int = min(16, os.cpu_count() or 1, max(8, (os.cpu_count() or 1) - 2))
   allow_split: bool = True
   launch: str = "direct"
@@ -96,6 +102,7 @@ class Config:
     c.device = os.environ.get("JAXFUSE_DEVICE", c.device) or c.device
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
     c.tune_budget_s = _env_number("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
+    c.tune_isolate = _env_bool("JAXFUSE_TUNE_ISOLATE", c.tune_isolate)
     c.compile_workers = _env_number("JAXFUSE_COMPILE_WORKERS", c.compile_workers, int)
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch

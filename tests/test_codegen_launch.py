@@ -942,11 +942,9 @@ def test_measurer_stops_waiting_for_the_reference_at_the_deadline(monkeypatch):
     assert time.perf_counter() - t0 < 5.0 and m.ref_s > 0
   finally:
     release.set()
-  # Once it is there, the same kernel passes its check (and is timed: a CPU
-  # stand-in for the CUDA-graph timer).
-  monkeypatch.setattr(launch.timing, "graph_time", lambda fn, reps: fn() or 1e-6)
-  with launch.interpret_env(True):
-    assert m.check_and_time(k, reps=3) == 1e-6
+  # Once it is there, the same kernel passes its check (and is timed: on the
+  # CPU by the wall clock).
+  assert 0 < m.check_and_time(k, reps=3) < 30
   launch._last_reference.clear()
 
 
@@ -1008,13 +1006,14 @@ def test_measure_plans_stops_at_the_deadline_and_abandons_the_rest(monkeypatch):
   still running are abandoned and every plan not measured reads 'budget
   spent' (the model ranks it)."""
   import time
+  from jaxfuse.config import config
   state = {"closed": False, "taken": 0}
 
   class FakeMeasurer:
     phases, ref_s, dropped = {}, 0.0, 0
 
-    def __init__(self, region, seed):
-      pass
+    def __init__(self, region, seed, device):
+      assert device == "cuda"
 
     def compiled(self, plans, why, t_end):
       try:
@@ -1030,8 +1029,9 @@ def test_measure_plans_stops_at_the_deadline_and_abandons_the_rest(monkeypatch):
   monkeypatch.setattr(launch, "_torch_cuda", lambda: True)
   monkeypatch.setattr(launch, "_TorchMeasurer", FakeMeasurer)
   why = []
-  times = launch.measure_plans(examples.gemm_chain(1, 32, 16, 16, 16), list("abcde"),
-                               budget_s=0.5, errors=why)
+  with config.override(tune_isolate=False):   # measured here, not in a child
+    times = launch.measure_plans(examples.gemm_chain(1, 32, 16, 16, 16), list("abcde"),
+                                 budget_s=0.5, errors=why)
   assert times[:2] == [1e-6, 1e-6] and state["closed"] and state["taken"] == 3
   assert why[:2] == [None, None] and why[2:] == [launch._BUDGET_SPENT] * 3
   assert times[2:] == [float("inf")] * 3

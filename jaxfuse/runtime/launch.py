@@ -796,10 +796,15 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
                       f"{'inconclusive' if noise else 'a tie'})")
 
 
+# The caller's GPU, as the measuring child process (whose jax has no GPU)
+# is told it: its passed self-checks are keyed by it.
+_gpu_name_override: Optional[str] = None
+
+
 def _gpu_name() -> Optional[str]:
   """The GPU keep-or-drop timings ran on (jax's first device), or None
   without one."""
-  return triton_call.gpu_name()
+  return _gpu_name_override or triton_call.gpu_name()
 
 
 def _gpu_key(k: GeneratedKernel, *parts: str) -> Optional[str]:
@@ -841,10 +846,17 @@ def _check_key(k: GeneratedKernel) -> Optional[str]:
 _CHECKS = "checks"     # the plan cache's folder of passed self-checks
 
 
+# ``_check_key``s of kernels that passed the self-check in the measuring
+# child process (``measure_worker``): the same check, not run again here.
+_passed_checks: set[str] = set()
+
+
 def _checked(k: GeneratedKernel, runner: Callable[[GeneratedKernel, list], list]) -> None:
   """``self_check(k, runner)``, skipped for a kernel that passed it on this
-  GPU in an earlier process (plan cache)."""
+  GPU in the measuring process or in an earlier process (plan cache)."""
   key = _check_key(k) if runner is _run_on_gpu else None
+  if key is not None and key in _passed_checks:
+    return
   if key is not None:
     from jaxfuse.planner import cache  # pylint: disable=g-import-not-at-top
     if cache.load_entry(_CHECKS, key) is not None:
@@ -1032,23 +1044,70 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
   self-check, and plans left when the budget runs out, get ``inf``; when
   ``errors`` is a list, the reason (or None) is appended to it per plan.
 
-  With torch CUDA: the kernels compile in parallel threads, each is checked
-  against one float32 reference of the region and timed from a short
-  CUDA graph (``timing.graph_time``; a split plan's two launches together).
-  Otherwise: the self-check and wall time of the jitted jax-triton call,
-  one plan at a time.
+  With torch CUDA: the kernels compile in parallel processes, each is
+  checked against one float32 reference of the region and timed from a
+  short CUDA graph (``timing.graph_time``; a split plan's two launches
+  together), all in a child process (``measure_worker``) unless
+  ``config.tune_isolate`` is off: a candidate that faults on the GPU then
+  costs that process, not the caller's. Otherwise: the self-check and wall
+  time of the jitted jax-triton call, one plan at a time.
   """
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   if budget_s is None:
-    from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
     budget_s = config.tune_budget_s
-  t_end = time.perf_counter() + budget_s
+  t0 = time.perf_counter()
+  t_end = t0 + budget_s
   plans = list(plans)
-  seed = MEASURE_SEED
+  fast = _torch_cuda()
+  info: dict = {}
+  res = None
+  if fast and config.tune_isolate and not _IN_MEASURE_WORKER:
+    from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
+    res = measure_worker.measure(region, plans, seed=MEASURE_SEED, reps=reps, t_end=t_end)
+  if res is not None:
+    times, why, info = res
+  else:
+    times, why, info = measure_here(region, plans, seed=MEASURE_SEED, reps=reps, t_end=t_end,
+                                    device="cuda" if fast else None)
+  for i, t in enumerate(times):
+    if why[i] is None and not math.isfinite(t):
+      why[i] = _BUDGET_SPENT
+  if errors is not None:
+    errors.extend(why)
+  for p, t, w in zip(plans, times, why):
+    logging.vlog(1, "jaxfuse: measured %s: %s", p, f"{t * 1e6:.2f} us" if w is None else w)
+  logging.info("jaxfuse: measured %d of %d plans in %.2f s%s (%s; reference wait %.2f s%s)",
+               sum(math.isfinite(t) for t in times), len(plans), time.perf_counter() - t0,
+               " in the measuring process" if res is not None else "",
+               ", ".join(f"{k} {v:.2f}" for k, v in info.get("phases", {}).items()),
+               info.get("ref_s", 0.0),
+               f"; {info['dropped']} not compiled by the deadline" if info.get("dropped") else "")
+  return times
+
+
+# Set in the measuring child process (``measure_worker``): it measures here.
+_IN_MEASURE_WORKER = False
+
+
+def _no_hook(*_: Any) -> None:
+  """``measure_here``'s callbacks by default."""
+
+
+def measure_here(region: ir.Region, plans: Sequence[Any], *, seed: int, reps: int,
+                 t_end: float, device: Optional[str],
+                 on_start: Callable[[int], None] = _no_hook,
+                 on_result: Callable[[int, float, Optional[str], Any], None] = _no_hook
+                 ) -> tuple[list[float], list[Optional[str]], dict]:
+  """``measure_plans``'s work in this process, until ``t_end`` (a
+  ``time.perf_counter()`` value): ``(times, reasons, info)``. ``device``:
+  ``cuda`` (torch tensors, Triton's launcher, CUDA-graph timing), ``cpu``
+  (the same on interpreted kernels, wall-clock timed: tests), or None (the
+  jitted jax-triton call). ``on_start(i)`` is called before plan ``i``'s
+  kernel first runs, ``on_result(i, seconds, reason, kernel)`` after."""
   xs: Optional[list[np.ndarray]] = None   # made on first use by the slow path
   times: list[float] = [float("inf")] * len(plans)
   why: list[Optional[str]] = [None] * len(plans)
-  t0 = time.perf_counter()
-  fast = _TorchMeasurer(region, seed) if _torch_cuda() else None
+  fast = _TorchMeasurer(region, seed, device) if device is not None else None
   # Each kernel is checked and timed as soon as it is compiled, while the
   # compile workers build the rest.
   ready = (fast.compiled(plans, why, t_end) if fast is not None
@@ -1057,33 +1116,25 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
     if time.perf_counter() > t_end:
       why[i] = _BUDGET_SPENT
       break
+    on_start(i)
     try:
       if k is not None:
         times[i] = fast.check_and_time(k, reps, deadline=t_end)
       else:
         k = select_kernel(region, [plans[i]], backend="triton", check=True)
-        xs = fast.xs if fast is not None else xs or shared_inputs(region, seed)
+        xs = xs or shared_inputs(region, seed)
         times[i] = _time_kernel(k, xs, reps)
     except _BudgetSpent:
       why[i] = _BUDGET_SPENT
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: measuring %s failed: %s", plans[i], e)
       why[i] = f"{type(e).__name__}: {e}"[:500]
+    on_result(i, times[i], why[i], k)
   if hasattr(ready, "close"):
     ready.close()   # past the deadline: what still compiles is abandoned
-  for i, t in enumerate(times):
-    if why[i] is None and not math.isfinite(t):
-      why[i] = _BUDGET_SPENT
-  if errors is not None:
-    errors.extend(why)
-  for p, t, w in zip(plans, times, why):
-    logging.vlog(1, "jaxfuse: measured %s: %s", p, f"{t * 1e6:.2f} us" if w is None else w)
-  logging.info("jaxfuse: measured %d of %d plans in %.2f s (%s; reference wait %.2f s%s)",
-               sum(math.isfinite(t) for t in times), len(plans), time.perf_counter() - t0,
-               ", ".join(f"{k} {v:.2f}" for k, v in (fast.phases if fast else {}).items()),
-               fast.ref_s if fast else 0.0,
-               f"; {fast.dropped} not compiled by the deadline" if fast and fast.dropped else "")
-  return times
+  info = ({"phases": fast.phases, "ref_s": fast.ref_s, "dropped": fast.dropped}
+          if fast is not None else {})
+  return times, why, info
 
 
 # The float32 device reference last computed (or being computed), keyed by
@@ -1181,7 +1232,8 @@ class _TorchMeasurer:
     in_sets = [self.ins] if in_sets is None else in_sets
     offs = _launch_offsets(k, self.region.launch_offsets())
     in_sets = [[*ins, *offs] for ins in in_sets]
-    kw = k.launch_options
+    # Triton's interpreter takes no launch options.
+    kw = {} if self.device == "cpu" else k.launch_options
     if k.combine_fn is None:
       return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]
     scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32, device=self.device)
@@ -1209,7 +1261,7 @@ class _TorchMeasurer:
         continue
       try:
         kernels[i] = hit if isinstance(hit, GeneratedKernel) else generate(
-            self.region, p, interpret=False)
+            self.region, p, interpret=self.device == "cpu")
       except Exception as e:  # pylint: disable=broad-except
         why[i] = f"{type(e).__name__}: {e}"[:500]
     # The same source imports as the same function: one compile per module.
@@ -1329,8 +1381,11 @@ class _TorchMeasurer:
     # context unusable for every later plan (model_fidelity, 2026-11-21).
     for o in self.outs:
       o.fill_(float("nan") if o.dtype.is_floating_point else 0)
-    fn()
-    if self.device != "cpu":
+    if self.device == "cpu":
+      with interpret_env(True):
+        fn()
+    else:
+      fn()
       torch.cuda.synchronize()
     with _lock:
       checked = isinstance(_kernels.get(key), GeneratedKernel)
@@ -1357,6 +1412,11 @@ class _TorchMeasurer:
       # The same check as select_kernel's, which then takes this kernel as
       # checked: kept on disk alike (a later process does not tune).
       _remember_check(_check_key(k) if self.device != "cpu" else None)
+    if self.device == "cpu":   # interpreted (tests): wall time stands in
+      t = time.perf_counter()
+      with interpret_env(True):
+        fn()
+      return time.perf_counter() - t
     # Replayed from a CUDA graph: the model predicts kernel time, and in a
     # compiled program (XLA command buffers) the per-launch host cost of
     # Triton's Python launcher (~5 us, measured 2026-11-21 on an H200,
@@ -1395,15 +1455,21 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
 
   def begin():
     """Called by ``plan_region`` when it will search (not on a cache hit):
-    the budget starts now, and the compile workers and the reference start
-    here, so that both proceed while the model's search runs."""
+    the budget starts now, and the measuring process (or the compile
+    workers) and the reference start here, so that they proceed while the
+    model's search runs."""
     if begun[0]:
       return
     begun[0] = True
     t_end[0] = time.perf_counter() + budget_s
     if _torch_cuda():
       _ensure_triton_cache_dir()
-      compile_pool.get()
+      from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+      if config.tune_isolate and not _IN_MEASURE_WORKER:
+        from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
+        measure_worker.start()   # it starts its own compile workers
+      else:
+        compile_pool.get()
       start_reference(region, MEASURE_SEED)
 
   def measure(plans):

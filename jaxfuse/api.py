@@ -29,6 +29,8 @@ import numpy as np
 from absl import logging
 
 from jaxfuse.config import config
+from jaxfuse.config import on_update
+from jaxfuse.runtime import measure_worker
 from jaxfuse.runtime import primitive
 
 try:
@@ -39,6 +41,8 @@ except ImportError:  # pragma: no cover - older jax
 __all__ = ["jit", "fuse", "fused_jaxpr", "rewrite_jaxpr"]
 
 _logged_capture_failures: set[str] = set()
+# Measured tuning's child process starts as soon as it will be wanted.
+on_update(lambda name: name in ("tune", "tune_isolate") and measure_worker.prestart())
 
 
 def _log_once(key: str, msg: str, *args: Any) -> None:
@@ -163,6 +167,7 @@ def jit(fun: Callable | None = None, *,
     raise TypeError(f"jaxfuse.jit: fun must be callable, got {type(fun).__name__}")
   if config.disable:
     return jax.jit(fun, **kw)
+  measure_worker.prestart()
   return jax.jit(fuse(fun), **kw)
 
 

@@ -136,6 +136,8 @@ class Config:
     except ValueError:
       setattr(self, name, old)
       raise
+    for fn in list(_on_update):
+      fn(name)
 
   @contextlib.contextmanager
   def override(self, **kwargs: Any) -> Iterator["Config"]:
@@ -148,6 +150,16 @@ class Config:
     finally:
       for k, v in old.items():
         setattr(self, k, v)
+
+
+# Called with a field's name after ``Config.update`` sets it (e.g. to start
+# the measuring process once ``tune`` becomes 'measure').
+_on_update: list = []
+
+
+def on_update(fn) -> None:
+  """Registers ``fn(name)``, called after each ``config.update``."""
+  _on_update.append(fn)
 
 
 config = Config.from_env()

@@ -298,3 +298,25 @@ def test_submit_returns_at_once_and_compiles_a_split_plans_two_kernels(tmp_path,
   for fn, grid, args, kwargs in group:   # both kernels load from the cache
     assert fn.warmup(*args, grid=grid, **kwargs).asm.get("cubin")
   assert _entries(tmp_path / "triton") == built
+
+
+def test_wait_started_waits_for_every_worker_and_not_past_its_timeout(tmp_path, monkeypatch):
+  """The measuring process says it is ready only once its compile workers
+  have started; a worker that never starts does not hold it past the wait."""
+  pool = compile_pool.CompilePool(2)
+  try:
+    assert pool.wait_started(120.0) == 2
+    assert all(w.ready for w in list(pool._idle.queue))
+    assert pool.wait_started(1.0) == 2                     # at once the second time
+  finally:
+    pool.close()
+  script = tmp_path / "silent_worker.py"
+  script.write_text("import time\ntime.sleep(120)\n")
+  monkeypatch.setattr(compile_pool, "WORKER_SCRIPT", str(script))
+  pool = compile_pool.CompilePool(1)
+  try:
+    t0 = time.perf_counter()
+    assert pool.wait_started(0.5) == 0 and time.perf_counter() - t0 < 5
+    assert pool._idle.qsize() == 1                         # still there for a job to replace
+  finally:
+    pool.close()

@@ -170,3 +170,26 @@ def test_measure_plans_goes_to_the_child_unless_told_not_to(clean_launch_state, 
   with config.override(tune_isolate=False):
     assert launch.measure_plans(r, plans, budget_s=1.0) == [3e-6, 3e-6]
   assert here == ["cuda"] and len(calls) == 1
+
+
+def test_the_child_starts_as_soon_as_measured_tuning_is_asked_for(monkeypatch):
+  """Setting tune='measure' (or wrapping a function with jaxfuse.jit under
+  it) starts the child in the background where a CUDA GPU is present; other
+  modes, or tune_isolate off, start nothing."""
+  import threading
+  import jaxfuse
+  from jaxfuse.config import config
+  started = threading.Event()
+  monkeypatch.setattr(launch, "_torch_cuda", lambda: True)
+  monkeypatch.setattr(measure_worker, "start", lambda device="cuda": started.set())
+  with config.override(tune="model"):
+    jaxfuse.jit(lambda x: x)
+    assert not started.wait(0.5)
+    with config.override(tune_isolate=False):
+      config.update("tune", "measure")
+      assert not started.wait(0.5)
+    config.update("tune", "measure")
+    assert started.wait(10)
+    started.clear()
+    jaxfuse.jit(lambda x: x)
+    assert started.wait(10)

@@ -167,6 +167,30 @@ class CompilePool:
     else:
       self._idle.put(w)
 
+  def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> int:
+    """Waits (at most ``timeout_s``) until every idle worker has started;
+    returns how many have. Why: the measuring process (``measure_worker``)
+    says it is ready only when its first batch can compile at once; a cold
+    machine's workers took longer to start than that batch's budget."""
+    t_end = time.perf_counter() + timeout_s
+    taken = []
+    while True:
+      try:
+        taken.append(self._idle.get_nowait())
+      except queue.Empty:
+        break
+    started = 0
+    for w in taken:
+      if not w.ready:
+        try:
+          w._read(min(START_TIMEOUT_S, t_end - time.perf_counter()))  # pylint: disable=protected-access
+          w.ready = True
+        except Exception:  # pylint: disable=broad-except  (a job replaces it)
+          pass
+      started += w.ready
+      self._idle.put(w)
+    return started
+
   def _job(self, job: dict, deadline: float) -> Optional[Exception]:
     """Runs ``job`` on a free worker; None when it compiled, else why not
     (``CompileTimeout`` when ``deadline``, a ``time.perf_counter()`` value,

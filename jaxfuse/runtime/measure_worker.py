@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from absl import logging
 
-__all__ = ["MeasureWorker", "measure", "start", "shutdown"]
+__all__ = ["MeasureWorker", "measure", "prestart", "start", "shutdown"]
 
 # Seconds a child may take to start (import jax, torch and Triton, create its
 # CUDA context and compile workers) before it is given up on.
@@ -94,6 +94,7 @@ class MeasureWorker:
     self._send_lock = threading.Lock()
     self._ready = threading.Event()
     self.usable = False
+    self.startup: dict = {}   # seconds of the child's start, by step
     self._jobs = itertools.count()
     self._job_lock = threading.Lock()   # one job at a time: they share the inbox
     self._ref_key = None   # the reference last handed over (the child keeps one)
@@ -108,6 +109,11 @@ class MeasureWorker:
         msg = pickle.load(self._proc.stdout)
         if msg[0] == "ready":
           self.usable = bool(msg[2])
+          self.startup = dict(msg[3]) if len(msg) > 3 else {}
+          self.startup["ready_s"] = time.perf_counter() - self.started
+          logging.info("jaxfuse: measuring process %s in %.2f s (%s)",
+                       "ready" if self.usable else "cannot measure", self.startup["ready_s"],
+                       ", ".join(f"{k} {v:.2f}" for k, v in msg[3].items()) if len(msg) > 3 else "")
           self._ready.set()
         else:
           self._inbox.put(msg)
@@ -290,6 +296,24 @@ def start(device: str = "cuda") -> Optional[MeasureWorker]:
     return _worker
 
 
+def prestart() -> None:
+  """Starts the measuring child in the background when measured tuning in a
+  child applies (``tune='measure'``, ``tune_isolate``, a CUDA GPU through
+  torch), so that its start (imports, CUDA context, compile workers: seconds)
+  overlaps the caller's own work before the first region is tuned. Called
+  when ``jaxfuse.jit`` wraps a function and when the config changes."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  if (config.tune != "measure" or not config.tune_isolate or config.disable
+      or config.backend not in ("auto", "triton")):
+    return
+
+  def go():
+    from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+    if launch._torch_cuda():  # pylint: disable=protected-access
+      start("cuda")
+  threading.Thread(target=go, name="jaxfuse-measure-prestart", daemon=True).start()
+
+
 def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
             device: str = "cuda") -> Optional[tuple[list[float], list[Optional[str]], dict]]:
   """``MeasureWorker.measure`` in the process's child (started if needed).
@@ -365,12 +389,22 @@ def main() -> None:
   device = os.environ.get(_DEVICE_ENV, "cuda")
   torch = None
   usable = True
+  steps: dict[str, float] = {}   # the rest of the start: Python, jax, jaxfuse
   if device == "cuda":
+    t = time.perf_counter()
+    pool = compile_pool.get()   # its workers start while torch imports
     import torch  # pylint: disable=g-import-not-at-top,redefined-outer-name
+    steps["torch"] = time.perf_counter() - t
+    t = time.perf_counter()
     usable = bool(torch.cuda.is_available()) and _context_ok(torch)
-    if usable:
-      compile_pool.get()
-  send(("ready", os.getpid(), usable))
+    steps["cuda"] = time.perf_counter() - t
+    if usable and pool is not None:
+      t = time.perf_counter()
+      pool.wait_started()
+      steps["compile workers"] = time.perf_counter() - t
+  send(("ready", os.getpid(), usable, steps))
+  if not usable:
+    return
 
   refs: dict[Any, concurrent.futures.Future] = {}
   refs_lock = threading.Lock()

@@ -391,16 +391,19 @@ def main() -> None:
   usable = True
   steps: dict[str, float] = {}   # the rest of the start: Python, jax, jaxfuse
   if device == "cuda":
+    # torch first: with the 16 compile workers importing Triton beside it,
+    # its import took 5.0 s of a 7.0-7.2 s start (H100 host, 2026-11-24).
     t = time.perf_counter()
-    pool = compile_pool.get()   # its workers start while torch imports
     import torch  # pylint: disable=g-import-not-at-top,redefined-outer-name
     steps["torch"] = time.perf_counter() - t
     t = time.perf_counter()
     usable = bool(torch.cuda.is_available()) and _context_ok(torch)
     steps["cuda"] = time.perf_counter() - t
-    if usable and pool is not None:
+    if usable:
       t = time.perf_counter()
-      pool.wait_started()
+      pool = compile_pool.get()
+      if pool is not None:
+        pool.wait_started()
       steps["compile workers"] = time.perf_counter() - t
   send(("ready", os.getpid(), usable, steps))
   if not usable:

@@ -92,6 +92,13 @@ def main():
   # in Triton's interpreter.
   os.environ.pop("TRITON_INTERPRET", None)
   import triton  # pylint: disable=import-outside-toplevel,unused-import  (warm start)
+  # The compiler too: a first job that imported it took seconds on a
+  # cold machine, and the caller's readiness wait is the place for that.
+  try:
+    import triton.compiler.compiler  # pylint: disable=import-outside-toplevel,unused-import
+    import triton.backends.nvidia.compiler  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    pass
   out.write(json.dumps({"ok": True, "ready": True}) + "\n")
   out.flush()
   for line in sys.stdin:

@@ -1058,17 +1058,16 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
   t0 = time.perf_counter()
   t_end = t0 + budget_s
   plans = list(plans)
-  fast = _torch_cuda()
   info: dict = {}
   res = None
-  if fast and config.tune_isolate and not _IN_MEASURE_WORKER:
+  if _isolated():
     from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
     res = measure_worker.measure(region, plans, seed=MEASURE_SEED, reps=reps, t_end=t_end)
   if res is not None:
     times, why, info = res
   else:
     times, why, info = measure_here(region, plans, seed=MEASURE_SEED, reps=reps, t_end=t_end,
-                                    device="cuda" if fast else None)
+                                    device="cuda" if _torch_cuda() else None)
   for i, t in enumerate(times):
     if why[i] is None and not math.isfinite(t):
       why[i] = _BUDGET_SPENT
@@ -1087,6 +1086,15 @@ def measure_plans(region: ir.Region, plans: Sequence[Any], *, budget_s: Optional
 
 # Set in the measuring child process (``measure_worker``): it measures here.
 _IN_MEASURE_WORKER = False
+
+
+def _isolated() -> bool:
+  """Whether measured tuning runs in the child process (``measure_worker``):
+  ``config.tune_isolate`` and a GPU under jax. This process then never
+  imports torch; the child says whether it has torch CUDA (else measuring
+  falls back to this process)."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return config.tune_isolate and not _IN_MEASURE_WORKER and _gpu_name() is not None
 
 
 def _no_hook(*_: Any) -> None:
@@ -1462,18 +1470,22 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
       return
     begun[0] = True
     t_end[0] = time.perf_counter() + budget_s
-    if _torch_cuda():
+    if _isolated():
+      from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
+      measure_worker.start()   # it starts its own compile workers
+      start_reference(region, MEASURE_SEED)
+    elif _torch_cuda():
       _ensure_triton_cache_dir()
-      from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-      if config.tune_isolate and not _IN_MEASURE_WORKER:
-        from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
-        measure_worker.start()   # it starts its own compile workers
-      else:
-        compile_pool.get()
+      compile_pool.get()
       start_reference(region, MEASURE_SEED)
 
   def measure(plans):
     begin()
+    if _isolated():
+      # The child's start (once per process) is not this region's tuning:
+      # the budget starts over from when it can measure.
+      from jaxfuse.runtime import measure_worker  # pylint: disable=g-import-not-at-top
+      t_end[0] += measure_worker.wait_until_ready()
     left = t_end[0] - time.perf_counter()
     if left <= 0:
       return [None] * len(plans)

@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from absl import logging
 
-__all__ = ["MeasureWorker", "measure", "prestart", "start", "shutdown"]
+__all__ = ["MeasureWorker", "measure", "prestart", "start", "shutdown", "wait_until_ready"]
 
 # Seconds a child may take to start (import jax, torch and Triton, create its
 # CUDA context and compile workers) before it is given up on.
@@ -268,6 +268,7 @@ _lock = threading.Lock()
 _worker: Optional[MeasureWorker] = None
 _starts = 0
 _gave_up = False
+_unusable = False   # a child found no torch CUDA: this process measures itself
 
 
 def start(device: str = "cuda") -> Optional[MeasureWorker]:
@@ -275,6 +276,8 @@ def start(device: str = "cuda") -> Optional[MeasureWorker]:
   None once ``MAX_STARTS`` children were started."""
   global _worker, _starts, _gave_up
   with _lock:
+    if _unusable:
+      return None
     if _worker is not None and _worker.alive() and _worker.device == device:
       return _worker
     if _worker is not None:
@@ -298,8 +301,8 @@ def start(device: str = "cuda") -> Optional[MeasureWorker]:
 
 def prestart() -> None:
   """Starts the measuring child in the background when measured tuning in a
-  child applies (``tune='measure'``, ``tune_isolate``, a CUDA GPU through
-  torch), so that its start (imports, CUDA context, compile workers: seconds)
+  child applies (``tune='measure'``, ``tune_isolate``, a GPU under jax),
+  so that its start (imports, CUDA context, compile workers: seconds)
   overlaps the caller's own work before the first region is tuned. Called
   when ``jaxfuse.jit`` wraps a function and when the config changes."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
@@ -309,9 +312,20 @@ def prestart() -> None:
 
   def go():
     from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
-    if launch._torch_cuda():  # pylint: disable=protected-access
+    if launch._isolated():  # pylint: disable=protected-access  (a GPU under jax)
       start("cuda")
   threading.Thread(target=go, name="jaxfuse-measure-prestart", daemon=True).start()
+
+
+def wait_until_ready(device: str = "cuda") -> float:
+  """Seconds spent waiting for the child (started if needed) to be ready,
+  at most ``START_TIMEOUT_S``; 0 when it is ready or cannot be used."""
+  w = start(device)
+  if w is None or w._ready.is_set():  # pylint: disable=protected-access
+    return 0.0
+  t = time.perf_counter()
+  w.wait_ready(START_TIMEOUT_S - (t - w.started))
+  return time.perf_counter() - t
 
 
 def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
@@ -330,8 +344,11 @@ def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
     return None
   t = time.perf_counter()
   if not w.wait_ready(START_TIMEOUT_S - (t - w.started)):
-    logging.warning("jaxfuse: the measuring process did not start (%s); measuring in this "
-                    "process", w.how_it_ended() if not w.alive() else "not usable")
+    global _unusable
+    _unusable = True
+    logging.warning("jaxfuse: the measuring process %s; measuring in this process",
+                    "has no CUDA device through torch" if w.startup
+                    else f"did not start ({w.how_it_ended() if not w.alive() else 'timed out'})")
     shutdown()
     return None
   waited = time.perf_counter() - t

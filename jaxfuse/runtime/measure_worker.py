@@ -335,6 +335,7 @@ def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
   once per process, like jax's own start. None when no child could start
   or measure (the caller measures in its own process); every plan reads
   'budget spent' once children were given up on after ``MAX_STARTS``."""
+  global _unusable
   from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
   w = start(device)
   if w is None:
@@ -344,7 +345,6 @@ def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
     return None
   t = time.perf_counter()
   if not w.wait_ready(START_TIMEOUT_S - (t - w.started)):
-    global _unusable
     _unusable = True
     logging.warning("jaxfuse: the measuring process %s; measuring in this process",
                     "has no CUDA device through torch" if w.startup

@@ -317,15 +317,20 @@ def prestart() -> None:
   threading.Thread(target=go, name="jaxfuse-measure-prestart", daemon=True).start()
 
 
-def wait_until_ready(device: str = "cuda") -> float:
-  """Seconds spent waiting for the child (started if needed) to be ready,
-  at most ``START_TIMEOUT_S``; 0 when it is ready or cannot be used."""
-  w = start(device)
-  if w is None or w._ready.is_set():  # pylint: disable=protected-access
+def _wait(w: MeasureWorker) -> float:
+  """Seconds spent waiting for ``w`` to be ready (or to fail to start)."""
+  if w._ready.is_set():  # pylint: disable=protected-access
     return 0.0
   t = time.perf_counter()
   w.wait_ready(START_TIMEOUT_S - (t - w.started))
   return time.perf_counter() - t
+
+
+def wait_until_ready(device: str = "cuda") -> float:
+  """Seconds spent waiting for the child (started if needed) to be ready,
+  at most ``START_TIMEOUT_S``; 0 when it is ready or cannot be used."""
+  w = start(device)
+  return 0.0 if w is None else _wait(w)
 
 
 def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
@@ -333,8 +338,9 @@ def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
   """``MeasureWorker.measure`` in the process's child (started if needed).
   The wait for a child to start does not count against the budget: it is
   once per process, like jax's own start. None when no child could start
-  or measure (the caller measures in its own process); every plan reads
-  'budget spent' once children were given up on after ``MAX_STARTS``."""
+  or measure (the caller measures in its own process: no kernel ran in a
+  child that never became ready); every plan reads 'budget spent' once
+  children were given up on after ``MAX_STARTS``."""
   global _unusable
   from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
   w = start(device)
@@ -343,17 +349,15 @@ def measure(region, plans: Sequence[Any], *, seed: int, reps: int, t_end: float,
       n = len(plans)
       return [float("inf")] * n, [launch._BUDGET_SPENT] * n, {}  # pylint: disable=protected-access
     return None
-  t = time.perf_counter()
-  if not w.wait_ready(START_TIMEOUT_S - (t - w.started)):
+  waited = _wait(w)
+  if not w.wait_ready(0.0):
     _unusable = True
     logging.warning("jaxfuse: the measuring process %s; measuring in this process",
                     "has no CUDA device through torch" if w.startup
                     else f"did not start ({w.how_it_ended() if not w.alive() else 'timed out'})")
     shutdown()
     return None
-  waited = time.perf_counter() - t
   res = w.measure(region, plans, seed=seed, reps=reps, t_end=t_end + waited)
-  res[2]["start_wait_s"] = waited
   if "died" in res[2]:
     logging.warning("jaxfuse: the measuring process ended (%s) while measuring %s; its plan "
                     "is dropped", res[2]["died"], region.einsum_summary())

@@ -38,7 +38,7 @@ from absl import logging
 from jaxfuse import ir
 from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
-    flatten, hoist_consts, is_lit, trace)
+    flatten, hoist_consts, is_lit, shard_map_like, trace)
 from jaxfuse.capture_ir import (
     CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
     Reject, build_region, window_starts)
@@ -770,16 +770,49 @@ class _Emitter:
     self.bind_region = bind_region
     self.path = path
     self.changed = False
+    # Emitting a region's own jaxpr, traced apart from the program: a
+    # shard_map's pvary (a type cast; its axes are unbound there) passes its
+    # value through.
+    self.standalone = False
 
   # -- items and groups --------------------------------------------------
   def emit_item(self, it: Item, env: dict, original: bool = False) -> None:
     invals = [_read(env, a) for a in it.invars]
     params = None
-    if not original:
-      invals, params = self._rewrite_bodies(it, invals)
-    outs = bind_eqn(it.eqn, invals, params)
+    outs = None
+    if not original and it.prim == "shard_map":
+      outs = self._emit_shard_map(it, invals)
+    if outs is None and self.standalone and it.prim == "pvary":
+      outs = invals
+    if outs is None:
+      if not original:
+        invals, params = self._rewrite_bodies(it, invals)
+      outs = bind_eqn(it.eqn, invals, params)
     for o, v in zip(it.outvars, outs):
       env[o] = v
+
+  def _emit_shard_map(self, it: Item, invals: list) -> list | None:
+    """A ``shard_map``'s body, regions rewritten, bound through
+    ``jax.shard_map`` again: the body must be traced where its mesh axes are
+    bound (its ``pvary``s and varying types need them), so it cannot be
+    re-traced on its own as other bodies are. Regions there see per-device
+    shapes. None: bind the original equation (no dots, or no region)."""
+    p = it.params
+    body = ClosedJaxpr(p["jaxpr"], ())
+    if _count_dots(body.jaxpr, 1) < 1:
+      return None
+    path = _join(self.path, "shard_map")
+    try:
+      fn, em = _level_emitter(body, self.bind_region, path, self.limit)
+      outs = list(shard_map_like(it.eqn, lambda *a: tuple(fn(*a)))(*invals))
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("jaxfuse capture: regions inside shard_map left to XLA (%s: %s)",
+                      type(e).__name__, e)
+      return None
+    if not em.changed:
+      return None   # the original equation, exactly
+    self.changed = True
+    return outs
 
   def _rewrite_bodies(self, it: Item, invals: list):
     p = it.params
@@ -988,6 +1021,7 @@ class _Emitter:
 
 def _region_jaxpr(lvl: Level, f: _Found) -> ClosedJaxpr:
   em = _Emitter(lvl, [], None, "")
+  em.standalone = True
 
   def fn(*args):
     env = dict(zip(f.inputs, args))
@@ -1013,10 +1047,10 @@ def _count_dots(jaxpr, limit: int = 2) -> int:
   return n
 
 
-def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str,
-                    limit: int = _MAX_CONTRACTIONS) -> tuple[ClosedJaxpr, bool]:
-  if _count_dots(closed.jaxpr, 1) < 1:
-    return closed, False
+def _level_emitter(closed: ClosedJaxpr, bind_region, path: str, limit: int
+                   ) -> tuple[Callable[..., list], "_Emitter"]:
+  """A function that emits ``closed`` with its regions rewritten (to be
+  traced), and its emitter (``.changed`` once traced)."""
   lvl, found = _analyze(closed, path, limit)
   em = _Emitter(lvl, found, bind_region, path, limit)
 
@@ -1025,6 +1059,14 @@ def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str,
     em.emit_level(env)
     return [_read(env, a) for a in lvl.outvars]
 
+  return fn, em
+
+
+def _rewrite_closed(closed: ClosedJaxpr, bind_region, path: str,
+                    limit: int = _MAX_CONTRACTIONS) -> tuple[ClosedJaxpr, bool]:
+  if _count_dots(closed.jaxpr, 1) < 1:
+    return closed, False
+  fn, em = _level_emitter(closed, bind_region, path, limit)
   new = trace(fn, [v.aval for v in closed.jaxpr.invars])
   if not em.changed:
     return closed, False
@@ -1082,6 +1124,8 @@ def _collect(closed: ClosedJaxpr, path: str, out: list, limit: int) -> None:
     elif it.prim == "cond":
       for i, b in enumerate(p["branches"]):
         _collect(b, _join(path, f"cond/branch{i}"), out, limit)
+    elif it.prim == "shard_map":
+      _collect(ClosedJaxpr(p["jaxpr"], ()), _join(path, "shard_map"), out, limit)
     elif it.prim in ("remat2", "checkpoint", "remat"):
       _collect(ClosedJaxpr(p["jaxpr"], ()), _join(path, "remat"), out, limit)
     elif it.prim in CUSTOM_CALLS and "call_jaxpr" in p:

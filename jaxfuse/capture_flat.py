@@ -359,6 +359,24 @@ def hoist_consts(closed: ClosedJaxpr, in_avals: Sequence | None = None
   return new, consts
 
 
+def shard_map_like(eqn, body: Callable) -> Callable:
+  """``jax.shard_map(body, ...)`` with the mesh, specs, manual axes and
+  checking of the ``shard_map`` equation ``eqn`` (its parameters are named
+  differently across jax versions)."""
+  p = eqn.params
+  sm = getattr(jax, "shard_map", None)
+  if sm is None:  # pragma: no cover - older jax
+    from jax.experimental.shard_map import shard_map as sm  # pylint: disable=g-import-not-at-top
+  mesh = p["mesh"]
+  axes = next((p[k] for k in ("newly_manual_axes", "manual_axes", "axis_names") if k in p),
+              None)
+  if axes is None:  # pragma: no cover - older jax: every axis not left "auto"
+    axes = frozenset(mesh.axis_names) - frozenset(p.get("auto", ()))
+  kw = {"check_vma": p["check_vma"]} if "check_vma" in p else {"check_rep": p.get("check_rep", True)}
+  return sm(body, mesh=mesh, in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+            axis_names=frozenset(axes), **kw)
+
+
 def aval_of(x):
   """The abstract value of a concrete array (a jaxpr constant)."""
   typeof = getattr(jax, "typeof", None)

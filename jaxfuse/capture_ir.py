@@ -56,7 +56,9 @@ POINTWISE_PRIMS = frozenset(_UNARY) | frozenset(_BINARY) | frozenset(_SPECIAL_PO
 # Ops that only re-index (views): they fold into index maps.
 LAYOUT_PRIMS = frozenset({"broadcast_in_dim", "reshape", "transpose", "squeeze",
                           "expand_dims", "copy", "copy_p", "stop_gradient",
-                          "optimization_barrier_identity"})
+                          "optimization_barrier_identity",
+                          # shard_map's type cast to per-device-varying: the value as is
+                          "pvary"})
 REDUCE_PRIMS = frozenset({"reduce_max", "reduce_sum", "reduce_min"})
 PRIMITIVES = POINTWISE_PRIMS | LAYOUT_PRIMS | REDUCE_PRIMS | {"iota", "dot_general"}
 # Static windows of a region input (x[:, :64], jnp.split(qkv, 3, -1)): the

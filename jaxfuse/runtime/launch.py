@@ -52,6 +52,7 @@ __all__ = ["fused_call", "run_interpreted", "select_kernel", "measure_plans", "s
            "LeftToXLA", "Outcome", "outcome"]
 
 _lock = threading.Lock()
+_interpreter_lock = threading.Lock()
 # (region signature, plan str, backend) -> GeneratedKernel, or the error that dropped it.
 _kernels: dict[tuple, Any] = {}
 # (region signature, backend) -> the kernel chosen by the fallback chain.
@@ -190,7 +191,10 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray],
   scratch = [torch.full((max(s.numel, 1),), float("nan"), dtype=torch.float32)
              for s in kernel.scratch]
   _patch_interpreter_bf16_dot()
-  with interpret_env(True):
+  # One launch at a time: the interpreter patches triton.language's
+  # functions for the length of a launch, and a sharded program calls this
+  # from one XLA thread per device (concurrent launches failed mid-kernel).
+  with _interpreter_lock, interpret_env(True):
     if kernel.combine_fn is None:
       kernel.fn[kernel.grid](*ins, *offs, *outs, **kernel.constexprs)
     else:

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from absl import logging
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxfuse import ir
 from jaxfuse.config import config
@@ -124,8 +125,35 @@ def _impl(*args, region, jaxpr, name):
 
 
 def _abstract_eval(*avals, region, jaxpr, name):
-  del avals, name
-  return region_out_avals(region, jaxpr)
+  del name
+  outs = region_out_avals(region, jaxpr)
+  return _body_types(outs, avals)
+
+
+def _body_types(outs: list, avals: Sequence[Any]) -> list:
+  """``outs`` typed as values of a ``shard_map`` body when the inputs
+  ``avals`` are (their mesh has manual axes): on that mesh, varying over
+  the axes any input varies over, as jax types its own ops there."""
+  like = next((a for a in avals if _manual_mesh(a) is not None), None)
+  if like is None:
+    return outs
+  axes = frozenset().union(*(_varying(a) for a in avals))
+  mesh = _manual_mesh(like)
+  res = []
+  for o in outs:
+    o = o.update(sharding=NamedSharding(mesh, PartitionSpec(*([None] * len(o.shape)))))
+    res.append(_with_varying(o, axes))
+  return res
+
+
+def _manual_mesh(aval: Any) -> Any:
+  """The mesh of ``aval``'s sharding when it has manual axes (a value of a
+  ``shard_map`` body), else None."""
+  mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  manual = getattr(AxisType, "Manual", None)
+  return mesh if any(t == manual for t in getattr(mesh, "axis_types", ())) else None
 
 
 jaxfuse_region_p.def_impl(_impl)
@@ -136,10 +164,40 @@ jaxfuse_region_p.def_abstract_eval(_abstract_eval)
 # Lowering
 # --------------------------------------------------------------------------
 
+def _varying(aval: Any) -> frozenset:
+  """The mesh axes ``aval`` varies over inside a ``shard_map`` body (jax's
+  ``manual_axis_type.varying``; ``vma`` before jax 0.10)."""
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def _with_varying(aval: Any, axes: frozenset) -> Any:
+  """``aval`` varying over exactly ``axes``."""
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return aval.update(manual_axis_type=mat.update(varying=frozenset(axes)))
+  return aval.update(vma=frozenset(axes))
+
+
+def _vma_free(ctx):
+  """``ctx`` with its avals' manual-axis types dropped. Why: inside a
+  ``shard_map`` body a region's values vary over the mesh axes, but the
+  region's ops and kernel call were traced apart from it, without those
+  types, and jax refuses ops that mix the two. The types only check the
+  program; what is lowered is the same."""
+  if not any(_varying(a) for a in (*ctx.avals_in, *ctx.avals_out)):
+    return ctx
+  strip = lambda a: _with_varying(a, frozenset()) if _varying(a) else a
+  return ctx.replace(avals_in=[strip(a) for a in ctx.avals_in],
+                     avals_out=[strip(a) for a in ctx.avals_out])
+
+
 def _lower_original(ctx, *args, region, jaxpr, name):
   del region, name
   return mlir.lower_fun(functools.partial(_eval_original, jaxpr=jaxpr),
-                        multiple_results=True)(ctx, *args)
+                        multiple_results=True)(_vma_free(ctx), *args)
 
 
 _warned: set[tuple[str, str]] = set()
@@ -239,7 +297,7 @@ def _lower_fused(ctx, *args, region, jaxpr, name, backend: str):
 
     # lower_fun traces ``fused`` to a jaxpr before it emits anything, so a
     # planning/codegen error here leaves the module untouched.
-    return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(fused, multiple_results=True)(_vma_free(ctx), *args)
   except Exception as e:  # pylint: disable=broad-except
     _warn_fallback(region, name, f"{backend} kernel", e)
     if parts:
@@ -263,17 +321,49 @@ def _lower_parts(ctx, *args, region, jaxpr, parts, fallback, name):
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 
+def partitioned_over(ctx) -> int:
+  """How many devices XLA's SPMD partitioner splits the lowered program
+  over (``ctx``: a lowering context); 1 where it runs whole on one device,
+  or per device (every mesh axis of a ``shard_map`` body manual, a ``pmap``
+  body)."""
+  ac = ctx.module_context.axis_context
+  n = getattr(ac, "num_devices", None)   # jit over a device assignment
+  if n is not None:
+    return int(n)
+  mesh = getattr(ac, "mesh", None)       # shard_map: its axes not manual
+  if mesh is None:
+    return 1
+  manual = frozenset(getattr(ac, "manual_axes", ()) or ())
+  return int(np.prod([size for axis, size in dict(mesh.shape).items() if axis not in manual]))
+
+
+def _lower_kernel(ctx, *args, region, jaxpr, name, backend: str):
+  """The region's kernel (``_lower_fused``), unless XLA partitions the
+  program over several devices: a custom call has no partitioning rule, so
+  XLA would gather its operands and run the whole region on every device.
+  Inside ``shard_map`` the regions see per-device shapes and fuse."""
+  n = partitioned_over(ctx)
+  if n > 1:
+    if _first_time(region, "partitioned"):
+      logging.info("jaxfuse: region %s (%s) left to XLA: its program is partitioned "
+                   "over %d devices by XLA, which would run a fused kernel on whole "
+                   "arrays on each; fuse it per device inside jax.shard_map",
+                   name, region.einsum_summary(), n)
+    return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
+  return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name, backend=backend)
+
+
 def _lower_cuda(ctx, *args, region, jaxpr, name):
   if not config.disable and config.backend in ("auto", "triton"):
-    return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name,
-                        backend="triton")
+    return _lower_kernel(ctx, *args, region=region, jaxpr=jaxpr, name=name,
+                         backend="triton")
   return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 
 def _lower_cpu(ctx, *args, region, jaxpr, name):
   if not config.disable and config.backend == "interpret":
-    return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name,
-                        backend="interpret")
+    return _lower_kernel(ctx, *args, region=region, jaxpr=jaxpr, name=name,
+                         backend="interpret")
   return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
 
 
@@ -286,6 +376,31 @@ mlir.register_lowering(jaxfuse_region_p, _lower_cpu, platform="cpu")
 # JVP: primal through the primitive, tangents through the original ops.
 # --------------------------------------------------------------------------
 
+def _eval_varying(closed: ClosedJaxpr, axes: frozenset, *args: Any) -> list[Any]:
+  """The region's original ops on values of a ``shard_map`` body that vary
+  over ``axes``. The ops were traced apart from the body, so they lack the
+  casts (``pvary``) that jax inserts where a value varies over fewer axes
+  than another operand of an op (a literal, a replicated weight); they are
+  inserted here, as jax's own ops do."""
+  from jaxfuse.capture_flat import bind_eqn, is_lit  # pylint: disable=g-import-not-at-top
+
+  def vary(x: Any, want: frozenset) -> Any:
+    missing = tuple(sorted(want - _varying(_typeof(x))))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  env: dict = {}
+  read = lambda a: jax.numpy.asarray(a.val, a.aval.dtype) if is_lit(a) else env[a]
+  jx = closed.jaxpr
+  env.update(zip(jx.constvars, closed.consts))
+  env.update(zip(jx.invars, (vary(a, axes) for a in args)))
+  for eqn in jx.eqns:
+    vals = [read(a) for a in eqn.invars]
+    want = frozenset().union(*(_varying(_typeof(v)) for v in vals))
+    outs = bind_eqn(eqn, [vary(v, want) for v in vals])
+    env.update(zip(eqn.outvars, outs))
+  return [read(a) for a in jx.outvars]
+
+
 def _typeof(x: Any) -> Any:
   typeof = getattr(jax, "typeof", None)
   return typeof(x) if typeof is not None else jax.core.get_aval(x)
@@ -295,7 +410,8 @@ def _jvp(primals, tangents, *, region, jaxpr, name):
   primals_out = jaxfuse_region_p.bind(*primals, region=region, jaxpr=jaxpr,
                                       name=name)
   live = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
-  fun = jaxpr_as_fun(jaxpr)
+  axes = frozenset().union(*(_varying(_typeof(p)) for p in primals))
+  fun = jaxpr_as_fun(jaxpr) if not axes else functools.partial(_eval_varying, jaxpr, axes)
 
   def restricted(*live_primals):
     full = list(primals)

@@ -76,6 +76,13 @@ res["shard_map_launches"] = list(launched)
 # Later ops on the result work as on jax.jit's.
 res["shard_map_then_ops"] = float(jnp.sum(out - jnp.asarray(ref)))
 
+# 1b. jaxfuse.jit inside a user's shard_map: traced in the body, fused there.
+launched.clear()
+inner = jax.jit(shard_map(jaxfuse.jit(attn), mesh=mesh, in_specs=(P("data"),) * 3,
+                          out_specs=P("data")))
+res["inner_err"] = err(inner(qs, ks, vs))
+res["inner_launches"] = list(launched)
+
 # 2. Gradients through a fused region in a shard_map body.
 loss = lambda q, k, v: jnp.sum(body(q, k, v) ** 2)
 g_fused = jaxfuse.jit(jax.grad(loss))(qs, ks, vs)
@@ -169,6 +176,12 @@ def test_shard_map_body_runs_the_kernel_on_each_device(result):
   assert result["shard_map_err"] < 1e-3
   assert result["shard_map_spec"] == ["data"]
   assert abs(result["shard_map_then_ops"]) < 1.0
+
+
+def test_jaxfuse_jit_inside_a_shard_map_fuses_per_device(result):
+  launches = result["inner_launches"]
+  assert len(launches) >= 4 and all(s == [1, 2, 32, 16] for s in launches)
+  assert result["inner_err"] < 1e-3
 
 
 def test_gradient_through_a_fused_shard_map_body(result):

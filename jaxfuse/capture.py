@@ -796,7 +796,8 @@ class _Emitter:
     ``jax.shard_map`` again: the body must be traced where its mesh axes are
     bound (its ``pvary``s and varying types need them), so it cannot be
     re-traced on its own as other bodies are. Regions there see per-device
-    shapes. None: bind the original equation (no dots, or no region)."""
+    shapes. None: bind the original equation (no dots, or the body failed
+    to trace)."""
     p = it.params
     body = ClosedJaxpr(p["jaxpr"], ())
     if _count_dots(body.jaxpr, 1) < 1:
@@ -809,9 +810,10 @@ class _Emitter:
       logging.warning("jaxfuse capture: regions inside shard_map left to XLA (%s: %s)",
                       type(e).__name__, e)
       return None
-    if not em.changed:
-      return None   # the original equation, exactly
-    self.changed = True
+    # Already bound in the trace: kept even when no region was found (then
+    # it is the original equation again), as binding that too would leave a
+    # dead copy of the body in the program.
+    self.changed = self.changed or em.changed
     return outs
 
   def _rewrite_bodies(self, it: Item, invals: list):

@@ -83,6 +83,17 @@ inner = jax.jit(shard_map(jaxfuse.jit(attn), mesh=mesh, in_specs=(P("data"),) * 
 res["inner_err"] = err(inner(qs, ks, vs))
 res["inner_launches"] = list(launched)
 
+# 1c. A body with a dot but no region, beside a region outside it: the body
+#     is in the rewritten program once (it was also left there a second,
+#     dead time).
+def beside(x, w, y, w2):
+  b = shard_map(lambda x, w: jnp.tanh(x @ w), mesh=mesh, in_specs=(P("data"), P()),
+                out_specs=P("data"))(x, w)
+  return b, (y @ w) @ w2
+xb, wb, w2b = jnp.ones((8, 16)), jnp.ones((16, 16)), jnp.ones((16, 8))
+text = str(jaxfuse.fused_jaxpr(beside)(xb, wb, xb, w2b))
+res["beside_counts"] = [text.count("shard_map["), text.count("jaxfuse_region")]
+
 # 2. Gradients through a fused region in a shard_map body.
 loss = lambda q, k, v: jnp.sum(body(q, k, v) ** 2)
 g_fused = jaxfuse.jit(jax.grad(loss))(qs, ks, vs)
@@ -182,6 +193,10 @@ def test_jaxfuse_jit_inside_a_shard_map_fuses_per_device(result):
   launches = result["inner_launches"]
   assert len(launches) >= 4 and all(s == [1, 2, 32, 16] for s in launches)
   assert result["inner_err"] < 1e-3
+
+
+def test_shard_map_body_without_a_region_is_emitted_once(result):
+  assert result["beside_counts"] == [1, 1]
 
 
 def test_gradient_through_a_fused_shard_map_body(result):

@@ -116,6 +116,9 @@ def _is_dot(it: Item) -> bool:
     return False
   if any(is_lit(a) for a in it.invars):
     return False
+  # An empty array computes nothing to fuse (and the IR has no empty loops).
+  if any(0 in tuple(getattr(v.aval, "shape", ())) for v in (*it.invars, *it.outvars)):
+    return False
   return (all(_dtype(a) in CONTRACTION_DTYPES for a in it.invars)
           and _dtype(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
 

@@ -1079,7 +1079,9 @@ def evaluate(region: Region, inputs: Sequence[np.ndarray], *,
   def rounded(arr, dtype):
     if precision == "native":
       if dtype in FLOAT_DTYPES:
-        return arr.astype(np_dtype(dtype)).astype(np.float32 if dtype != "float64" else np.float64)
+        # Overflowing to inf is what a float16 value does: no warning.
+        with np.errstate(over="ignore"):
+          return arr.astype(np_dtype(dtype)).astype(np.float32 if dtype != "float64" else np.float64)
       return arr.astype(np_dtype(dtype))
     if dtype in FLOAT_DTYPES:
       return arr.astype(np.float64)

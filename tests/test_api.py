@@ -584,3 +584,66 @@ def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):
   assert backends and set(backends) == {"interpret"}
   lines = [r for r in caplog.records if "runs its original ops" in r.getMessage()]
   assert len(lines) <= 1
+
+
+def _half(seed, *shapes_scales):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(s) * c, jnp.float16) for s, c in shapes_scales]
+
+
+@pytest.mark.parametrize("name", ["tanh_tail", "cube_overflows"])
+def test_float16_kernel_that_rounds_like_xla_passes_its_self_check(monkeypatch, caplog, name):
+  """The CPU self-check compares against the IR evaluated as XLA rounds it
+  (each value in its dtype), as the GPU one does. Against float64 these
+  correct kernels failed every plan: tanh squashes the reference, not the
+  float16 rounding before it (error 2.8e-3, jax.jit's own 2.8e-3), and a
+  cubed float16 value overflows to inf where float64 does not."""
+  import jaxfuse
+  monkeypatch.setattr(primitive, "_warned", set())
+  if name == "tanh_tail":
+    fn = lambda a, b, c: jnp.tanh((a @ b) @ c)
+    args = _half(0, ((40, 64), 1.0), ((64, 48), 0.2), ((48, 64), 0.2))
+  else:
+    fn = lambda a, b, c: ((a @ b) ** 3) @ c
+    args = _half(0, ((40, 64), 1.0), ((64, 48), 0.1), ((48, 24), 0.1))
+  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+    got = np.asarray(api.jit(fn)(*args), np.float32)
+    rep = jaxfuse.inspect(fn, *args)
+  assert rep.regions[0].lowered.startswith("fused"), rep.regions[0].lowered
+  assert not [r for r in caplog.records if "runs its original ops" in r.getMessage()]
+  want = np.asarray(jax.jit(fn)(*args), np.float32)
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want[np.isfinite(want)]).max())
+
+
+def test_region_no_plan_fits_is_left_to_xla_with_one_info_line(monkeypatch, caplog):
+  """A softmax over the query axis reduces along the loop the second dot
+  streams: no plan places it, which is a decision (README, Fallback), not a
+  kernel failure logged as a warning."""
+  monkeypatch.setattr(primitive, "_warned", set())
+
+  def attn_softmax_q(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-2), v)
+
+  args = _half(1, ((1, 2, 32, 32), 1.0), ((1, 2, 32, 32), 1.0), ((1, 2, 32, 32), 1.0))
+  with config.override(backend="interpret"), caplog.at_level(logging.INFO):
+    got = api.jit(attn_softmax_q)(*args)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(attn_softmax_q)(*args)))
+  lines = [r for r in caplog.records if "jaxfuse: region" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].levelno == logging.INFO, [r.getMessage() for r in lines]
+  assert "left to XLA: planner found no plan" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("shapes", [((0, 32), (32, 16), (16, 8)), ((8, 0), (0, 16), (16, 8)),
+                                    ((8, 32), (32, 0), (0, 8))])
+def test_empty_chain_is_not_captured(caplog, shapes):
+  """A chain over an empty array computes nothing: it is not captured (it
+  went down capture's internal-error path, one warning per sub-chain)."""
+  args = _half(2, *[(s, 1.0) for s in shapes])
+  f = lambda a, b, c: (a @ b) @ c
+  with config.override(backend="interpret"), caplog.at_level(logging.WARNING):
+    got = api.jit(f)(*args)
+    closed = api.fused_jaxpr(f)(*args)
+  assert count_regions(closed) == 0
+  assert not caplog.records, [r.getMessage() for r in caplog.records]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(f)(*args)))

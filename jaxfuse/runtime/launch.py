@@ -45,7 +45,8 @@ from jaxfuse.runtime import triton_call
 
 class LeftToXLA(CodegenError):
   """A decision, not a failure: the region runs as XLA's own ops because it
-  is compute-bound, or the model or a measurement says XLA is faster."""
+  is compute-bound, no plan fits on chip, or the model or a measurement
+  says XLA is faster."""
 
 
 __all__ = ["fused_call", "run_interpreted", "select_kernel", "measure_plans", "self_check",
@@ -479,7 +480,11 @@ def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list]
   if runner is _run_on_gpu:
     refs = _device_reference(kernel.region, seed, xs)
   else:
-    refs = ir.evaluate(kernel.region, xs)
+    # The same semantics as the device reference (reference.evaluate): each
+    # value rounded to its IR dtype, as XLA's ops and the kernel round it.
+    # Against float64, a correct float16 kernel whose output squashes its
+    # rounding error (tanh) or overflows where XLA's does too (x**3) failed.
+    refs = ir.evaluate(kernel.region, xs, precision="native")
   err = compare(kernel.region, outs, refs)
   tol = tolerance(kernel.region)
   if not err <= tol:
@@ -605,7 +610,9 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
   if not ranked and getattr(res, "best", None) is not None:
     ranked = [res.best]
   if not ranked:
-    raise CodegenError(f"planner found no plan: {getattr(res, 'why_not', None)}")
+    # Nothing fits on chip at any tile size: a decision, as the README's
+    # Fallback says, not a fault (one INFO line; its parts are tried).
+    raise LeftToXLA(f"planner found no plan: {getattr(res, 'why_not', None)}")
   if backend == "triton":
     # MCFuser fuses chains that are memory-bound (intensity below the ridge
     # point); a compute-bound chain is left to XLA's library GEMMs. Under

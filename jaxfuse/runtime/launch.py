@@ -215,10 +215,11 @@ _DOT_TOL = {"default": 2e-3, "tf32x3": 1e-4, "ieee": 0.0}
 
 
 def tolerance(region: ir.Region) -> float:
-  """Relative tolerance (max error / max |reference|) for a region's kernel
-  against the float64 IR evaluator: loose enough for the rounding of float16
-  / bfloat16 intermediates and of float32 dot operands to TF32, tight enough
-  to catch a wrong kernel."""
+  """Relative tolerance (``compare``'s error) for a region's kernel against
+  the IR evaluated with each value rounded to its IR dtype (``self_check``):
+  loose enough for rounding differences of float16 / bfloat16 intermediates
+  and of float32 dot operands to TF32, tight enough to catch a wrong
+  kernel."""
   vm = region.value_map
   dts = [vm[b.value].dtype for b in region.inputs + region.outputs]
   tol = max((_TOL.get(d, 0.0) for d in dts), default=1e-4)
@@ -285,8 +286,8 @@ def input_scale(region: ir.Region) -> float:
   """The standard deviation of ``random_inputs``' floats: 1, or a power of
   two below it where unit inputs would take a half-precision value past
   float16's range (a gated MLP's product of two GEMMs summed again by the
-  down projection: the kernel's inf against the float64 reference would
-  fail every plan's check)."""
+  down projection: overflowed outputs would leave the check comparing
+  infinities, not values)."""
   scale = 1.0
   while scale > 2.0 ** -8 and _typical_std(region, scale) > _HALF_STD_LIMIT:
     scale /= 2
@@ -466,8 +467,9 @@ def compare_tensors(outs: Sequence[Any], refs: Sequence[Any]) -> float:
 
 def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list], list],
                seed: Optional[int] = None) -> None:
-  """Runs the kernel on random inputs against the IR evaluator; raises
-  CodegenError. The default seed is measured tuning's, so that on the GPU
+  """Runs the kernel on random inputs against the IR evaluator (each value
+  rounded to its IR dtype, as XLA computes it; ``reference.evaluate`` on
+  the GPU); raises CodegenError. The default seed is measured tuning's, so that on the GPU
   the chosen kernel is checked against the reference tuning computed."""
   seed = MEASURE_SEED if seed is None else seed
   xs = shared_inputs(kernel.region, seed)

@@ -531,9 +531,10 @@ class _Builder:
     args = [self.fit(a, out_loops) for a in args]
     if all(isinstance(a, ir.Literal) for a in args):
       f = ir.ELEMENTWISE_FNS[fn][1]
+      # Folding follows the dtype's arithmetic: -1e9 in float16 is -inf, as in XLA.
       with np.errstate(all="ignore"):
         r = np.asarray(f(*[np.asarray(a.value, dtype=ir.np_dtype(a.dtype)) for a in args]))
-      r = r.astype(ir.np_dtype(out_dtype))
+        r = r.astype(ir.np_dtype(out_dtype))
       return ir.Literal(r.item(), out_dtype)
     present = set()
     for a in args:

@@ -8,8 +8,8 @@ given), generates the kernel and runs it:
   FFI launcher (``jaxfuse.runtime.direct_launch``) or jaxlib's typed FFI
   Triton target (``config.launch``; ``jaxfuse.runtime.triton_call``); usable inside a lowering
   (``mlir.lower_fun``) and inside ``jax.jit``.
-* ``backend='interpret'``: ``jax.pure_callback`` that runs the same kernel in
-  Triton's interpreter on torch CPU tensors.
+* ``backend='interpret'``: a host callback (``host_call``) that runs the same
+  kernel in Triton's interpreter on torch CPU tensors.
 
 Plans are tried best first: a plan that fails to generate, to compile, to fit
 in shared memory, or to pass a numerical self-check against the IR evaluator
@@ -1015,6 +1015,79 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
   def host(*xs):
     return tuple(run_interpreted(k, [np.asarray(x) for x in xs], offsets))
 
+  return host_call(host, shapes, args)
+
+
+# ------------------------------------------------------------ host calls
+def _host_call_abstract(*avals, host, shapes):
+  del avals, host
+  import jax  # pylint: disable=g-import-not-at-top
+  return [jax.core.ShapedArray(s.shape, s.dtype) for s in shapes]
+
+
+def _host_call_impl(*args, host, shapes):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  outs = host(*[np.asarray(a) for a in args])
+  return [jnp.asarray(o, s.dtype) for o, s in zip(outs, shapes)]
+
+
+def _host_call_lowering(ctx, *args, host, shapes):
+  del shapes
+  from jax._src import callback as jax_callback  # pylint: disable=g-import-not-at-top
+  # As jax.pure_callback lowers, without its impl's device_put of the
+  # arguments: XLA's host buffers reach ``host`` as NumPy arrays.
+  sharding = jax_callback._callback_op_sharding(  # pylint: disable=protected-access
+      ctx.module_context.axis_context, None, ctx.avals_out)
+
+  def call(*xs):
+    return tuple(np.asarray(o) for o in host(*xs))
+
+  result, _, _ = jax_callback.emit_python_callback(
+      ctx, call, None, list(args), ctx.avals_in, ctx.avals_out,
+      has_side_effect=False, returns_token=False, sharding=sharding)
+  return result
+
+
+_host_call_p = None
+
+
+def _host_call_primitive():
+  """The primitive of ``host_call``, made on first use (jax imported lazily)."""
+  global _host_call_p
+  with _lock:
+    if _host_call_p is None:
+      from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+      try:
+        from jax.extend.core import Primitive  # pylint: disable=g-import-not-at-top
+      except ImportError:  # pragma: no cover - older jax
+        from jax.core import Primitive  # type: ignore  # pylint: disable=g-import-not-at-top
+      p = Primitive("jaxfuse_host_call")
+      p.multiple_results = True
+      p.def_impl(_host_call_impl)
+      p.def_abstract_eval(_host_call_abstract)
+      # The callback is a parameter: a cached lowering would reuse another's.
+      mlir.register_lowering(p, _host_call_lowering, cacheable=False)
+      _host_call_p = p
+  return _host_call_p
+
+
+def host_call(host: Callable[..., Sequence[np.ndarray]], shapes: Sequence[Any],
+              args: Sequence[Any]) -> list[Any]:
+  """``host(*numpy arrays)`` run inside the program, as ``jax.pure_callback``
+  runs a function, for the interpreted kernels (``shapes``: the results'
+  ``ShapeDtypeStruct``s).
+
+  Why not ``jax.pure_callback``: its callback first puts the arguments on
+  CPU device 0 and waits for them. With 4 CPU devices on a 2-core host,
+  each device's thread in its own callback, those copies waited for
+  threads the callbacks held, and the program stalled (``np.asarray`` in
+  all four callbacks; tests/test_sharding.py, 2026-11-24). Falls back to
+  ``jax.pure_callback`` where jax's callback internals differ."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import callback as jax_callback  # pylint: disable=g-import-not-at-top
+  if hasattr(jax_callback, "emit_python_callback") and hasattr(
+      jax_callback, "_callback_op_sharding"):
+    return list(_host_call_primitive().bind(*args, host=host, shapes=tuple(shapes)))
   try:
     res = jax.pure_callback(host, tuple(shapes), *args, vmap_method="sequential")
   except TypeError:  # older jax: no vmap_method

@@ -154,6 +154,29 @@ out4 = jax.jit(part)(q2, k2, v2)   # jax itself takes this program
 out4 = jaxfuse.jit(part)(q2, k2, v2)
 res["partial_launches"] = list(launched)
 res["partial_err"] = err(out4)
+# 4. A region's call with its partitioning rule (jaxfuse.runtime.partitioning),
+#    each device's shard through the IR's jax.numpy evaluation: the
+#    interpreted kernel's host callback cannot run inside XLA's partitioner
+#    callback (the GPU path's kernel is a custom call).
+from jaxfuse.runtime import partitioning, reference
+region = capture.find_regions(jax.make_jaxpr(attn)(q, k, v))[0].region
+spec = partitioning.partition_spec(region)
+local_extents = []
+def local(r, xs, backend):
+  local_extents.append(r.loop_extents)
+  return list(reference.evaluate(r, list(xs)))
+partitioning._run_local = local
+res["partitioned"] = []
+for pspec in (P("data"), P(None, None, "data"), P(None, None, None, "data")):
+  shd4 = NamedSharding(mesh, pspec)
+  args4 = [jax.device_put(x, shd4) for x in (q, k, v)]
+  local_extents.clear()
+  f4 = jax.jit(lambda *xs: partitioning.partitioned_call(spec, xs, backend="triton")[0])
+  hlo = f4.lower(*args4).compile().as_text()
+  out4 = f4(*args4)
+  res["partitioned"].append(dict(spec=[str(e) for e in pspec], err=err(out4),
+                                 out_spec=[str(e) for e in out4.sharding.spec],
+                                 extents=local_extents[:1]))
 print(json.dumps(res))
 '''
 
@@ -235,3 +258,18 @@ def test_one_device_arrays_in_the_same_process_still_fuse(result):
 def test_shard_map_manual_over_part_of_the_mesh_is_left_to_xla(result):
   assert result["partial_launches"] == []
   assert result["partial_err"] < 1e-3
+
+
+def test_partitioned_call_runs_each_device_on_its_shard(result):
+  """Batch and query rows split with the operands; the head dim of q and k
+  (reduced) is gathered whole first, v's columns split (only v carries them)."""
+  by_spec = {tuple(r["spec"]): r for r in result["partitioned"]}
+  batch = by_spec[("data",)]
+  assert batch["err"] < 1e-5 and batch["out_spec"][:1] == ["data"]
+  assert batch["extents"][0]["b"] == 1          # 4 rows of the batch over 4 devices
+  rows = by_spec[("None", "None", "data")]
+  assert rows["err"] < 1e-5 and rows["out_spec"][2:3] == ["data"]
+  assert rows["extents"][0]["m"] == 8 and rows["extents"][0]["n"] == 32   # keys whole
+  cols = by_spec[("None", "None", "None", "data")]
+  assert cols["err"] < 1e-5
+  assert cols["extents"][0]["k"] == 16 and cols["extents"][0]["h"] == 4

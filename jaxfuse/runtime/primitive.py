@@ -54,6 +54,14 @@ __all__ = ["jaxfuse_region_p", "bind_region", "region_out_avals",
 
 jaxfuse_region_p = Primitive("jaxfuse_region")
 jaxfuse_region_p.multiple_results = True
+try:
+  # A region in a program XLA partitions lowers through custom_partitioning
+  # (jaxfuse.runtime.partitioning), whose lowering needs the program's
+  # devices; jax passes them only to programs holding such primitives.
+  from jax._src import dispatch as _dispatch  # pylint: disable=g-import-not-at-top
+  _dispatch.prim_requires_devices_during_lowering.add(jaxfuse_region_p)
+except (ImportError, AttributeError):  # pragma: no cover - internal API moved
+  pass
 
 
 def _eval_original(*args: Any, jaxpr: ClosedJaxpr) -> list[Any]:
@@ -337,18 +345,66 @@ def partitioned_over(ctx) -> int:
   return int(np.prod([size for axis, size in dict(mesh.shape).items() if axis not in manual]))
 
 
+def _lower_partitioned(ctx, *args, region, name, backend: str):
+  """The region's kernel on each device's shards, through a partitioning
+  rule (``jaxfuse.runtime.partitioning``), in a program XLA partitions.
+  Returns ``(outs, None, None)``, or ``(None, decision, None)`` where the
+  model leaves the whole region to XLA (a ``LeftToXLA``), or ``(None, None,
+  why)`` where the region cannot take a partitioning rule."""
+  if getattr(ctx.module_context.axis_context, "manual_axes", None):
+    return None, None, "its shard_map is manual over only some mesh axes"
+  if backend != "triton":
+    # The interpreter runs through a host callback, which XLA's partitioner
+    # callback does not keep alive (the program crashed on 4 CPU devices).
+    return None, None, f"it runs in the {backend} backend"
+  try:
+    from jaxfuse.runtime import launch, partitioning  # pylint: disable=g-import-not-at-top
+    spec = partitioning.partition_spec(region)
+    if spec is None:
+      return None, None, ("no loop of it can be split across devices (each is "
+                          "reduced, masked or read through a window)")
+    # The whole region's verdict (compute-bound, predicted slower: XLA).
+    launch._candidate_plans(region, None, backend=backend, timing=False)  # pylint: disable=protected-access
+    outs = mlir.lower_fun(
+        lambda *xs: partitioning.partitioned_call(spec, xs, backend=backend),
+        multiple_results=True)(_vma_free(ctx), *args)
+  except Exception as e:  # pylint: disable=broad-except
+    if _is_decision(e):
+      return None, e, None
+    _warn_fallback(region, name, "partitioned lowering", e)
+    return None, None, "its partitioned lowering failed"
+  if _first_time(region, "partitioned"):
+    split = sorted({l for axes in spec.in_axes for l in axes if l is not None})
+    logging.info("jaxfuse: region %s (%s) is partitioned with its program: each device "
+                 "runs the kernel on its shards (loops that may be split: %s)",
+                 name, region.einsum_summary(), ", ".join(split))
+  return outs, None, None
+
+
 def _lower_kernel(ctx, *args, region, jaxpr, name, backend: str):
-  """The region's kernel (``_lower_fused``), unless XLA partitions the
-  program over several devices: a custom call has no partitioning rule, so
-  XLA would gather its operands and run the whole region on every device.
-  Inside ``shard_map`` the regions see per-device shapes and fuse."""
+  """The region's kernel (``_lower_fused``). Where XLA partitions the
+  program over several devices, the kernel call carries a partitioning
+  rule (``_lower_partitioned``); a region that cannot take one is left to
+  XLA: without a rule XLA would gather its operands and run the whole
+  region on every device. Inside ``shard_map`` the regions see per-device
+  shapes and fuse as on one device."""
   n = partitioned_over(ctx)
   if n > 1:
+    outs, decision, why = _lower_partitioned(ctx, *args, region=region, name=name,
+                                             backend=backend)
+    if outs is not None:
+      return outs
+    if decision is not None:
+      _warn_fallback(region, name, "partitioned kernel", decision)
+      fallback, parts = _fallback(region, jaxpr, name)
+      if parts:
+        return _lower_parts(ctx, *args, region=region, jaxpr=jaxpr, parts=parts,
+                            fallback=fallback, name=name)
+      return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
     if _first_time(region, "partitioned"):
       logging.info("jaxfuse: region %s (%s) left to XLA: its program is partitioned "
-                   "over %d devices by XLA, which would run a fused kernel on whole "
-                   "arrays on each; fuse it per device inside jax.shard_map",
-                   name, region.einsum_summary(), n)
+                   "over %d devices by XLA and %s; fuse it per device inside "
+                   "jax.shard_map", name, region.einsum_summary(), n, why)
     return _lower_original(ctx, *args, region=region, jaxpr=jaxpr, name=name)
   return _lower_fused(ctx, *args, region=region, jaxpr=jaxpr, name=name, backend=backend)
 

@@ -177,6 +177,19 @@ for pspec in (P("data"), P(None, None, "data"), P(None, None, None, "data")):
   res["partitioned"].append(dict(spec=[str(e) for e in pspec], err=err(out4),
                                  out_spec=[str(e) for e in out4.sharding.spec],
                                  extents=local_extents[:1]))
+# 4b. A shard the callback cannot build (here: forced) runs the whole region
+#     on every device instead of failing XLA's compile.
+_local_region = partitioning.local_region
+def broken(*a, **k):
+  raise ValueError("no shard for the test")
+partitioning.local_region = broken
+local_extents.clear()
+shd4 = NamedSharding(mesh, P("data"))
+out5 = jax.jit(lambda *xs: partitioning.partitioned_call(spec, xs, backend="triton")[0])(
+    *[jax.device_put(x, shd4) for x in (q, k, v)])
+partitioning.local_region = _local_region
+res["unsplit"] = dict(err=err(out5), extents=local_extents[:1],
+                      log=[m for m in messages if "runs whole on every device" in m][:1])
 print(json.dumps(res))
 '''
 
@@ -273,3 +286,10 @@ def test_partitioned_call_runs_each_device_on_its_shard(result):
   cols = by_spec[("None", "None", "None", "data")]
   assert cols["err"] < 1e-5
   assert cols["extents"][0]["k"] == 16 and cols["extents"][0]["h"] == 4
+
+
+def test_a_shard_the_callback_cannot_build_runs_whole_on_each_device(result):
+  unsplit = result["unsplit"]
+  assert unsplit["err"] < 1e-5
+  assert unsplit["extents"][0]["b"] == 4          # the whole batch on each device
+  assert len(unsplit["log"]) == 1 and "no shard for the test" in unsplit["log"][0]

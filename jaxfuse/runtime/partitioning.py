@@ -203,14 +203,21 @@ def partitioned_call(spec: PartitionSpec, args: Sequence[Any], *, backend: str) 
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    loops = split_loops(mesh, arg_shapes)
-    extents = {}
-    for l, entry in loops.items():
-      n = _size(mesh, entry)
-      if ext[l] % n:
-        raise ValueError(f"loop {l} of extent {ext[l]} does not split {n} ways")
-      extents[l] = ext[l] // n
-    local = local_region(region, extents)
+    try:
+      loops = split_loops(mesh, arg_shapes)
+      extents = {}
+      for l, entry in loops.items():
+        n = _size(mesh, entry)
+        if ext[l] % n:
+          raise ValueError(f"loop {l} of extent {ext[l]} does not split {n} ways")
+        extents[l] = ext[l] // n
+      local = local_region(region, extents)
+    except Exception as e:  # pylint: disable=broad-except
+      # This runs inside XLA's compile: an error here would end the user's
+      # program. Every device runs the whole region on gathered operands.
+      logging.warning("jaxfuse: region %s (%s) runs whole on every device: %s: %s",
+                      region.name, region.einsum_summary(), type(e).__name__, e)
+      loops, local = {}, region
 
     def lower_fn(*xs):
       outs = _run_local(local, xs, backend)
@@ -223,7 +230,10 @@ def partitioned_call(spec: PartitionSpec, args: Sequence[Any], *, backend: str) 
 
   def infer(mesh, arg_shapes, result_shape):
     del result_shape
-    return out_shardings(mesh, split_loops(mesh, arg_shapes))
+    try:
+      return out_shardings(mesh, split_loops(mesh, arg_shapes))
+    except ValueError:
+      return out_shardings(mesh, {})
 
   rule, whole = spec.rule()
   call.def_partition(partition=partition, infer_sharding_from_operands=infer,

@@ -86,6 +86,8 @@ def _axis_loops(buf: ir.Buffer, ext: dict) -> Optional[list[Optional[str]]]:
   for l, s in buf.strides:
     if ext[l] == 1:
       continue
+    if s <= 0:
+      return None
     a = _axis_of(buf, s)
     per_axis[a].append(l)
   # Every axis longer than 1 is exactly its loops' extents.

@@ -94,14 +94,9 @@ def test_local_region_computes_a_shard_of_the_whole(fn, shapes, axis):
     if i == 0:
       # The shard's own kernel (Triton's interpreter) computes it too.
       (k_out,) = launch.run_interpreted(launch.select_kernel(
-          local, _plans(local), backend="interpret"), shard)
+          local, launch.ranked_plans(local)[:4], backend="interpret"), shard)
       # float32 dots run as TF32 in the kernel: the self-check's measure.
       assert launch.compare(local, [k_out], [want]) <= launch.tolerance(local)
-
-
-def _plans(region):
-  from jaxfuse.planner import plan_region
-  return list(plan_region(region).ranked)[:4]
 
 
 def test_window_operands_take_no_rule():

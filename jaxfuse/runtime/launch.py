@@ -592,21 +592,18 @@ def _reference_on_gpu(region: ir.Region, xs: list) -> list[Any]:
   return list(outs)
 
 
-def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
-                     timing: bool = True) -> list:
-  """The plans to try for ``region``, best first; raises LeftToXLA where it
-  runs XLA's ops. ``timing``: whether a keep-or-drop timing follows (the
-  caller has the original ops); without one, the model's verdict stands
-  even where ``keep_or_drop_timed`` would time the region."""
-  if plan is not None:
-    return list(plan) if isinstance(plan, (list, tuple)) else [plan]
+def ranked_plans(region: ir.Region, *, measured: bool = False) -> list:
+  """The planner's plans for ``region``, best first (``measured``: with
+  measured tuning); raises LeftToXLA where no plan fits on chip."""
+  return _planned(region, measured)[0]
+
+
+def _planned(region: ir.Region, measured: bool) -> tuple[list, Any]:
+  """``ranked_plans`` and the planner's result they came from."""
   try:
     from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
-    from jaxfuse.devices import get_device, is_mbci  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise CodegenError(f"no planner available: {e}") from e
-  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  measured = backend == "triton" and config.tune == "measure"
   res = plan_region(region, measure=make_measure(region) if measured else None)
   ranked = list(getattr(res, "ranked", ()) or ())
   if not ranked and getattr(res, "best", None) is not None:
@@ -615,6 +612,26 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
     # Nothing fits on chip at any tile size: a decision, as the README's
     # Fallback says, not a fault (one INFO line; its parts are tried).
     raise LeftToXLA(f"planner found no plan: {getattr(res, 'why_not', None)}")
+  return ranked, res
+
+
+def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
+                     timing: bool = True, measured: Optional[bool] = None) -> list:
+  """The plans to try for ``region``, best first; raises LeftToXLA where it
+  runs XLA's ops. ``timing``: whether a keep-or-drop timing follows (the
+  caller has the original ops); without one, the model's verdict stands
+  even where ``keep_or_drop_timed`` would time the region. ``measured``:
+  measured tuning or not (None: as ``config.tune`` says)."""
+  if plan is not None:
+    return list(plan) if isinstance(plan, (list, tuple)) else [plan]
+  try:
+    from jaxfuse.devices import get_device, is_mbci  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise CodegenError(f"no planner available: {e}") from e
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  if measured is None:
+    measured = backend == "triton" and config.tune == "measure"
+  ranked, res = _planned(region, measured)
   if backend == "triton":
     # MCFuser fuses chains that are memory-bound (intensity below the ridge
     # point); a compute-bound chain is left to XLA's library GEMMs. Under

@@ -53,11 +53,15 @@ class PartitionSpec:
     """The Shardy rule string and its need-replication factors."""
     whole: list[str] = []
 
+    loops = set(self.region.loop_extents)
+
     def names(i: int, axes) -> str:
       out = []
       for a, l in enumerate(axes):
         if l is None:
           l = f"x{i}_{a}"
+          while l in loops:
+            l += "_"
           whole.append(l)
         out.append(l)
       return " ".join(out)
@@ -158,13 +162,9 @@ def _run_local(region: ir.Region, xs: Sequence[Any], backend: str) -> list[Any]:
   jax.numpy where no kernel works."""
   from jaxfuse.runtime import launch, reference  # pylint: disable=g-import-not-at-top
   try:
-    from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
-    res = plan_region(region)
-    ranked = list(getattr(res, "ranked", ()) or ())
-    if not ranked:
-      raise launch.LeftToXLA(f"planner found no plan: {getattr(res, 'why_not', None)}")
     # The whole region was judged worth fusing; its shard runs fused too.
-    return launch.fused_call(region, list(xs), backend=backend, plan=ranked[:8])
+    return launch.fused_call(region, list(xs), backend=backend,
+                             plan=launch.ranked_plans(region)[:8])
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("jaxfuse: region %s (%s) per device: %s: %s; its ops run through "
                     "jax.numpy", region.name, region.einsum_summary(), type(e).__name__,

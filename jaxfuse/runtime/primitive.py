@@ -363,8 +363,10 @@ def _lower_partitioned(ctx, *args, region, name, backend: str):
     if spec is None:
       return None, None, ("no loop of it can be split across devices (each is "
                           "reduced, masked or read through a window)")
-    # The whole region's verdict (compute-bound, predicted slower: XLA).
-    launch._candidate_plans(region, None, backend=backend, timing=False)  # pylint: disable=protected-access
+    # The whole region's model verdict (compute-bound, predicted slower:
+    # XLA); its plans are not run, so no measured tuning of them.
+    launch._candidate_plans(region, None, backend=backend, timing=False,  # pylint: disable=protected-access
+                            measured=False)
     outs = mlir.lower_fun(
         lambda *xs: partitioning.partitioned_call(spec, xs, backend=backend),
         multiple_results=True)(_vma_free(ctx), *args)

@@ -13,6 +13,10 @@ Gated cases (``--cases=gated`` or a model name below) are the SwiGLU MLP
 of LLaMA-style models, ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` without bias,
 at the widths of Qwen2-0.5B, TinyLlama-1.1B and Llama-2-7B: two sibling
 GEMMs that read ``x`` and meet in the gate, then the down projection.
+Packed cases (``--cases=packed``, named ``<model>-packed-M<tokens>``) are the
+same MLPs with gate and up in one weight, split after one GEMM
+(``g, u = jnp.split(x @ Wgu, 2, -1)``), as models with a ``gate_up_proj``
+write them.
 
 Compared, in one run: ``jaxfuse.jit`` and ``jax.jit`` of the same plain JAX
 function, and PyTorch eager (``addmm`` + activations) when torch has CUDA.
@@ -22,6 +26,7 @@ Example::
     python -m benchmarks.mlp_chain --cases=bert-base-M8 --dtype=bfloat16
     python benchmarks/mlp_chain.py --shapes=16x768x3072x768x768 --acts=silu,gelu
     python -m benchmarks.mlp_chain --cases=gated --tune=measure
+    python -m benchmarks.mlp_chain --cases=packed
 """
 
 from __future__ import annotations
@@ -88,20 +93,30 @@ def gated_mlp(x, wg, wu, wd):
   return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
 
 
+def packed_gated_mlp(x, wgu, wd):
+  g, u = jnp.split(x @ wgu, 2, axis=-1)
+  return (jax.nn.silu(g) * u) @ wd
+
+
 def make_gated_case(name: str, m: int, d: int, f: int, *, dtype: str, group: str,
-                    extra: dict | None = None) -> harness.Case:
+                    extra: dict | None = None, packed: bool = False) -> harness.Case:
   def make_inputs(key, dt):
     ks = jax.random.split(key, 4)
-    return (harness.normal(ks[0], (m, d), dt),
-            harness.normal(ks[1], (d, f), dt, 1 / math.sqrt(d)),
-            harness.normal(ks[2], (d, f), dt, 1 / math.sqrt(d)),
-            harness.normal(ks[3], (f, d), dt, 1 / math.sqrt(f)))
+    x = harness.normal(ks[0], (m, d), dt)
+    wg = harness.normal(ks[1], (d, f), dt, 1 / math.sqrt(d))
+    wu = harness.normal(ks[2], (d, f), dt, 1 / math.sqrt(d))
+    wd = harness.normal(ks[3], (f, d), dt, 1 / math.sqrt(f))
+    if packed:
+      return x, jnp.concatenate([wg, wu], axis=1), wd
+    return x, wg, wu, wd
 
   item = jnp.dtype(dtype).itemsize
-  params = {"M": m, "D": d, "F": f, "acts": "silu", "bias": False, "gated": True}
+  params = {"M": m, "D": d, "F": f, "acts": "silu", "bias": False, "gated": True,
+            "packed": packed}
   params.update(extra or {})
-  return harness.Case(name, gated_mlp, make_inputs, 2.0 * m * 3 * d * f,
-                      float(item * (2 * m * d + 3 * d * f)), params, group=group)
+  return harness.Case(name, packed_gated_mlp if packed else gated_mlp, make_inputs,
+                      2.0 * m * 3 * d * f, float(item * (2 * m * d + 3 * d * f)), params,
+                      group=group)
 
 
 def make_case(name: str, m: int, dims: tuple[int, int, int, int], *,
@@ -139,7 +154,7 @@ def all_cases(acts, bias, dtype, shapes="") -> tuple[dict, dict]:
                     dtype=dtype, group=model, extra={"model": model})
       cases[c.name] = c
       groups[model].append(c.name)
-  groups["gated"] = []
+  groups["gated"], groups["packed"] = [], []
   for model, (d, f) in GATED_MODELS.items():
     groups[model] = []
     for m in TOKENS:
@@ -148,6 +163,11 @@ def all_cases(acts, bias, dtype, shapes="") -> tuple[dict, dict]:
       cases[c.name] = c
       groups[model].append(c.name)
       groups["gated"].append(c.name)
+    for m in TOKENS:
+      c = make_gated_case(f"{model}-packed-M{m}", m, d, f, dtype=dtype, group=model,
+                          extra={"model": model}, packed=True)
+      cases[c.name] = c
+      groups["packed"].append(c.name)
   for (m, d0, d1, d2, d3) in (d for d, _ in harness.parse_shapes(shapes, "MxD0xD1xD2xD3")):
     c = make_case(f"M{m}-{d0}x{d1}x{d2}x{d3}", m, (d0, d1, d2, d3), acts=acts,
                   bias=bias, dtype=dtype, group="custom")
@@ -176,6 +196,10 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   def run_torch(*args):
     import torch  # pylint: disable=g-import-not-at-top
     with torch.inference_mode():
+      if gated and case.params.get("packed"):
+        x, wgu, wd = args
+        g, u = (x @ wgu).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * u) @ wd
       if gated:
         x, wg, wu, wd = args
         return (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd

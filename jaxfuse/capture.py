@@ -42,6 +42,7 @@ from jaxfuse.capture_flat import (
 from jaxfuse.capture_ir import (
     CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
     Reject, build_region, window_starts)
+from jaxfuse.capture_slices import emit_original, push_slices, unabsorbed
 
 __all__ = ["CapturedRegion", "find_regions", "rewrite"]
 
@@ -715,13 +716,17 @@ def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
 def _analyze(closed: ClosedJaxpr, path: str,
              limit: int = _MAX_CONTRACTIONS) -> tuple[Level, list[_Found]]:
   opaque: frozenset = frozenset()
+  packed: set = set()   # pushdowns no region took whole: left as written
   for _ in range(_MAX_BARRIER_ROUNDS):
     lvl = flatten(closed, opaque)
+    pushes = push_slices(lvl, packed)
     found = _LevelAnalysis(lvl, limit).regions()
     bad = _laminar_violations(lvl, found)
-    if not bad:
+    lost = unabsorbed(pushes, found)
+    if not bad and not lost:
       break
     opaque = opaque | bad
+    packed |= lost
   else:  # pragma: no cover - pathological nesting
     return flatten(closed, opaque), []
   for f in found:
@@ -924,6 +929,10 @@ class _Emitter:
     """Emits items in order; items of a sub-group become one group call.
     Within a region (``found``), items read the region's input aliases."""
     done = set()
+
+    def item_of(it: Item) -> Item:
+      return found.sub_items.get(it.idx, it) if found is not None else it
+
     for i in idxs:
       it = self.lvl.items[i]
       gs = it.groups
@@ -933,7 +942,16 @@ class _Emitter:
         k = gs.index(parent)
         child = gs[k + 1] if k + 1 < len(gs) else None
       if child is None:
-        self.emit_item(found.sub_items[i] if found is not None else it, env, original)
+        push = self.lvl.pushdowns.get(i) if original else None
+        if push is not None:
+          # The packed contraction and its slices, as the program wrote
+          # them (capture_slices): emitted at its first part's place.
+          if it in push.windows or all(o in env for o in it.outvars):
+            continue
+          if emit_original(push, env, _read, item_of):
+            continue
+          self.emit_item(item_of(push.windows[push.parts.index(it)]), env, original)
+        self.emit_item(item_of(it), env, original)
       elif child not in done:
         done.add(child)
         self.emit_group(child, env, original, found if parent is None else None)

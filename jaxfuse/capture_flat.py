@@ -86,6 +86,9 @@ class Item:
   invars: list
   outvars: list
   groups: tuple  # keys of enclosing (non-opaque) custom-call groups, outermost first
+  # Where the equation sits in the program (equation indices through the
+  # inlined calls): stable when the level is flattened again.
+  path: tuple = ()
 
   @property
   def prim(self) -> str:
@@ -114,6 +117,8 @@ class Level:
   outvars: list
   items: list
   groups: dict
+  # Item idx of a new window or contraction -> its ``capture_slices.Pushdown``.
+  pushdowns: dict = dataclasses.field(default_factory=dict)
 
   # -- derived maps (built lazily) -----------------------------------------
   def build_maps(self) -> None:
@@ -275,7 +280,7 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
       for v, o in zip(eqn.outvars, outs):
         if not _is_drop(v):
           e[v] = o
-      items.append(Item(len(items), eqn, invals, outs, gpath))
+      items.append(Item(len(items), eqn, invals, outs, gpath, key))
 
   walk(jaxpr, env, (), ())
   outvars = [read(env, a) for a in jaxpr.outvars]

@@ -295,6 +295,25 @@ def test_mlp_chain_cpu(tmp_path):
   _check_outputs(prefix, out)
 
 
+def test_mlp_chain_packed_cases_are_the_gated_ones_with_one_weight():
+  import jax  # pylint: disable=g-import-not-at-top
+  from benchmarks import mlp_chain  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  cases, groups = mlp_chain.all_cases(("gelu", "relu"), True, "float32")
+  assert groups["packed"] == [f"{m}-packed-M{t}" for m in mlp_chain.GATED_MODELS
+                              for t in mlp_chain.TOKENS]
+  gated, packed = cases["qwen2-0.5b-M8"], cases["qwen2-0.5b-packed-M8"]
+  key = jax.random.PRNGKey(0)
+  x, wg, wu, wd = gated.make_inputs(key, "float32")
+  xp, wgu, wdp = packed.make_inputs(key, "float32")
+  assert wgu.shape == (896, 2 * 4864)
+  np.testing.assert_allclose(np.asarray(packed.fn(xp, wgu, wdp)),
+                             np.asarray(gated.fn(x, wg, wu, wd)), rtol=1e-4, atol=1e-4)
+  assert (packed.flops, packed.nbytes) == (gated.flops, gated.nbytes)
+  [r] = capture.find_regions(jax.make_jaxpr(packed.fn)(xp, wgu, wdp))
+  assert len(r.region.contractions) == 3
+
+
 def test_bert_cpu(tmp_path):
   # --nojaxfuse_details: the planner takes minutes on BERT's LayerNorm+FFN
   # region today; planning is covered by the other binaries.

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
+from jaxfuse import ir
 from jaxfuse.capture_flat import FVar, Item, Level, bind_eqn, is_lit
 from jaxfuse.capture_ir import window_starts
 
@@ -185,16 +186,19 @@ def push_slices(lvl: Level, skip: frozenset | set = frozenset()) -> list[Pushdow
 
 def unabsorbed(pushes: Sequence[Pushdown], found: Sequence[Any]) -> set:
   """Keys of pushdowns that no single region takes whole together with a
-  contraction of its own (``found``: capture's regions, each with its
-  ``removed`` item set and ``region``).
+  contraction of its own or a join of the parts (``found``: capture's
+  regions, each with its ``removed`` item set and ``region``).
 
-  Why the further contraction: the parts alone (a packed QKV projection
-  as three sibling GEMMs) would only trade XLA's one packed GEMM for a
-  kernel the cost model prices against three separate ones."""
+  Why: parts that are only siblings (a packed QKV projection as three
+  GEMMs with a part loop) would trade XLA's one packed GEMM, whose results
+  its consumers read in place, for a kernel the cost model prices against
+  three GEMMs and their copies. A join (``silu(g) * u``) is a kernel XLA
+  runs after the packed GEMM too, and a further contraction a chain."""
   lost = set()
   for p in pushes:
     idxs = {d.idx for d in p.parts}
-    if not any(idxs <= f.removed and len(f.region.contractions) > len(idxs) for f in found):
+    if not any(idxs <= f.removed and (len(f.region.contractions) > len(idxs)
+                                      or ir.xla_joins(f.region)) for f in found):
       lost.add(p.key)
   return lost
 

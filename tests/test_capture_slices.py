@@ -192,3 +192,38 @@ def test_pushdown_rules():
   assert push_slices(flatten(jax.make_jaxpr(bmm)(xb, wb))) == []
   # A strided slice is not a window.
   assert push_slices(flatten(jax.make_jaxpr(lambda x, w: (x @ w)[:, ::2])(x, wgu))) == []
+
+
+def _layer(x, w):
+  wgu, wd = w
+  g, u = jnp.split(x @ wgu, 2, axis=-1)
+  return x + (jax.nn.silu(g) * u) @ wd, None
+
+
+@pytest.mark.parametrize("form", ["scan", "unrolled"])
+def test_packed_layers_values_and_gradients(form):
+  """Stacked packed weights: in a scan body (each layer's region planned
+  there), and unrolled (``wgu[l]`` is itself a window, and a layer's down
+  projection chains into the next layer's gate/up)."""
+  layers = 3
+  ks = jax.random.split(jax.random.PRNGKey(5), 3)
+  x = jax.random.normal(ks[0], (T, D), jnp.float32)
+  wgu = jax.random.normal(ks[1], (layers, D, 2 * F)) / math.sqrt(D)
+  wd = jax.random.normal(ks[2], (layers, F, D)) / math.sqrt(F)
+  if form == "scan":
+    fun = lambda x, wgu, wd: jax.lax.scan(_layer, x, (wgu, wd))[0]
+  else:
+    def fun(x, wgu, wd):
+      for l in range(layers):
+        x = _layer(x, (wgu[l], wd[l]))[0]
+      return x
+  regions = capture.find_regions(jax.make_jaxpr(fun)(x, wgu, wd))
+  assert regions and all(len(_dots(r.jaxpr)) < len(r.region.contractions) for r in regions)
+  ref = fun(x, wgu, wd)
+  grads_ref = jax.grad(lambda *a: fun(*a).sum(), argnums=(0, 1))(x, wgu, wd)
+  with config.override(backend="interpret"):
+    out = jaxfuse.jit(fun)(x, wgu, wd)
+    grads = jax.grad(lambda *a: jaxfuse.jit(fun)(*a).sum(), argnums=(0, 1))(x, wgu, wd)
+  assert _rel_err(out, ref) < 2e-3
+  for g, r in zip(grads, grads_ref):
+    assert _rel_err(g, r) < 2e-3

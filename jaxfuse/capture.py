@@ -946,11 +946,12 @@ class _Emitter:
         if push is not None:
           # The packed contraction and its slices, as the program wrote
           # them (capture_slices): emitted at its first part's place.
-          if it in push.windows or all(o in env for o in it.outvars):
+          if it in push.window_items() or all(o in env for o in it.outvars):
             continue
           if emit_original(push, env, _read, item_of):
             continue
-          self.emit_item(item_of(push.windows[push.parts.index(it)]), env, original)
+          for w in push.windows[push.parts.index(it)]:
+            self.emit_item(item_of(w), env, original)
         self.emit_item(item_of(it), env, original)
       elif child not in done:
         done.add(child)

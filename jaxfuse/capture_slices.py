@@ -56,7 +56,12 @@ class Pushdown:
     side: the operand the windows are taken of (0: lhs, 1: rhs).
     parts: the new contraction items, one per used slice output (each
       produces that output's value).
-    windows: the new ``slice`` items of operand ``side``, one per part.
+    windows: per part, the new items computing its window of operand
+      ``side``: a ``slice``, then the ``squeeze`` of a layer index when the
+      operand is one layer ``w[l]`` of a stacked array (see ``via``).
+    via: the original equations from the windows' source to operand
+      ``side`` (the layer's ``slice`` and ``squeeze``), or () when the
+      windows slice the operand itself.
   """
   key: tuple
   dot: Item
@@ -64,6 +69,10 @@ class Pushdown:
   side: int
   parts: list = dataclasses.field(default_factory=list)
   windows: list = dataclasses.field(default_factory=list)
+  via: tuple = ()
+
+  def window_items(self) -> list:
+    return [w for ws in self.windows for w in ws]
 
 
 def _free_axes(dot: Item) -> list[tuple[int, int] | None]:
@@ -120,6 +129,25 @@ def _plan(lvl: Level, d: Item, group_atoms: set) -> Pushdown | None:
   return p
 
 
+def _layer_of(lvl: Level, operand: FVar, groups: tuple):
+  """``(source, layer)``: when ``operand`` is one layer ``w[l]`` of a
+  stacked array (a unit-stride ``slice`` of ``w``, then a ``squeeze`` of the
+  sliced unit axes), the windows are taken of ``w`` itself, so that a region
+  reads them in place as it reads ``w[l]`` (``capture_ir.WINDOW_PRIMS``):
+  ``(w, ((slice item, squeeze item), axis of w for each operand axis))``.
+  Otherwise ``(operand, None)``."""
+  sq = lvl.producer.get(operand)
+  if sq is None or sq.prim != "squeeze" or sq.groups != groups:
+    return operand, None
+  sl = lvl.producer.get(sq.invars[0])
+  if (sl is None or sl.prim != "slice" or sl.groups != groups or window_starts(sl) is None
+      or not isinstance(sl.invars[0], FVar)):
+    return operand, None
+  dims = tuple(int(a) for a in sq.params["dimensions"])
+  rank = len(sl.outvars[0].aval.shape)
+  return sl.invars[0], ((sl, sq), [a for a in range(rank) if a not in dims])
+
+
 @functools.lru_cache(maxsize=512)
 def _slice_eqn(shape: tuple, dtype: str, weak: bool, start: tuple, limit: tuple):
   """A traced ``slice`` equation (the parameters of this jax version)."""
@@ -155,31 +183,47 @@ def push_slices(lvl: Level, skip: frozenset | set = frozenset()) -> list[Pushdow
       it.idx = len(items)
       items.append(it)
       continue
-    src = it.invars[p.side]
+    src, layer = _layer_of(lvl, it.invars[p.side], it.groups)
     full = tuple(src.aval.shape)
     made = []
     for o, cut in p.parts:
-      start, limit = [0] * len(full), list(full)
+      if layer is None:
+        start, limit, axis_of = [0] * len(full), list(full), list(range(len(full)))
+      else:
+        (lsl, lsq), axis_of = layer
+        p.via = (lsl.eqn, lsq.eqn)
+        start = list(lsl.params["start_indices"])
+        limit = list(lsl.params["limit_indices"])
       for ax, s, n in cut:
-        start[ax], limit[ax] = s, s + n
+        a = axis_of[ax]
+        start[a] += s
+        limit[a] = start[a] + n
       eqn = _slice_eqn(full, np.dtype(src.aval.dtype).name,
                        bool(getattr(src.aval, "weak_type", False)), tuple(start), tuple(limit))
       win = FVar(eqn.outvars[0].aval)
-      w_item = Item(len(items), eqn, [src], [win], it.groups, it.path + ("window", len(made)))
-      items.append(w_item)
+      path = it.path + ("window", len(made))
+      chain = [Item(len(items), eqn, [src], [win], it.groups, path)]
+      items.append(chain[0])
+      if layer is not None:
+        # The layer index's squeeze; its parameters do not depend on shapes.
+        kept = [n for a, n in enumerate(win.aval.shape) if a not in layer[0][1].params["dimensions"]]
+        sq = FVar(win.aval.update(shape=tuple(kept)))
+        chain.append(Item(len(items), layer[0][1].eqn, [win], [sq], it.groups, path + ("squeeze",)))
+        items.append(chain[-1])
+        win = sq
       ops = list(it.invars)
       ops[p.side] = win
       # The same parameters: a dot_general's do not depend on its shapes.
       d_item = Item(len(items), it.eqn, ops, [o], it.groups, it.path + ("part", len(made)))
       items.append(d_item)
-      p.windows.append(w_item)
+      p.windows.append(chain)
       made.append(d_item)
     p.parts = made
   lvl.items[:] = items
   for key, g in lvl.groups.items():
     g.items = [it.idx for it in items if key in it.groups]
   lvl.build_maps()
-  lvl.pushdowns = {it.idx: p for p in pushes.values() for it in (*p.windows, *p.parts)}
+  lvl.pushdowns = {it.idx: p for p in pushes.values() for it in (*p.window_items(), *p.parts)}
   return list(pushes.values())
 
 
@@ -209,12 +253,14 @@ def emit_original(p: Pushdown, env: dict, read: Callable, item_of: Callable[[Ite
   a level item to the one a region emits (reading its input aliases).
   Returns False, emitting nothing, when the operands are not in ``env``
   (the caller then emits the part as it is)."""
-  part, win = item_of(p.parts[0]), item_of(p.windows[0])
+  part, win = item_of(p.parts[0]), item_of(p.windows[0][0])
   try:
     ops = [read(env, win.invars[0]) if pos == p.side else read(env, a)
            for pos, a in enumerate(part.invars)]
   except KeyError:
     return False
+  for eqn in p.via:   # the layer w[l] again, from the stacked w
+    (ops[p.side],) = bind_eqn(eqn, [ops[p.side]])
   (full,) = bind_eqn(p.dot.eqn, ops)
   for u in p.uses:
     for o, v in zip(u.outvars, bind_eqn(u.eqn, [full])):

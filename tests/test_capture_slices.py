@@ -177,13 +177,22 @@ def test_pushdown_rules():
   lvl = flatten(jax.make_jaxpr(packed_split)(x, wgu, wd))
   [p] = push_slices(lvl)
   assert p.side == 1 and len(p.parts) == 2
-  assert [tuple(w.outvars[0].aval.shape) for w in p.windows] == [(D, F), (D, F)]
+  assert [tuple(w.outvars[0].aval.shape) for [w] in p.windows] == [(D, F), (D, F)]
   assert [it.prim for it in lvl.items[:4]] == ["slice", "dot_general"] * 2
   assert [it.idx for it in lvl.items] == list(range(len(lvl.items)))
   # Rows of the result are windows of the lhs.
   lvl = flatten(jax.make_jaxpr(lambda x, w: (x @ w)[:8])(x, wgu))
   [p] = push_slices(lvl)
-  assert p.side == 0 and tuple(p.windows[0].outvars[0].aval.shape) == (8, D)
+  assert p.side == 0 and tuple(p.windows[0][0].outvars[0].aval.shape) == (8, D)
+  # Windows of one layer w[l] of stacked weights slice the stack itself.
+  ws = jnp.stack([wgu, wgu])
+  lvl = flatten(jax.make_jaxpr(lambda x, ws: jnp.split(x @ ws[1], 2, -1)[1])(x, ws))
+  [p] = push_slices(lvl)
+  [[sl, sq]] = p.windows
+  assert sl.invars[0] is lvl.invars[1] and sq.prim == "squeeze"
+  assert (tuple(sl.params["start_indices"]), tuple(sl.params["limit_indices"])) == (
+      (1, 0, F), (2, D, 2 * F))
+  assert [e.primitive.name for e in p.via] == ["slice", "squeeze"]
   # Windows of both operands at once, and batch axes: not pushed.
   assert push_slices(flatten(jax.make_jaxpr(lambda x, w: (x @ w)[:8, :F])(x, wgu))) == []
   xb = jnp.ones((2, T, D), jnp.float16)
@@ -219,6 +228,11 @@ def test_packed_layers_values_and_gradients(form):
       return x
   regions = capture.find_regions(jax.make_jaxpr(fun)(x, wgu, wd))
   assert regions and all(len(_dots(r.jaxpr)) < len(r.region.contractions) for r in regions)
+  if form == "unrolled":
+    # The gate and up windows of wgu[l] read the stacked wgu in place.
+    for r in regions:
+      wins = [b for b in r.region.inputs if b.window and tuple(b.shape) == wgu.shape]
+      assert len(wins) == 2 and wins[1].offset - wins[0].offset == F
   ref = fun(x, wgu, wd)
   grads_ref = jax.grad(lambda *a: fun(*a).sum(), argnums=(0, 1))(x, wgu, wd)
   with config.override(backend="interpret"):

@@ -77,12 +77,43 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
                                                scale=0.1))
   for k in (16, 32):
     add("chains", f"gemm-K{k}", examples.gemm_chain(2, 512, 256, k, 64, dtype=dtype))
+  # Middle loops of one tile (128 keys or fewer: short sequences, a
+  # transformer's per-layer attention at 128 tokens): the second dot then
+  # reads the whole computed row, with no loop around it.
+  for d in (64, 128):
+    add("short", f"att-N128-d{d}", T.attention(M=128, N=128, D=d, B=1, heads=8, dtype=dtype,
+                                               scale=d ** -0.5))
+  add("short", "att-N64-d64", T.attention(M=256, N=64, D=64, B=1, heads=8, dtype=dtype,
+                                          scale=0.125))
+  add("short", "att-N128-d64-causal", T.attention(M=128, N=128, D=64, B=1, heads=8,
+                                                  dtype=dtype, causal=True, scale=0.125))
+  for n in (64, 128):
+    add("short", f"gemm-N{n}", examples.gemm_chain(2, 512, n, 64, 64, dtype=dtype))
+  for heads, d in ((16, 64), (8, 128)):
+    add("short", f"att-N128-h{heads}-d{d}-captured", _captured_attention(128, heads, d, dtype))
   # Small enough for Triton's interpreter (the check without a GPU).
   add("tiny", "tiny-gemm", T.gemm_chain(M=64, N=64, K=32, H=32, dtype="float32"))
   add("tiny", "tiny-mlp3", examples.mlp_chain(1, 32, [32, 64, 32, 16], dtype="float32", act="tanh"))
   add("tiny", "tiny-attention-causal", T.attention(M=32, N=48, D=16, heads=2, causal=True))
   groups["all"] = [n for n in regions if n not in groups["tiny"]]
   return regions, groups
+
+
+def _captured_attention(t: int, heads: int, d: int, dtype: str):
+  """The region capture makes of attention as a transformer layer writes it
+  (token-major q, k, v; ``jax.nn.softmax``): its ops and dtypes differ from
+  the hand-built examples'."""
+  import math  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture, ir  # pylint: disable=g-import-not-at-top
+
+  def attn(q, k, v):
+    q, k, v = (a.reshape(t, heads, d).transpose(1, 0, 2) for a in (q, k, v))
+    return jax.nn.softmax(q @ k.transpose(0, 2, 1) / math.sqrt(d), -1) @ v
+  x = jax.ShapeDtypeStruct((t, heads * d), jnp.dtype(dtype))
+  [r] = capture.find_regions(jax.make_jaxpr(attn)(x, x, x))
+  return ir.simplify(r.region)
 
 
 def check_region(name: str, region, top: int, budget_s: float, gpu: bool) -> dict:

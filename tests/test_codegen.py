@@ -19,7 +19,7 @@ from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, generate, testing as T
 from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.ir import Contraction, Elementwise, Literal, Value, Region
-from jaxfuse.planner import tiling
+from jaxfuse.planner import pruning, tiling
 from jaxfuse.planner.plan import Plan
 from jaxfuse.runtime import launch
 
@@ -430,6 +430,35 @@ def test_chained_dot_of_an_elementwise_accumulator_is_refused():
     generate(r, bad, interpret=True)
   generate(r, T.simple_plan(r, ("b", "m", "h"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=16)),
            interpret=True)
+
+
+def test_straight_line_chained_dot_is_refused():
+  """Short middle loops (attention over 128 keys, a GEMM chain 64 wide in
+  the middle) with every reduction one whole tile: a dot of the computed
+  tile at >= 64 rows into <= 32 columns returned errors of 1.2-1.4 or an
+  illegal memory access on the H100 (fiftieth session). A reduction loop
+  in the first dot, or 64 columns, or fewer rows, was correct."""
+  att = T.attention(M=128, N=128, D=64, B=1, heads=8, dtype="float16", scale=0.125)
+  chain = T.gemm_chain(M=512, N=64, K=64, H=64, B=2, dtype="float16")
+  bad = [(att, dict(b=1, g=1, m=64, n=128, d=64, e=16)),
+         (att, dict(b=1, g=1, m=128, n=128, d=64, e=32)),
+         (chain, dict(b=1, m=64, n=64, k=64, h=32))]
+  good = [(att, dict(b=1, g=1, m=64, n=128, d=32, e=16)),    # a d loop before the dot
+          (att, dict(b=1, g=1, m=64, n=64, d=64, e=16)),     # an n loop (streaming)
+          (att, dict(b=1, g=1, m=64, n=128, d=64, e=64)),
+          (att, dict(b=1, g=1, m=32, n=128, d=64, e=32)),
+          (chain, dict(b=1, m=64, n=64, k=32, h=32))]
+  for r, t in bad:
+    assert "no reduction loop" in (pruning.dot_hazard(r, t) or ""), t
+  for r, t in good:
+    assert pruning.dot_hazard(r, t) is None, t
+  plan = T.simple_plan(chain, ("b", "m", "h"), [], dict(b=1, m=64, n=64, k=64, h=32))
+  with pytest.raises(CodegenError, match="no reduction loop"):
+    generate(chain, plan, interpret=True)
+  # The planner's pick for 128-token attention avoids the corner.
+  from jaxfuse.planner import plan_region   # pylint: disable=import-outside-toplevel
+  best = plan_region(att, "h100", use_cache=False).best
+  assert pruning.dot_hazard(att, best.tile_map) is None, best
 
 
 def test_planner_pick_with_a_batch_of_one_uses_tl_dot():

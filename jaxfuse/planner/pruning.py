@@ -173,6 +173,24 @@ ACC_FEED_MIN_ROWS, ACC_FEED_MAX_RED, ACC_FEED_MAX_FIRST_RED = 64, 32, 64
 # rows, a 128-wide reduction and 16 columns). Many of these kernels in one
 # process also ended in illegal memory accesses, none alone.
 CHAIN3_MIN_ROWS, CHAIN3_MIN_RED, CHAIN3_MAX_COLS = 64, 64, 32
+# A fourth family (Triton 3.6.0, H100, 2026-11-24): a dot of a computed
+# operand at >= 64 rows, a reduction of <= 128, into <= 32 columns, when
+# neither it nor the
+# contractions its operand comes from (through any ops: softmax's row
+# reductions too) run a reduction loop: every reduction is one whole tile,
+# so the kernel is straight-line code from the first dot to the second.
+# Short sequences hit it: attention over 64 or 128 keys, a GEMM chain with
+# a 64- or 128-wide middle. `plan_check --cases=short` (8 regions, 320
+# plans): all 15 such plans that ran failed, 8 with errors of 1.2-1.4 and
+# 7 with an illegal memory access (one ended a user's program at 128
+# tokens: the plan was self-checked in its process); every plan outside
+# the corner was correct, among them the same tiles with a first-dot
+# reduction loop (a 32-wide tile of a 64-wide reduction), or with the
+# columns looped in the kernel. The interpreter runs them correctly
+# (benchmarks/RESULTS.md, fiftieth session). The eleventh session measured
+# 64 rows with a whole 256-wide reduction into 16 columns correct, hence
+# the reduction bound (the failures had 64 and 128).
+STRAIGHT_MIN_ROWS, STRAIGHT_MAX_RED, STRAIGHT_MAX_COLS = 64, 128, 32
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
 # tile with a reduction of at least this many: the converted float32 tile
 # is held in registers, and the kernel spills. MCFuser G2
@@ -215,7 +233,8 @@ def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, 
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
                ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
-  (see ``HAZARD_ROWS``, ``ACC_FEED_MIN_ROWS`` and ``CHAIN3_MIN_ROWS``), a
+  (see ``HAZARD_ROWS``, ``ACC_FEED_MIN_ROWS``, ``CHAIN3_MIN_ROWS`` and
+  ``STRAIGHT_MIN_ROWS``), a
   broadcast product too large to compile (``MAX_BROADCAST_PRODUCT``) or,
   with ``tf32``, a dot that spills registers (see ``TF32_MAX_COMPUTED_RED``),
   or None.
@@ -228,6 +247,9 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
   def t(l):
     return min(int(tiles[l]), tiling.next_pow2(ext[l]))
   tile = {l: t(l) for l in ext}
+
+  def whole(loops) -> bool:   # one tile each: no loop in the kernel
+    return all(tile[l] >= tiling.next_pow2(ext[l]) for l in loops)
   for op in region.contractions:
     n = broadcast_product(region, op, tile)
     if n is not None and n > MAX_BROADCAST_PRODUCT:
@@ -245,6 +267,12 @@ def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
       if rows >= HAZARD_ROWS and red >= HAZARD_RED and cols < HAZARD_MAX_COLS:
         return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns, "
                 "which Triton miscompiles")
+      if (rows >= STRAIGHT_MIN_ROWS and red <= STRAIGHT_MAX_RED and cols <= STRAIGHT_MAX_COLS
+              and whole(op.reduce)):
+        ups = _upstream_contractions(region, computed)
+        if ups and all(whole(u.reduce) for u in ups):
+          return (f"{op.out}: a dot of a computed {rows}x{red} tile into {cols} columns "
+                  "with no reduction loop before it, which Triton miscompiles")
       # Both families below need warpgroup-MMA rows; the walk is skipped otherwise.
       feeders = (_elementwise_feeders(region, computed)
                  if rows >= min(CHAIN3_MIN_ROWS, ACC_FEED_MIN_ROWS) else [])
@@ -286,6 +314,22 @@ def _elementwise_feeders(region: ir.Region, v: str) -> list[ir.Contraction]:
     elif op is not None:
       return []
   return feeders
+
+
+def _upstream_contractions(region: ir.Region, v: str) -> list[ir.Contraction]:
+  """The contractions ``v`` is computed from, through any other ops."""
+  found, todo, seen = [], [v], set()
+  while todo:
+    x = todo.pop()
+    if x in seen:
+      continue
+    seen.add(x)
+    op = region.producer(x)
+    if isinstance(op, ir.Contraction):
+      found.append(op)
+    elif op is not None:
+      todo.extend(op.inputs)
+  return found
 
 
 # -- Rule 1 / Rule 2 --------------------------------------------------------

@@ -19,7 +19,9 @@ pushed contraction only when one region absorbs all its parts
 (``unabsorbed`` names the others, and capture analyses the level again
 without them), and wherever a region's original ops are emitted (its
 fallback jaxpr, a region the planner leaves to XLA) the parts become the
-packed contraction and its slices again (``emit_original``).
+packed contraction and its slices again (``emit_original``). The windows
+of one layer ``w_gu[l]`` of stacked weights are taken of the stack itself,
+so that a region reads them in place at the layer's offset.
 
 Example::
 

@@ -91,6 +91,8 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
     add("short", f"gemm-N{n}", examples.gemm_chain(2, 512, n, 64, 64, dtype=dtype))
   for heads, d in ((16, 64), (8, 128)):
     add("short", f"att-N128-h{heads}-d{d}-captured", _captured_attention(128, heads, d, dtype))
+  for d in (64, 128):
+    add("short", f"gqa-N128-h16-kv4-d{d}", _captured_attention(128, 16, d, dtype, kv_heads=4))
   # Small enough for Triton's interpreter (the check without a GPU).
   add("tiny", "tiny-gemm", T.gemm_chain(M=64, N=64, K=32, H=32, dtype="float32"))
   add("tiny", "tiny-mlp3", examples.mlp_chain(1, 32, [32, 64, 32, 16], dtype="float32", act="tanh"))
@@ -99,10 +101,11 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
   return regions, groups
 
 
-def _captured_attention(t: int, heads: int, d: int, dtype: str):
+def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 0):
   """The region capture makes of attention as a transformer layer writes it
-  (token-major q, k, v; ``jax.nn.softmax``): its ops and dtypes differ from
-  the hand-built examples'."""
+  (token-major q, k, v; ``jax.nn.softmax``; with ``kv_heads``, grouped-query
+  attention through ``jax.nn.dot_product_attention``): its ops and dtypes
+  differ from the hand-built examples'."""
   import math  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -111,8 +114,16 @@ def _captured_attention(t: int, heads: int, d: int, dtype: str):
   def attn(q, k, v):
     q, k, v = (a.reshape(t, heads, d).transpose(1, 0, 2) for a in (q, k, v))
     return jax.nn.softmax(q @ k.transpose(0, 2, 1) / math.sqrt(d), -1) @ v
-  x = jax.ShapeDtypeStruct((t, heads * d), jnp.dtype(dtype))
-  [r] = capture.find_regions(jax.make_jaxpr(attn)(x, x, x))
+
+  def gqa(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  if kv_heads:
+    q = jax.ShapeDtypeStruct((1, t, heads, d), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((1, t, kv_heads, d), jnp.dtype(dtype))
+    [r] = capture.find_regions(jax.make_jaxpr(gqa)(q, kv, kv))
+  else:
+    x = jax.ShapeDtypeStruct((t, heads * d), jnp.dtype(dtype))
+    [r] = capture.find_regions(jax.make_jaxpr(attn)(x, x, x))
   return ir.simplify(r.region)
 
 

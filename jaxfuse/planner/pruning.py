@@ -300,24 +300,14 @@ def _elementwise_feeders(region: ir.Region, v: str) -> list[ir.Contraction]:
   way (see ``ACC_FEED_MIN_ROWS``)."""
   if region.value_map[v].dtype not in ("float16", "bfloat16"):
     return []
-  feeders, todo, seen = [], [v], set()
-  while todo:
-    x = todo.pop()
-    if x in seen:
-      continue
-    seen.add(x)
-    op = region.producer(x)
-    if isinstance(op, ir.Contraction):
-      feeders.append(op)
-    elif isinstance(op, ir.Elementwise):
-      todo.extend(op.inputs)
-    elif op is not None:
-      return []
-  return feeders
+  return _upstream_contractions(region, v, elementwise_only=True)
 
 
-def _upstream_contractions(region: ir.Region, v: str) -> list[ir.Contraction]:
-  """The contractions ``v`` is computed from, through any other ops."""
+def _upstream_contractions(region: ir.Region, v: str, *, elementwise_only: bool = False
+                           ) -> list[ir.Contraction]:
+  """The contractions ``v`` is computed from, through any other ops (with
+  ``elementwise_only``, through elementwise ops only: none when another op
+  lies on the way)."""
   found, todo, seen = [], [v], set()
   while todo:
     x = todo.pop()
@@ -327,8 +317,10 @@ def _upstream_contractions(region: ir.Region, v: str) -> list[ir.Contraction]:
     op = region.producer(x)
     if isinstance(op, ir.Contraction):
       found.append(op)
-    elif op is not None:
+    elif isinstance(op, ir.Elementwise) or (op is not None and not elementwise_only):
       todo.extend(op.inputs)
+    elif op is not None:
+      return []
   return found
 
 

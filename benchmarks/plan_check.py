@@ -93,6 +93,11 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
     add("short", f"att-N128-h{heads}-d{d}-captured", _captured_attention(128, heads, d, dtype))
   for d in (64, 128):
     add("short", f"gqa-N128-h16-kv4-d{d}", _captured_attention(128, 16, d, dtype, kv_heads=4))
+  add("short", "gqa-N128-h16-kv4-d64-causal",
+      _captured_attention(128, 16, 64, dtype, kv_heads=4, causal=True))
+  for act in ("", "tanh"):
+    add("short", f"mlp3-{act or 'none'}-64-128-64-32",
+        examples.mlp_chain(1, 256, [64, 128, 64, 32], dtype=dtype, act=act))
   # Small enough for Triton's interpreter (the check without a GPU).
   add("tiny", "tiny-gemm", T.gemm_chain(M=64, N=64, K=32, H=32, dtype="float32"))
   add("tiny", "tiny-mlp3", examples.mlp_chain(1, 32, [32, 64, 32, 16], dtype="float32", act="tanh"))
@@ -101,7 +106,8 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
   return regions, groups
 
 
-def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 0):
+def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 0,
+                        causal: bool = False):
   """The region capture makes of attention as a transformer layer writes it
   (token-major q, k, v; ``jax.nn.softmax``; with ``kv_heads``, grouped-query
   attention through ``jax.nn.dot_product_attention``): its ops and dtypes
@@ -116,7 +122,7 @@ def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 
     return jax.nn.softmax(q @ k.transpose(0, 2, 1) / math.sqrt(d), -1) @ v
 
   def gqa(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
   if kv_heads:
     q = jax.ShapeDtypeStruct((1, t, heads, d), jnp.dtype(dtype))
     kv = jax.ShapeDtypeStruct((1, t, kv_heads, d), jnp.dtype(dtype))

@@ -56,8 +56,10 @@ class Pushdown:
     dot: the original contraction (no longer an item of the level).
     uses: the original ``slice``/``split`` items of its result.
     side: the operand the windows are taken of (0: lhs, 1: rhs).
-    parts: the new contraction items, one per used slice output (each
-      produces that output's value).
+    cuts: per used slice output, ``(output, [(operand axis, start, size)])``:
+      what ``_plan`` found, from which ``push_slices`` makes the items.
+    parts: the new contraction items, one per cut (each produces that
+      output's value).
     windows: per part, the new items computing its window of operand
       ``side``: a ``slice``, then the ``squeeze`` of a layer index when the
       operand is one layer ``w[l]`` of a stacked array (see ``via``).
@@ -69,6 +71,7 @@ class Pushdown:
   dot: Item
   uses: list
   side: int
+  cuts: list = dataclasses.field(default_factory=list)
   parts: list = dataclasses.field(default_factory=list)
   windows: list = dataclasses.field(default_factory=list)
   via: tuple = ()
@@ -126,9 +129,7 @@ def _plan(lvl: Level, d: Item, group_atoms: set) -> Pushdown | None:
       parts.append((o, [(axes[ax][1], st[ax], size[ax]) for ax in cut]))
   if side is None or not parts or not isinstance(d.invars[side], FVar):
     return None
-  p = Pushdown(d.path, d, list(uses), side)
-  p.parts = parts   # (output, [(operand axis, start, size)]), made items in push_slices
-  return p
+  return Pushdown(d.path, d, list(uses), side, parts)
 
 
 def _layer_of(lvl: Level, operand: FVar, groups: tuple):
@@ -136,18 +137,19 @@ def _layer_of(lvl: Level, operand: FVar, groups: tuple):
   stacked array (a unit-stride ``slice`` of ``w``, then a ``squeeze`` of the
   sliced unit axes), the windows are taken of ``w`` itself, so that a region
   reads them in place as it reads ``w[l]`` (``capture_ir.WINDOW_PRIMS``):
-  ``(w, ((slice item, squeeze item), axis of w for each operand axis))``.
-  Otherwise ``(operand, None)``."""
+  ``(w, (slice item, squeeze item), axis of w for each operand axis)``.
+  Otherwise ``(operand, (), identity axes)``."""
+  plain = operand, (), list(range(len(operand.aval.shape)))
   sq = lvl.producer.get(operand)
   if sq is None or sq.prim != "squeeze" or sq.groups != groups:
-    return operand, None
+    return plain
   sl = lvl.producer.get(sq.invars[0])
   if (sl is None or sl.prim != "slice" or sl.groups != groups or window_starts(sl) is None
       or not isinstance(sl.invars[0], FVar)):
-    return operand, None
+    return plain
   dims = tuple(int(a) for a in sq.params["dimensions"])
   rank = len(sl.outvars[0].aval.shape)
-  return sl.invars[0], ((sl, sq), [a for a in range(rank) if a not in dims])
+  return sl.invars[0], (sl, sq), [a for a in range(rank) if a not in dims]
 
 
 @functools.lru_cache(maxsize=512)
@@ -185,17 +187,15 @@ def push_slices(lvl: Level, skip: frozenset | set = frozenset()) -> list[Pushdow
       it.idx = len(items)
       items.append(it)
       continue
-    src, layer = _layer_of(lvl, it.invars[p.side], it.groups)
+    src, layer, axis_of = _layer_of(lvl, it.invars[p.side], it.groups)
+    p.via = tuple(x.eqn for x in layer)
     full = tuple(src.aval.shape)
-    made = []
-    for o, cut in p.parts:
-      if layer is None:
-        start, limit, axis_of = [0] * len(full), list(full), list(range(len(full)))
+    for o, cut in p.cuts:
+      if layer:
+        start = list(layer[0].params["start_indices"])
+        limit = list(layer[0].params["limit_indices"])
       else:
-        (lsl, lsq), axis_of = layer
-        p.via = (lsl.eqn, lsq.eqn)
-        start = list(lsl.params["start_indices"])
-        limit = list(lsl.params["limit_indices"])
+        start, limit = [0] * len(full), list(full)
       for ax, s, n in cut:
         a = axis_of[ax]
         start[a] += s
@@ -203,24 +203,24 @@ def push_slices(lvl: Level, skip: frozenset | set = frozenset()) -> list[Pushdow
       eqn = _slice_eqn(full, np.dtype(src.aval.dtype).name,
                        bool(getattr(src.aval, "weak_type", False)), tuple(start), tuple(limit))
       win = FVar(eqn.outvars[0].aval)
-      path = it.path + ("window", len(made))
+      path = it.path + ("window", len(p.parts))
       chain = [Item(len(items), eqn, [src], [win], it.groups, path)]
       items.append(chain[0])
-      if layer is not None:
+      if layer:
         # The layer index's squeeze; its parameters do not depend on shapes.
-        kept = [n for a, n in enumerate(win.aval.shape) if a not in layer[0][1].params["dimensions"]]
+        squeeze = layer[1]
+        kept = [n for a, n in enumerate(win.aval.shape) if a not in squeeze.params["dimensions"]]
         sq = FVar(win.aval.update(shape=tuple(kept)))
-        chain.append(Item(len(items), layer[0][1].eqn, [win], [sq], it.groups, path + ("squeeze",)))
+        chain.append(Item(len(items), squeeze.eqn, [win], [sq], it.groups, path + ("squeeze",)))
         items.append(chain[-1])
         win = sq
       ops = list(it.invars)
       ops[p.side] = win
       # The same parameters: a dot_general's do not depend on its shapes.
-      d_item = Item(len(items), it.eqn, ops, [o], it.groups, it.path + ("part", len(made)))
+      d_item = Item(len(items), it.eqn, ops, [o], it.groups, it.path + ("part", len(p.parts)))
       items.append(d_item)
       p.windows.append(chain)
-      made.append(d_item)
-    p.parts = made
+      p.parts.append(d_item)
   lvl.items[:] = items
   for key, g in lvl.groups.items():
     g.items = [it.idx for it in items if key in it.groups]

@@ -65,6 +65,12 @@ class Config:
     that a candidate that faults on the GPU (an illegal memory access
     poisons a process's CUDA context) ends that process, not the caller's;
     the candidate is then dropped. Off: they run in this process.
+  check_isolate: a kernel's self-check on the GPU (the first time this
+    machine and plan cache see it) runs the kernel in a light child process
+    (``jaxfuse.runtime.kernel_sandbox``: no jax, Triton or torch there; it
+    starts in well under a second), so that a miscompiled kernel that
+    faults ends that process, not the caller's; the plan is then dropped.
+    Off, or where the child cannot run it: in this process.
   compile_workers: processes that compile measured tuning's candidate
     kernels (``jaxfuse.runtime.compile_pool``); 0 compiles them in this
     process, on threads. Default: all but 2 CPUs (at least 8, at most 16,
@@ -89,6 +95,7 @@ class Config:
   tune: str = "auto"
   tune_budget_s: float = 4.0
   tune_isolate: bool = True
+  check_isolate: bool = True
   compile_workers: int = min(16, os.cpu_count() or 1, max(8, (os.cpu_count() or 1) - 2))
   allow_split: bool = True
   launch: str = "direct"
@@ -103,6 +110,7 @@ class Config:
     c.tune = os.environ.get("JAXFUSE_TUNE", c.tune) or c.tune
     c.tune_budget_s = _env_number("JAXFUSE_TUNE_BUDGET_S", c.tune_budget_s)
     c.tune_isolate = _env_bool("JAXFUSE_TUNE_ISOLATE", c.tune_isolate)
+    c.check_isolate = _env_bool("JAXFUSE_CHECK_ISOLATE", c.check_isolate)
     c.compile_workers = _env_number("JAXFUSE_COMPILE_WORKERS", c.compile_workers, int)
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch

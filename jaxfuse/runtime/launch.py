@@ -512,28 +512,48 @@ def _launch_offsets(kernel: GeneratedKernel, offsets: Optional[Sequence[int]]) -
   return [int(o) for o in offs]
 
 
+def _launch_steps(kernel: GeneratedKernel) -> list[tuple]:
+  """The kernel calls of one launch of ``kernel``, in order, as ``(fn, grid,
+  constexprs, operands, results)``. Operands and results are named: ``('in',
+  i)`` the region's inputs, ``('off', i)`` its window offsets (scalars),
+  ``('tmp', j)`` a split plan's partials, ``('out', j)`` its outputs.
+  ``triton_launch`` runs them; the checking process binds its buffers by
+  these names (``_sandbox_program``)."""
+  region = kernel.region
+  ins = [("in", i) for i in range(len(ir.operand_buffers(region.inputs)))]
+  ins += [("off", i) for i in range(len(region.launch_offsets()))]
+  outs = [("out", j) for j in range(len(ir.operand_buffers(region.outputs)))]
+  if kernel.combine_fn is None:
+    return [(kernel.fn, kernel.grid, kernel.constexprs, ins, outs)]
+  tmps = [("tmp", j) for j in range(len(kernel.scratch))]
+  return [(kernel.fn, kernel.grid, kernel.constexprs, ins, tmps),
+          (kernel.combine_fn, kernel.combine_grid, kernel.combine_constexprs, ins + tmps, outs)]
+
+
+def _launch_buffers(kernel: GeneratedKernel) -> dict:
+  """``ShapeDtypeStruct``s of the buffers ``_launch_steps`` makes: ``tmp``, ``out``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  specs = {("tmp", j): jax.ShapeDtypeStruct((max(s.numel, 1),), jnp.float32)
+           for j, s in enumerate(kernel.scratch if kernel.combine_fn is not None else ())}
+  specs.update({("out", j): s for j, s in enumerate(_out_shapes(kernel.region))})
+  return specs
+
+
 def triton_launch(kernel: GeneratedKernel, args: Sequence[Any],
                   offsets: Optional[Sequence[int]] = None) -> list[Any]:
   """``jax_triton.triton_call`` of a generated kernel (plus its combine pass).
   ``offsets``: as in ``run_interpreted``."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  offs = _launch_offsets(kernel, offsets)
-  args = [*args, *offs]   # the window offsets follow the input pointers
+  values: dict = {("in", i): a for i, a in enumerate(args)}
+  values.update({("off", i): o for i, o in enumerate(_launch_offsets(kernel, offsets))})
+  specs = _launch_buffers(kernel)
   jt = triton_call.jax_triton_module()
   kw = dict(kernel.launch_options, custom_call_target_name=triton_call.call_target(jt))
-  outs = _out_shapes(kernel.region)
-  if kernel.combine_fn is None:
-    res = jt.triton_call(*args, kernel=kernel.fn, out_shape=outs, grid=kernel.grid, **kw,
-                         **kernel.constexprs)
-    return list(res) if isinstance(res, (list, tuple)) else [res]
-  scratch_shapes = [jax.ShapeDtypeStruct((max(s.numel, 1),), jnp.float32) for s in kernel.scratch]
-  scratch = jt.triton_call(*args, kernel=kernel.fn, out_shape=scratch_shapes, grid=kernel.grid,
-                           **kw, **kernel.constexprs)
-  scratch = list(scratch) if isinstance(scratch, (list, tuple)) else [scratch]
-  res = jt.triton_call(*args, *scratch, kernel=kernel.combine_fn, out_shape=outs,
-                       grid=kernel.combine_grid, **kw, **kernel.combine_constexprs)
-  return list(res) if isinstance(res, (list, tuple)) else [res]
+  for fn, grid, constexprs, operands, results in _launch_steps(kernel):
+    res = jt.triton_call(*[values[o] for o in operands], kernel=fn,
+                         out_shape=[specs[r] for r in results], grid=grid, **kw, **constexprs)
+    values.update(zip(results, res if isinstance(res, (list, tuple)) else [res]))
+  return [values[("out", j)] for j in range(len(ir.operand_buffers(kernel.region.outputs)))]
 
 
 def _on_device(xs: Sequence[Any]) -> list[Any]:
@@ -561,12 +581,74 @@ def _compile(fn: Callable, args: Sequence[Any], **compiler_options) -> Any:
 
 
 def _run_on_gpu(kernel: GeneratedKernel, xs: list) -> list[np.ndarray]:
+  """The kernel's outputs on ``xs`` (NumPy arrays), run in the checking
+  process (``kernel_sandbox``) where ``config.check_isolate`` asks for it
+  and it can, else in this one. Raises ``kernel_sandbox.KernelFault`` when
+  the kernel fails there."""
   import jax  # pylint: disable=g-import-not-at-top
+  if _check_isolated():
+    outs = _run_in_sandbox(kernel, xs)
+    if outs is not None:
+      return outs
   args = _on_device(xs)
   fn = _compile(lambda *a: triton_launch(kernel, a), args)
   with jax.ensure_compile_time_eval():
     outs = jax.block_until_ready(fn(*args))
   return [np.asarray(o) for o in outs]
+
+
+def _check_isolated() -> bool:
+  """Whether a kernel's self-check runs in the checking process: asked for,
+  and not already in measured tuning's child (itself isolated)."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return config.check_isolate and not _IN_MEASURE_WORKER
+
+
+def _device_ordinal() -> int:
+  """The CUDA ordinal of the device this process's checks run on."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return int(getattr(jax.local_devices()[0], "local_hardware_id", 0) or 0)
+
+
+def _sandbox_program(kernel: GeneratedKernel, xs: Sequence[np.ndarray]):
+  """The ``kernel_sandbox.Program`` of one launch of ``kernel`` on arrays
+  like ``xs``: the kernel is compiled as the user's program will run it
+  (lowering its call; the compiled call is kept for that program), its
+  buffers named by ``_launch_steps``. None where a call's attributes cannot
+  be read (a launch the checking process does not take)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import kernel_sandbox  # pylint: disable=g-import-not-at-top
+  structs = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in xs]
+  with triton_call.collect_calls() as calls:
+    jax.jit(lambda *a: triton_launch(kernel, a), keep_unused=True).lower(*structs)
+  steps = _launch_steps(kernel)
+  if len(calls) != len(steps) or any(c is None for c in calls):
+    return None
+  ids: dict = {}
+  buffers: list = []
+  named = [(("in", i), s) for i, s in enumerate(structs)] + list(_launch_buffers(kernel).items())
+  for name, s in named:
+    ids[name] = len(buffers)
+    buffers.append((tuple(s.shape), np.dtype(s.dtype)))
+  bound = [(attrs, [ids[b] for b in (*operands, *results) if b[0] != "off"])
+           for attrs, (_, _, _, operands, results) in zip(calls, steps)]
+  return kernel_sandbox.Program(
+      buffers=buffers, steps=bound, inputs=[ids[("in", i)] for i in range(len(xs))],
+      outputs=[ids[("out", j)] for j in range(len(ir.operand_buffers(kernel.region.outputs)))])
+
+
+def _run_in_sandbox(kernel: GeneratedKernel, xs: Sequence[np.ndarray]) -> Optional[list]:
+  """The kernel's outputs from the checking process, or None where it
+  cannot run them (then this process runs the kernel)."""
+  from jaxfuse.runtime import kernel_sandbox  # pylint: disable=g-import-not-at-top
+  device = _device_ordinal()
+  kernel_sandbox.prestart(device)   # its start overlaps the kernel's compile below
+  program = _sandbox_program(kernel, xs)
+  if program is None:
+    logging.info("jaxfuse: plan %s self-checked in this process: its launch cannot be read "
+                 "for the checking process", kernel.plan)
+    return None
+  return kernel_sandbox.run(program, [np.asarray(x) for x in xs], device=device)
 
 
 # ------------------------------------------------------------ selection

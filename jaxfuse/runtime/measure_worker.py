@@ -35,20 +35,18 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import itertools
 import os
 import pickle
 import queue
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
 from absl import logging
+
+from jaxfuse.runtime import child_process
 
 __all__ = ["MeasureWorker", "measure", "prestart", "start", "shutdown", "wait_until_ready"]
 
@@ -70,7 +68,7 @@ def _died(how: str) -> str:
   return f"{DIED} ({how})"
 
 
-class MeasureWorker:
+class MeasureWorker(child_process.ChildProcess):
   """One measuring child process and the caller's side of its protocol.
 
   ``argv``: the child's command (default: this module run by the current
@@ -86,80 +84,22 @@ class MeasureWorker:
     env[_DEVICE_ENV] = device
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     self.device = device
-    self.started = time.perf_counter()
-    self._proc = subprocess.Popen(
-        list(argv) if argv else [sys.executable, "-m", "jaxfuse.runtime.measure_worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    self._inbox: queue.Queue = queue.Queue()
-    self._send_lock = threading.Lock()
-    self._ready = threading.Event()
     self.usable = False
-    self.startup: dict = {}   # seconds of the child's start, by step
-    self._jobs = itertools.count()
     self._job_lock = threading.Lock()   # one job at a time: they share the inbox
     self._ref_key = None   # the reference last handed over (the child keeps one)
-    self._tmp = tempfile.mkdtemp(prefix="jaxfuse-measure-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    threading.Thread(target=self._read, name="jaxfuse-measure-reader", daemon=True).start()
+    super().__init__(list(argv) if argv else [sys.executable, "-m", "jaxfuse.runtime.measure_worker"],
+                     env, "jaxfuse-measure-")
 
-  # ------------------------------------------------------------ plumbing
-  def _read(self) -> None:
-    try:
-      while True:
-        msg = pickle.load(self._proc.stdout)
-        if msg[0] == "ready":
-          self.usable = bool(msg[2])
-          self.startup = dict(msg[3]) if len(msg) > 3 else {}
-          self.startup["ready_s"] = time.perf_counter() - self.started
-          logging.info("jaxfuse: measuring process %s in %.2f s (%s)",
-                       "ready" if self.usable else "cannot measure", self.startup["ready_s"],
-                       ", ".join(f"{k} {v:.2f}" for k, v in msg[3].items()) if len(msg) > 3 else "")
-          self._ready.set()
-        else:
-          self._inbox.put(msg)
-    except Exception:  # pylint: disable=broad-except  (EOF: the child ended)
-      pass
-    self._inbox.put(("exit",))
-    self._ready.set()
-
-  def _send(self, msg: tuple) -> None:
-    with self._send_lock:
-      pickle.dump(msg, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-      self._proc.stdin.flush()
-
-  def alive(self) -> bool:
-    return self._proc.poll() is None
-
-  def how_it_ended(self) -> str:
-    """The child's exit, in words (it has ended or is ending)."""
-    try:
-      code = self._proc.wait(timeout=5.0)
-    except subprocess.TimeoutExpired:
-      return "still running"
-    if code < 0:
-      return f"signal {-code}"
-    return f"exit code {code}"
+  def _on_ready(self, msg: tuple) -> None:
+    self.usable = bool(msg[2])
+    logging.info("jaxfuse: measuring process %s in %.2f s (%s)",
+                 "ready" if self.usable else "cannot measure", self.startup["ready_s"],
+                 ", ".join(f"{k} {v:.2f}" for k, v in msg[3].items()) if len(msg) > 3 else "")
 
   def wait_ready(self, timeout: float) -> bool:
     """Whether the child started and can measure, waiting up to ``timeout`` s."""
     self._ready.wait(max(0.0, timeout))
     return self._ready.is_set() and self.usable and self.alive()
-
-  def close(self, kill: bool = False) -> None:
-    if self.alive():
-      if not kill:
-        try:
-          self._send(("quit",))
-          self._proc.wait(timeout=2.0)
-        except Exception:  # pylint: disable=broad-except
-          pass
-      if self.alive():
-        self._proc.kill()
-        try:
-          self._proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-          pass
-    shutil.rmtree(self._tmp, ignore_errors=True)
 
   def _hand_over_reference(self, region, seed: int) -> None:
     """Sends the child this region's float32 reference (computed here on the

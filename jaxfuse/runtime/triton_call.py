@@ -51,6 +51,7 @@ _SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LE
              "jaxfuse." + DIRECT: DIRECT}
 _lock = threading.Lock()
 _registered = False
+_collecting = threading.local()   # collect_calls' list, per lowering thread
 
 
 def jax_triton_module():
@@ -306,6 +307,45 @@ def _direct(results) -> Optional[dict]:
     return None
 
 
+@contextlib.contextmanager
+def collect_calls() -> Iterator[list]:
+  """Within it, each jaxfuse kernel call lowered on this thread appends the
+  launcher's attributes for its kernel (``direct_launch.kernel_attributes``'
+  dict, the kernel compiled as the program will run it; None where they
+  cannot be read), in lowering order: what ``kernel_sandbox`` launches.
+
+  Example::
+
+      with collect_calls() as calls:
+        jax.jit(lambda *a: launch.triton_launch(k, a)).lower(*structs)
+  """
+  prev = getattr(_collecting, "calls", None)
+  _collecting.calls = calls = []
+  try:
+    yield calls
+  finally:
+    _collecting.calls = prev
+
+
+def _collect(results, attrs: Optional[dict] = None) -> None:
+  """Hands ``collect_calls`` the attributes of the call producing
+  ``results``: ``attrs`` when the direct launcher took it, else read from
+  its serialized kernel (the PTX, which jaxlib's launcher loads too)."""
+  calls = getattr(_collecting, "calls", None)
+  if calls is None:
+    return
+  if attrs is None:
+    from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
+    from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+    op = _op(results)
+    try:
+      opaque = mlir_ir.StringAttr(op.attributes["backend_config"]).value_bytes
+      attrs = direct_launch.kernel_attributes(opaque, len(op.operands) + len(op.results))
+    except Exception as e:  # pylint: disable=broad-except  (UnsupportedCall, an odd op)
+      logging.info("jaxfuse: kernel call not readable for the checking process: %s", e)
+  calls.append(attrs)
+
+
 def gpu_name() -> Optional[str]:
   """jax's first device's kind when it is a GPU (jax-triton compiles for
   device 0), else None."""
@@ -451,6 +491,7 @@ def jaxfuse_lowering(tl):
           LEGACY_TARGET, api_version=2, backend_config=b"",
           operand_output_aliases=dict(params.get("input_output_aliases") or ()))(ctx, *args)
       direct_launch.apply_attributes(results, attrs)
+      _collect(results, attrs)
       return results
     start_specializer_without_torch()
     with _without_line_info():
@@ -463,8 +504,10 @@ def jaxfuse_lowering(tl):
       attrs = _direct(results)
       if attrs is not None:
         direct_launch.store_attributes(key, attrs)
+        _collect(results, attrs)
         return results
       target = FFI_TARGET if ffi_available() else LEGACY_TARGET
+    _collect(results)
     slim_backend_config(results)
     if target == FFI_TARGET:
       as_typed_ffi(results, FFI_TARGET, params.get("name") or "jaxfuse_kernel")

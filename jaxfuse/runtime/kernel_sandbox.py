@@ -214,7 +214,9 @@ def run(program: Program, arrays: Sequence[np.ndarray], *, device: int = 0,
                     "unaffected and the plan is dropped", e)
     with _lock:
       if _sandbox is sb:
-        sb.close()
+        # Killed, not asked to quit: tearing down a faulted CUDA context can
+        # take the child seconds, and nothing it holds is worth keeping.
+        sb.close(kill=True)
     _get(device)   # the next plan's check finds a fresh child, started now
     raise
 

@@ -230,3 +230,28 @@ def test_a_kernel_that_fails_in_the_child_is_dropped_for_the_next_plan(monkeypat
   assert seen == [str(p) for p in plans] and str(k.plan) == str(plans[1])
   dropped = launch._kernels[(r.signature(), str(plans[0]), "triton")]   # pylint: disable=protected-access
   assert "CUDA error 700" in str(dropped)
+
+
+def test_files_go_to_disk_when_dev_shm_has_no_room(fake_cuda, monkeypatch):
+  from jaxfuse.runtime import child_process
+
+  def no_room(path):
+    raise OSError("statvfs refused")
+  monkeypatch.setattr(child_process.os, "statvfs", no_room)
+  sb = ks._get(0)                                          # pylint: disable=protected-access
+  folder = sb.folder_for(10)
+  assert folder != sb._tmp and not folder.startswith("/dev/shm")   # pylint: disable=protected-access
+  np.testing.assert_array_equal(ks.run(_program(), [X, Y])[0], X + 2 * Y)
+  import os
+  assert os.listdir(folder) == []                         # the run's files are removed
+  ks.shutdown()
+  assert not os.path.exists(folder)
+
+
+def test_a_child_that_ended_between_runs_is_replaced(fake_cuda):
+  np.testing.assert_array_equal(ks.run(_program(), [X, Y])[0], X + 2 * Y)
+  old = ks._sandbox                                        # pylint: disable=protected-access
+  old._proc.kill()                                         # pylint: disable=protected-access
+  old._proc.wait()                                         # pylint: disable=protected-access
+  np.testing.assert_array_equal(ks.run(_program(), [X, Y])[0], X + 2 * Y)
+  assert ks._sandbox is not old                            # pylint: disable=protected-access

@@ -28,14 +28,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 __all__ = ["ChildProcess"]
 
 
 class ChildProcess:
-  """One child process (``argv``, environment ``env``) and a scratch folder
-  for the files it exchanges (in ``/dev/shm`` where there is one).
+  """One child process (``argv``, environment ``env``) and scratch folders
+  for the files it exchanges (``folder_for``).
   Messages other than "ready" arrive in ``self._inbox``, then ``("exit",)``
   when the child's output ends."""
 
@@ -48,9 +48,26 @@ class ChildProcess:
     self._ready = threading.Event()
     self.startup: dict = {}   # seconds of the child's start, by step
     self._jobs = itertools.count()
+    self._tmp_prefix = tmp_prefix
     self._tmp = tempfile.mkdtemp(prefix=tmp_prefix,
                                  dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    self._disk_tmp: Optional[str] = None
     threading.Thread(target=self._read, name=f"{tmp_prefix}reader", daemon=True).start()
+
+  def folder_for(self, nbytes: int) -> str:
+    """A folder for files of ``nbytes`` in all: the one in ``/dev/shm``
+    while it has room for them twice over, else one on disk (a container's
+    ``/dev/shm`` is often 64 MiB, less than one large attention's inputs)."""
+    try:
+      st = os.statvfs(self._tmp)
+      free = st.f_bavail * st.f_frsize
+    except OSError:
+      free = 0
+    if free >= 2 * nbytes:
+      return self._tmp
+    if self._disk_tmp is None:
+      self._disk_tmp = tempfile.mkdtemp(prefix=self._tmp_prefix)
+    return self._disk_tmp
 
   def _on_ready(self, msg: tuple) -> None:
     """The child's "ready" message (``self.startup`` is set)."""
@@ -93,7 +110,7 @@ class ChildProcess:
     return f"signal {-code}" if code < 0 else f"exit code {code}"
 
   def close(self, kill: bool = False) -> None:
-    """Ends the child (asked to quit first unless ``kill``) and removes its folder."""
+    """Ends the child (asked to quit first unless ``kill``) and removes its folders."""
     if self.alive():
       if not kill:
         try:
@@ -107,4 +124,6 @@ class ChildProcess:
           self._proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
           pass
-    shutil.rmtree(self._tmp, ignore_errors=True)
+    for folder in (self._tmp, self._disk_tmp):
+      if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)

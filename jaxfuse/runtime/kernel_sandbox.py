@@ -54,6 +54,10 @@ class KernelFault(RuntimeError):
   """The kernel failed in the child: a CUDA error, a hang, or the child died."""
 
 
+class _ChildGone(RuntimeError):
+  """The child had ended before the program was sent: not the kernel's doing."""
+
+
 @dataclasses.dataclass
 class Program:
   """What the child runs: device ``buffers`` (shape, NumPy dtype), each launch as
@@ -110,25 +114,27 @@ class Sandbox(child_process.ChildProcess):
       raise ValueError(f"arrays: the program takes {len(program.inputs)} inputs, "
                        f"got {len(arrays)}")
     job = next(self._jobs)
-    inputs, outputs = [], []
     for b, a in zip(program.inputs, arrays):
       shape, dtype = program.buffers[b]
-      a = np.asarray(a)
-      if tuple(a.shape) != tuple(shape) or a.dtype != np.dtype(dtype):
+      if tuple(np.shape(a)) != tuple(shape) or np.asarray(a).dtype != np.dtype(dtype):
         raise ValueError(f"arrays: buffer {b} is {dtype}{list(shape)}, "
-                         f"got {a.dtype}{list(a.shape)}")
-      inputs.append((b, os.path.join(self._tmp, f"in{job}-{b}.bin")))
-      np.ascontiguousarray(a).tofile(inputs[-1][1])
-    for b in program.outputs:
-      outputs.append((b, os.path.join(self._tmp, f"out{job}-{b}.bin")))
-    wire = {"buffers": [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize
-                        for s, d in program.buffers],
-            "inputs": inputs, "steps": program.steps, "outputs": outputs}
+                         f"got {np.asarray(a).dtype}{list(np.shape(a))}")
+    sizes = [int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for s, d in program.buffers]
+    folder = self.folder_for(sum(sizes[b] for b in (*program.inputs, *program.outputs)))
+    inputs = [(b, os.path.join(folder, f"in{job}-{b}.bin")) for b in program.inputs]
+    outputs = [(b, os.path.join(folder, f"out{job}-{b}.bin")) for b in program.outputs]
+    wire = {"buffers": sizes, "inputs": inputs, "steps": program.steps, "outputs": outputs}
     try:
       try:
+        for (_, path), a in zip(inputs, arrays):
+          np.ascontiguousarray(a).tofile(path)
+      except OSError as e:   # a full disk is not the kernel's fault
+        logging.info("jaxfuse: the checking process's inputs could not be written (%s)", e)
+        return None
+      try:
         self._send(("run", job, wire))
-      except Exception as e:  # pylint: disable=broad-except  (the child ended)
-        raise KernelFault(f"the checking process had ended ({self.how_it_ended()})") from e
+      except Exception as e:  # pylint: disable=broad-except  (it ended before this kernel ran)
+        raise _ChildGone(self.how_it_ended()) from e
       t_end = time.perf_counter() + timeout_s
       while True:
         try:
@@ -208,7 +214,16 @@ def run(program: Program, arrays: Sequence[np.ndarray], *, device: int = 0,
     shutdown()
     return None
   try:
-    return sb.run(program, arrays, timeout_s)
+    try:
+      return sb.run(program, arrays, timeout_s)
+    except _ChildGone as e:
+      logging.info("jaxfuse: the checking process had ended (%s); starting another", e)
+      sb = _get(device)
+      if sb is None or not sb.wait_ready():
+        return None
+      return sb.run(program, arrays, timeout_s)
+  except _ChildGone:
+    return None
   except KernelFault as e:
     logging.warning("jaxfuse: a kernel failed its self-check's run (%s); this process is "
                     "unaffected and the plan is dropped", e)

@@ -116,8 +116,9 @@ class MeasureWorker(child_process.ChildProcess):
         refs = launch.start_reference(region, seed).result()
         paths = []
         for j, r in enumerate(refs):
-          paths.append(os.path.join(self._tmp, f"ref{tag}-{j}.npy"))
-          np.save(paths[-1], np.asarray(r, dtype=np.float32))
+          r = np.asarray(r, dtype=np.float32)
+          paths.append(os.path.join(self.folder_for(r.nbytes), f"ref{tag}-{j}.npy"))
+          np.save(paths[-1], r)
         msg = ("ref", key, paths, None)
       except Exception as e:  # pylint: disable=broad-except
         msg = ("ref", key, None, f"{type(e).__name__}: {e}"[:500])

@@ -516,7 +516,7 @@ def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
   statistics of ``fidelity_stats`` as if the current model had ranked that
   sample. A row whose case is unknown or whose JSON lacks candidates is
   reported with an ``error``."""
-  from jaxfuse.planner import cost_model, search, tiling  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import search, tiling  # pylint: disable=g-import-not-at-top
   from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
   cases = fidelity_cases(dtype)
   out = []
@@ -547,8 +547,7 @@ def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
             rejected.append({"plan": c["plan"], "measured_s": float(c["measured_s"]),
                              "reason": str(e)})
             continue
-          t = cost_model.predict(region, p.expr, p.tile_map, p.grid, dev, p.split,
-                                 num_stages=p.num_stages, num_warps=p.num_warps).time_s
+          t = search.predict_plan(region, p, dev).time_s
           scored.append((t, float(c["measured_s"]), c["plan"]))
       except Exception as e:  # pylint: disable=broad-except
         # A sample from before capture changed the case's region (its loops

@@ -1723,3 +1723,19 @@ def test_a_gelu_recomputed_per_output_tile_is_priced_at_its_instructions():
   assert t(recompute).t_vector_s > 3.5 * t(split).t_vector_s
   best = plan_region(region, H100, use_cache=False).best
   assert best.split is not None and best.tile_map["h"] == 128
+
+
+def test_a_saved_plan_is_predicted_again_as_the_search_predicted_it():
+  """``search.predict_plan`` on a plan parsed back from its text gives the
+  search's own prediction, also where a loop's extent (a head dimension of
+  80) is printed as pieces narrower than its tile: priced at the 128-wide
+  tile, MCFuser S6's top plan read two waves and 6.35 us instead of 3.75."""
+  from jaxfuse.codegen import testing as T
+  from jaxfuse.planner import search
+  from jaxfuse.planner.plan import parse_plan
+  r = T.attention(M=256, N=256, D=80, heads=16, dtype="float16")
+  ranked = plan_region(r, "h100", use_cache=False, top=12).ranked
+  assert any(dict(p.tiles)["d"] > 80 for p in ranked)        # tiles wider than the extent
+  for p in ranked:
+    again = search.predict_plan(r, parse_plan(str(p), r.loop_extents), H100)
+    assert again.time_s == pytest.approx(p.predicted.time_s, rel=1e-12), str(p)

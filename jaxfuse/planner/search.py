@@ -292,10 +292,37 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
     raise tiling.PlacementError(
         f"shared memory of {smem} B at {stages} pipeline stages exceeds "
         f"{device.smem_per_block_bytes} B (Rule 4)")
-  pred = cost_model.predict(region, expr, sized, cand.grid, device, cand.split,
-                            streamable=streamable, num_stages=stages, masked=masked)
-  return Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
-              num_warps=warps, num_stages=stages, split=cand.split, predicted=pred)
+  plan = Plan(expr=expr, grid=cand.grid, tiles=cand.tiles, skeleton=cand.skeleton,
+              num_warps=warps, num_stages=stages, split=cand.split)
+  return dataclasses.replace(plan, predicted=predict_plan(region, plan, device, streamable,
+                                                          masked, sized=sized))
+
+
+def predict_plan(region: ir.Region, plan: Plan, device: DeviceSpec,
+                 streamable: Optional[frozenset[str]] = None, masked: Optional[dict] = None,
+                 sized: Optional[dict] = None) -> cost_model.Prediction:
+  """The model's time for ``plan`` as the search predicts it: loops the
+  code generator prints as pieces priced at their pieces' sizes
+  (``tiling.piece_sizes``; ``sized`` when already computed), at the plan's
+  warps and stages. Anything that re-predicts a plan (``model_fidelity
+  --rescore``) must go through here: pricing a head dimension of 80 at its
+  128-wide tile doubled a plan's waves and its predicted time (6.35 against
+  the search's 3.75 us, attention S6, fifty-first session).
+
+  Example::
+
+      plan = parse_plan(text, region.loop_extents)
+      predict_plan(region, plan, get_device("h100")).time_s
+  """
+  if sized is None:
+    sized = tiling.piece_sizes(region, plan.expr, plan.tile_map, plan.grid)
+  if streamable is None:
+    streamable = tiling.streamable_loops(region)
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
+  return cost_model.predict(region, plan.expr, sized, plan.grid, device, plan.split,
+                            streamable=streamable, num_stages=plan.num_stages,
+                            num_warps=plan.num_warps, masked=masked)
 
 
 def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],

@@ -16,7 +16,10 @@ computes the reference; the child loads the compiled kernel through the
 CUDA driver, runs the launches on the check's inputs and hands the
 outputs back through files of raw bytes. A kernel that faults, hangs past
 ``timeout_s`` or kills the child raises ``KernelFault``, and the plan is
-dropped like any plan that fails its check.
+dropped like any plan that fails its check. The child's buffers are
+separate driver allocations, so an out-of-bounds access faults there; in
+the user's process three such kernels returned wrong answers instead, their
+accesses landing in XLA's memory pool (H100, fifty-first session).
 
 Example (``launch._run_on_gpu`` does this)::
 

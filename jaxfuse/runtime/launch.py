@@ -189,19 +189,18 @@ def run_interpreted(kernel: GeneratedKernel, arrays: Sequence[np.ndarray],
     dt = vm[b.value].dtype
     fill = float("nan") if dt in ir.FLOAT_DTYPES else 0
     outs.append(torch.full(b.operand_shape, fill, dtype=_torch_dtype(dt)))
-  scratch = [torch.full((max(s.numel, 1),), float("nan"), dtype=torch.float32)
-             for s in kernel.scratch]
+  values: dict = {("in", i): t for i, t in enumerate(ins)}
+  values.update({("off", i): o for i, o in enumerate(offs)})
+  values.update({("out", j): o for j, o in enumerate(outs)})
+  values.update({name: torch.full(s.shape, float("nan"), dtype=torch.float32)
+                 for name, s in _launch_buffers(kernel).items() if name[0] == "tmp"})
   _patch_interpreter_bf16_dot()
   # One launch at a time: the interpreter patches triton.language's
   # functions for the length of a launch, and a sharded program calls this
   # from one XLA thread per device (concurrent launches failed mid-kernel).
   with _interpreter_lock, interpret_env(True):
-    if kernel.combine_fn is None:
-      kernel.fn[kernel.grid](*ins, *offs, *outs, **kernel.constexprs)
-    else:
-      kernel.fn[kernel.grid](*ins, *offs, *scratch, **kernel.constexprs)
-      kernel.combine_fn[kernel.combine_grid](*ins, *offs, *scratch, *outs,
-                                             **kernel.combine_constexprs)
+    for fn, grid, constexprs, operands, results in _launch_steps(kernel):
+      fn[grid](*[values[n] for n in (*operands, *results)], **constexprs)
   return [_from_torch(o, vm[b.value].dtype) for o, b in zip(outs, out_bufs)]
 
 
@@ -517,8 +516,10 @@ def _launch_steps(kernel: GeneratedKernel) -> list[tuple]:
   constexprs, operands, results)``. Operands and results are named: ``('in',
   i)`` the region's inputs, ``('off', i)`` its window offsets (scalars),
   ``('tmp', j)`` a split plan's partials, ``('out', j)`` its outputs.
-  ``triton_launch`` runs them; the checking process binds its buffers by
-  these names (``_sandbox_program``)."""
+  ``triton_launch``, ``run_interpreted`` and the torch measurer run them,
+  and the checking process binds its buffers by these names
+  (``_sandbox_program``): one description of a launch, so that the four
+  cannot bind a split plan's partials differently."""
   region = kernel.region
   ins = [("in", i) for i in range(len(ir.operand_buffers(region.inputs)))]
   ins += [("off", i) for i in range(len(region.launch_offsets()))]
@@ -1423,17 +1424,20 @@ class _TorchMeasurer:
     (one scratch for all sets: their launches run one after another)."""
     import torch  # pylint: disable=g-import-not-at-top
     in_sets = [self.ins] if in_sets is None else in_sets
-    offs = _launch_offsets(k, self.region.launch_offsets())
-    in_sets = [[*ins, *offs] for ins in in_sets]
+    shared: dict = {("off", i): o for i, o in
+                    enumerate(_launch_offsets(k, self.region.launch_offsets()))}
+    shared.update({("out", j): o for j, o in enumerate(self.outs)})
+    shared.update({name: torch.empty(s.shape, dtype=torch.float32, device=self.device)
+                   for name, s in _launch_buffers(k).items() if name[0] == "tmp"})
     # Triton's interpreter takes no launch options.
     kw = {} if self.device == "cpu" else k.launch_options
-    if k.combine_fn is None:
-      return [[(k.fn, k.grid, [*ins, *self.outs], {**kw, **k.constexprs})] for ins in in_sets]
-    scratch = [torch.empty((max(s.numel, 1),), dtype=torch.float32, device=self.device)
-               for s in k.scratch]
-    return [[(k.fn, k.grid, [*ins, *scratch], {**kw, **k.constexprs}),
-             (k.combine_fn, k.combine_grid, [*ins, *scratch, *self.outs],
-              {**kw, **k.combine_constexprs})] for ins in in_sets]
+    steps = _launch_steps(k)
+    out = []
+    for ins in in_sets:
+      values = {**shared, **{("in", i): t for i, t in enumerate(ins)}}
+      out.append([(fn, grid, [values[n] for n in (*operands, *results)], {**kw, **constexprs})
+                  for fn, grid, constexprs, operands, results in steps])
+    return out
 
   def compiled(self, plans: Sequence[Any], why: list, t_end: float
                ) -> Iterator[tuple[int, GeneratedKernel]]:

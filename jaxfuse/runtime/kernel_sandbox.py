@@ -167,9 +167,34 @@ class Sandbox(child_process.ChildProcess):
 
 
 # ------------------------------------------------------------ the process's child
+# Seconds without a run after which the child is closed: it holds a CUDA
+# context (hundreds of MB of GPU memory) that the user's program could use,
+# and checks come only with a region's first compile on a machine.
+IDLE_CLOSE_S = 60.0
+
 _lock = threading.Lock()
 _sandbox: Optional[Sandbox] = None
 _unusable: Optional[str] = None   # why no child can run kernels here (then: run in-process)
+_active = 0                       # runs under way (the idle close waits for them)
+_idle: Optional[threading.Timer] = None
+
+
+def _close_if_idle() -> None:
+  global _sandbox
+  with _lock:
+    if _active == 0 and _sandbox is not None:
+      _sandbox.close()
+      _sandbox = None
+
+
+def _arm_idle_close() -> None:
+  """(Re)starts the countdown to closing an idle child; callers hold _lock."""
+  global _idle
+  if _idle is not None:
+    _idle.cancel()
+  _idle = threading.Timer(IDLE_CLOSE_S, _close_if_idle)
+  _idle.daemon = True
+  _idle.start()
 
 
 def _get(device: int) -> Optional[Sandbox]:
@@ -178,6 +203,7 @@ def _get(device: int) -> Optional[Sandbox]:
   with _lock:
     if _unusable is not None:
       return None
+    _arm_idle_close()
     if _sandbox is not None and _sandbox.alive() and _sandbox.device == device:
       return _sandbox
     if _sandbox is not None:
@@ -209,6 +235,19 @@ def run(program: Program, arrays: Sequence[np.ndarray], *, device: int = 0,
   """``Sandbox.run`` in the process's child (started if needed), or None
   when no child can run it: the caller runs the kernel itself. A fault is
   logged once here and raised (KernelFault); the next run gets a fresh child."""
+  global _active
+  with _lock:
+    _active += 1
+  try:
+    return _run(program, arrays, device, timeout_s)
+  finally:
+    with _lock:
+      _active -= 1
+      _arm_idle_close()
+
+
+def _run(program: Program, arrays: Sequence[np.ndarray], device: int,
+         timeout_s: float) -> Optional[list[np.ndarray]]:
   sb = _get(device)
   if sb is None:
     return None
@@ -242,18 +281,12 @@ def run(program: Program, arrays: Sequence[np.ndarray], *, device: int = 0,
 def shutdown() -> None:
   global _sandbox
   with _lock:
+    if _idle is not None:
+      _idle.cancel()
     if _sandbox is not None:
       _sandbox.close()
       _sandbox = None
 
 
 atexit.register(shutdown)
-
-
-def reset_for_tests() -> None:
-  """Forgets a child given up on (tests start children with fake drivers)."""
-  global _unusable
-  shutdown()
-  with _lock:
-    _unusable = None
 

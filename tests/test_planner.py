@@ -543,9 +543,22 @@ def _hide(a, b, f):
   return max(a, b) + (1 - f) * min(a, b)
 
 
+def _loads(r, e, t, grid, p, groups=1, transposed=False, split=None):
+  """t_loads of cost_model's docstring for prediction ``p`` of plan
+  ``(e, t, grid)``: looped bytes at W_sm less what hides under the
+  program's tensor-core share, hoisted bytes at (1 + HOISTED_LOAD_EXTRA)."""
+  w, sms = H100.sm_bandwidth_Bps, H100.sm_count
+  hoisted = movement.hoisted_load_bytes(r, e, t, grid, split)
+  looped = (p.bytes_moved - hoisted) / p.programs / w
+  hidden = 0.0
+  if groups == 1 and not transposed:
+    hidden = cost_model.LOOP_LOAD_OVERLAP * min(looped, p.t_dot_s * sms / p.programs)
+  return looped - hidden + (1 + cost_model.HOISTED_LOAD_EXTRA) * hoisted / p.programs / w
+
+
 def test_model_per_program_path():
   """t = max(t_mem + t_comp, waves * t_program), t_program from one
-  program's bytes at the SM's bandwidth, its compute at one SM's share and
+  program's loads at the SM's bandwidth, its compute at one SM's share and
   its serial loop steps; 2 pipeline stages cost STAGE2_PENALTY more."""
   r = examples.gemm_chain(1, 1024, 1024, 128, 128)
   t = {"b": 1, "m": 64, "n": 64, "k": 128, "h": 64}
@@ -555,7 +568,7 @@ def test_model_per_program_path():
   p2 = cost_model.predict(r, e, t, grid, H100, num_stages=2)
   steps = 1024 // 64                                   # the n loop per program
   assert p3.steps == steps
-  want = (p3.bytes_moved / p3.programs / H100.sm_bandwidth_Bps
+  want = (_loads(r, e, t, grid, p3)
           + p3.t_comp_s * H100.sm_count / p3.programs + steps * H100.loop_step_s)
   assert p3.t_program_s == pytest.approx(want)
 
@@ -598,12 +611,13 @@ def test_model_overlap_needs_two_warpgroups_per_sm():
   # alone on its SM, the 4-warp program's path sums the two kinds of work
   sms = H100.sm_count
   assert p4.t_program_s == pytest.approx(
-      p4.bytes_moved / p4.programs / H100.sm_bandwidth_Bps + p4.t_comp_s * sms / p4.programs
+      _loads(r, e4, t4, grid, p4) + p4.t_comp_s * sms / p4.programs
       + p4.steps * H100.loop_step_s)
   busy8 = (max(p8.t_dot_s, p8.t_vector_s)
            + (1 - cost_model.OVERLAP_COMPUTE) * min(p8.t_dot_s, p8.t_vector_s))
+  # (its loads hide under nothing more: OVERLAP_COMPUTE already overlaps it)
   assert p8.t_program_s == pytest.approx(
-      p8.bytes_moved / p8.programs / H100.sm_bandwidth_Bps + busy8 * sms / p8.programs
+      _loads(r, e8, t8, grid, p8, groups=2) + busy8 * sms / p8.programs
       + p8.steps * H100.loop_step_s)
   # a partial second wave does not count as co-residency: S2-sized grids
   # (192 programs on 132 SMs) keep the sum
@@ -950,11 +964,11 @@ def test_model_charges_refilling_nested_loops():
   assert "k(" not in str(ef) and "k(" in str(en)
   pf = cost_model.predict(r, ef, flat, grid, H100, num_stages=3)
   pn = cost_model.predict(r, en, nested, grid, H100, num_stages=3)
-  base = (pn.bytes_moved / pn.programs / H100.sm_bandwidth_Bps
+  base = (_loads(r, en, nested, grid, pn)
           + pn.t_comp_s * H100.sm_count / pn.programs + pn.steps * H100.loop_step_s)
   assert pn.t_program_s == pytest.approx(base + 1024 // 64 * cost_model.NESTED_LOOP_FILL_S)
   assert pf.t_program_s == pytest.approx(
-      pf.bytes_moved / pf.programs / H100.sm_bandwidth_Bps
+      _loads(r, ef, flat, grid, pf)
       + pf.t_comp_s * H100.sm_count / pf.programs + pf.steps * H100.loop_step_s)
 
 
@@ -1340,15 +1354,20 @@ def test_ffn_chains_that_ran_faster_fused_stay_fused_under_the_model(shape, monk
   XLA's GELU priced as free their predictions sat at 0.75-0.77x the unfused
   estimate, just above the 0.75 bound, and the model left them to XLA;
   priced at its instructions, all three stay fused (forty-second session:
-  1.06x, 1.36x and 1.10x per call, 1.31-1.48x in kernel time). BERT-Small's
+  1.06x, 1.36x and 1.10x per call, 1.31-1.48x in kernel time). Since the
+  model hides part of a program's looped loads under its dots (fifty-second
+  session) they predict at 0.67-0.72x, and at 0.72-0.79x with GELU free:
+  XLA's GELU instructions still move each ratio by 0.03-0.07. BERT-Small's
   FFN, which lost, stays with XLA
   (test_bert_small_ffn_predicted_slower_fused_is_left_to_xla)."""
   h100 = get_device("h100")
   r = _ffn_chain_region(*shape)
   best = plan_region(r, h100, use_cache=False).best
   assert cost_model.slower_than_unfused(r, best, h100) is None
+  priced = best.predicted.time_s / cost_model.unfused_time(r, h100)
   monkeypatch.setattr(cost_model, "elementwise_cost", lambda fn: (0, 0))
-  assert "separate kernels" in cost_model.slower_than_unfused(r, best, h100)
+  free = best.predicted.time_s / cost_model.unfused_time(r, h100)
+  assert free > priced + 0.02
 
 
 def test_parse_plan_roundtrip():
@@ -1424,7 +1443,9 @@ def test_tf32_operands_read_against_their_memory_order_are_counted():
   h100 = get_device("h100")
 
   def count(region):
-    p = plan_region(region, h100, use_cache=False).best
+    # the best plan of at least mma_rows rows (fewer rows count nothing)
+    p = next(p for p in plan_region(region, h100, use_cache=False, top=50).ranked
+             if p.tile_map["m"] >= h100.mma_rows)
     ext = region.loop_extents
 
     def trips(l):
@@ -1739,3 +1760,66 @@ def test_a_saved_plan_is_predicted_again_as_the_search_predicted_it():
   for p in ranked:
     again = search.predict_plan(r, parse_plan(str(p), r.loop_extents), H100)
     assert again.time_s == pytest.approx(p.predicted.time_s, rel=1e-12), str(p)
+
+
+def test_hoisted_loads_are_the_loads_before_a_plans_loops():
+  """``movement.hoisted_load_bytes``: the top-level Load statements of an
+  expression that has a loop, over all programs (a split plan's parts each
+  load theirs); none in a k-loop plan or in a plan without loops."""
+  r = examples.gemm_chain(1, 512, 512, 512, 256)
+  whole_k = {"b": 1, "m": 64, "n": 64, "k": 512, "h": 128}
+  grid = ("b", "m", "h")
+  e = tiling.place(r, "mhnk", whole_k, grid)
+  assert str(e).startswith("(La,n(")
+  programs = (512 // 64) * (256 // 128)
+  a_tile = 64 * 512 * 2                                  # [m, k] float16
+  assert movement.hoisted_load_bytes(r, e, whole_k, grid) == programs * a_tile
+  assert movement.hoisted_load_bytes(r, e, whole_k, grid, ("n", 4)) == 4 * programs * a_tile
+  # they are part of placed_volume too
+  assert movement.placed_volume(r, e, whole_k, grid)["a"] == programs * a_tile
+  k_loop = dict(whole_k, k=128)
+  ek = tiling.place(r, "mhnk", k_loop, grid)
+  assert "k(" in str(ek) and movement.hoisted_load_bytes(r, ek, k_loop, grid) == 0
+  small = examples.gemm_chain(1, 512, 64, 64, 64)
+  t1 = {"b": 1, "m": 64, "n": 64, "k": 64, "h": 64}
+  e1 = tiling.place(small, "mhnk", t1, grid)
+  assert all(isinstance(n, tiling.Stmt) for n in e1.body)
+  assert movement.hoisted_load_bytes(small, e1, t1, grid) == 0
+
+
+def test_model_hides_looped_loads_under_one_warpgroups_dots():
+  """LOOP_LOAD_OVERLAP: a 4-warp program's looped loads partly hide under
+  its tensor-core work, hoisted loads cost 1 + HOISTED_LOAD_EXTRA times
+  their bytes, 8-warp programs and TF32 plans that transpose operand tiles
+  keep the plain sum. MCFuser G5 (H100, fifty-second session): the k-loop
+  plan at h=64 ran 7.41 us and the hoisted whole-k plan the old model
+  ranked first 8.96 us; the model now ranks them that way."""
+  from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
+  r = examples.gemm_chain(1, 512, 512, 512, 256)
+  fast = parse_plan("grid(b,m,h) (n(k(La,Lbb,Cc),Ld,Ce),Se)  tiles(b=1, m=64, n=128, k=128, "
+                    "h=64)  warps=4 stages=3  split=nx4", r.loop_extents)
+  slow = parse_plan("grid(b,m,h) (La,n(Lbb,Cc,Ld,Ce),Se)  tiles(b=1, m=64, n=32, k=512, "
+                    "h=128)  warps=4 stages=3  split=nx8", r.loop_extents)
+  pf, ps = search.predict_plan(r, fast, H100), search.predict_plan(r, slow, H100)
+  assert pf.time_s < ps.time_s
+  for p, pred in ((fast, pf), (slow, ps)):
+    want = (_loads(r, p.expr, p.tile_map, p.grid, pred, split=p.split) + pred.t_comp_s * H100.sm_count
+            / pred.programs + pred.steps * H100.loop_step_s
+            + cost_model.inner_loop_starts(p.expr, lambda l, p=p: max(
+                1, math.ceil(math.ceil(r.loop_extents[l] / p.tile_map[l])
+                             / (p.split[1] if p.split[0] == l else 1))))
+            * cost_model.NESTED_LOOP_FILL_S)
+    assert pred.t_program_s == pytest.approx(want)
+  with mock.patch.object(cost_model, "LOOP_LOAD_OVERLAP", 0.0), \
+       mock.patch.object(cost_model, "HOISTED_LOAD_EXTRA", 0.0):
+    # the plain sum ranked them the other way
+    assert search.predict_plan(r, fast, H100).time_s > search.predict_plan(r, slow, H100).time_s
+  # float32 plans whose dots transpose an operand tile hide nothing
+  r32 = examples.gemm_chain(1, 512, 512, 512, 256, dtype="float32")
+  p32 = parse_plan("grid(b,m,h) (n(k(La,Lbb,Cc),Ld,Ce),Se)  tiles(b=1, m=64, n=64, k=32, "
+                   "h=64)  warps=4 stages=3", r32.loop_extents)
+  pr32 = search.predict_plan(r32, p32, H100)
+  with mock.patch.object(cost_model, "LOOP_LOAD_OVERLAP", 0.0):
+    assert search.predict_plan(r32, p32, H100).t_program_s == pytest.approx(pr32.t_program_s)
+  with mock.patch.object(cost_model, "LOOP_LOAD_OVERLAP", 0.0):
+    assert search.predict_plan(r, fast, H100).t_program_s > pf.t_program_s

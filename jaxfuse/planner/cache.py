@@ -54,8 +54,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # the key tiles outside them and are priced so, at few waves too; 18:
 # elementwise ops priced at the instructions their spellings compile to
 # (cost_model.ELEMENTWISE_COST); 19: a smaller register budget where key
-# tiles are masked (cost_model.MASKED_ACC_REGS_PER_THREAD).
-FORMAT_VERSION = 19
+# tiles are masked (cost_model.MASKED_ACC_REGS_PER_THREAD); 20: looped loads
+# partly hidden under one warpgroup's dots, hoisted loads priced apart
+# (cost_model.LOOP_LOAD_OVERLAP, HOISTED_LOAD_EXTRA).
+FORMAT_VERSION = 20
 
 
 def _version() -> str:

@@ -17,9 +17,11 @@ jaxfuse replaces ``alpha`` by the critical path of one program::
     t = max(t_traffic (+) t_comp, waves * t_program)
     t_traffic = max(min_bytes / W, bytes / (N_SM * W_sm))
     waves = ceil(N_block / (N_SM * programs_per_sm))
-    t_program = (bytes / N_block) / W_sm + t_comp * N_SM / N_block
+    t_program = t_loads + t_comp * N_SM / N_block
                 + steps * t_step + starts * NESTED_LOOP_FILL_S,
                 x (1 + STAGE2_PENALTY) at 2 stages
+    t_loads = (looped / N_block) / W_sm - LOOP_LOAD_OVERLAP * min(that, t_dot share)
+              + (1 + HOISTED_LOAD_EXTRA) * (hoisted / N_block) / W_sm
 
 where ``a (+) b`` is ``a + b`` while an SM runs one warpgroup (4 warps) at
 a time, and hides part of the shorter under the longer when it runs two
@@ -27,13 +29,16 @@ or more (``OVERLAP_TRAFFIC``; and inside ``t_comp``, tensor-core vs
 vector/SFU work, ``OVERLAP_COMPUTE``).
 
 ``W_sm`` (``device.sm_bandwidth_Bps``) is what one program streams from
-L2/HBM, ``steps`` the serial pipelined loop steps of a program and
-``t_step`` (``device.loop_step_s``) their fixed cost, ``starts`` the times
-a program enters a loop nested in another (``inner_loop_starts``: each
-refills that loop's pipeline); ``t_traffic`` lets
-re-reads that programs of one wave share come from L2 (``t_mem``, all
-bytes at HBM bandwidth, is still reported), and ``programs_per_sm`` (at
-most 2) lets small tiles share an SM. The last two took large attention
+L2/HBM (``hoisted``: the bytes of loads issued before the plan's loops,
+``looped`` the rest; a program of one warpgroup hides part of its looped
+loads under its tensor-core work, see ``LOOP_LOAD_OVERLAP``), ``steps``
+the serial pipelined loop steps of a program and ``t_step``
+(``device.loop_step_s``) their fixed cost, ``starts`` the times a program
+enters a loop nested in another (``inner_loop_starts``: each refills that
+loop's pipeline); ``t_traffic`` lets re-reads that programs of one wave
+share come from L2 (``t_mem``, all bytes at HBM bandwidth, is still
+reported), and ``programs_per_sm`` (at most 2) lets small tiles share an
+SM. The last two took large attention
 (8x16 heads, T=2048, d=64) from a 21% to a 3% regret. Why: on an H200
 (benchmarks/RESULTS.md, fourth session) alpha over-predicted grids of
 16-64 programs 3-5x (one SM pulls ~75 GB/s, not W / N_SM = 33 GB/s) and
@@ -104,7 +109,8 @@ __all__ = ["predict", "elementwise_cost", "ELEMENTWISE_COST", "num_programs", "c
            "masked_trip_fractions", "MASKED_MIN_WAVES",
            "tf32_held_operand_bytes",
            "inner_loop_starts", "tf32_transposed_elements", "UNFUSED_MARGIN",
-           "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT"]
+           "NESTED_LOOP_FILL_S", "TF32_TRANSPOSE_S_PER_ELEMENT", "LOOP_LOAD_OVERLAP",
+           "HOISTED_LOAD_EXTRA"]
 
 # Elementwise functions that run on the special-function units.
 TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
@@ -429,6 +435,31 @@ BASE_REGS_PER_THREAD = 64
 # 1.4-1.7x too slow.
 OVERLAP_COMPUTE = 0.5
 OVERLAP_TRAFFIC = 0.25
+# Within one program of one warpgroup, the fraction of its in-loop loads'
+# time that runs under its tensor-core work (up to the smaller of the two):
+# Triton's software pipeline issues the loads of later steps before it
+# waits on this step's wgmma. Loads a plan issues before its loops
+# (``movement.hoisted_load_bytes``: the whole-k row tile of
+# ``(Lx0,n(...))``) overlap nothing and cost ``1 + HOISTED_LOAD_EXTRA``
+# times their bytes at ``W_sm``. Fitted together (0.6, 1.0) on 38 saved
+# float16 fidelity samples (H100, benchmarks/results s13, s17, s39, s46,
+# s47, s51; 1,900 measured plans) by re-scoring them
+# (``model_fidelity --rescore``): the purely additive program priced split
+# GEMM-chain plans with a k loop 20-30% above their kernel times and
+# ranked the hoisted whole-k plans first; MCFuser G5's regret went 21-22%
+# -> 9-10%, attention S6's 14% -> 1%, the mean regret 3.9% -> 2.5%, the
+# worst 22% -> 11%, with the lowest Spearman 0.87 -> 0.85 (attention S2
+# and S3). Applied to two warpgroups as well, it ranked a 128x128 8-warp
+# sliding-window plan first (30% regret); applied with TF32 transposes,
+# float32 MCFuser G11's regret rose 17% -> 27%. Measured with them (H100,
+# 2026-11-24, benchmarks/RESULTS.md fifty-second session): a fresh
+# fidelity run gave Spearman 0.86-0.95 and regret <= 5.5% on G1-G4 and
+# S1-S3 and 0% on G5; the five paper regions whose pick changed ran 17%
+# faster (MCFuser G5), 11% (S6), 4% (Chimera G2) and 2-3% slower
+# (MCFuser G7, Chimera G6); the 33 cases' kernels 2.03x ``jax.jit``'s under
+# tune='auto' (1.97x before).
+LOOP_LOAD_OVERLAP = 0.6
+HOISTED_LOAD_EXTRA = 1.0
 
 
 def _overlapped(a: float, b: float, fraction: float) -> float:
@@ -638,16 +669,27 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   per_sm = max(1, min(pps, programs // sms)) * groups
   share = min(1.0, max(0.0, per_sm - 1.0))
 
+  hoisted = movement.hoisted_load_bytes(region, expr, tiles, grid, split)
+
   def program_time(t_dot, t_comp, moved, steps, scale):
     def run_trips(l):
       return trips(l) * scale.get(l, 1.0)
     t_vec = t_comp - t_dot
     t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
-    t = (moved / programs / device.sm_bandwidth_Bps
+    transposed = tf32_transposed_elements(region, expr, tiles, run_trips if scale else trips,
+                                          device.mma_rows)
+    t_looped = (moved - hoisted) / programs / device.sm_bandwidth_Bps
+    t_hoisted = hoisted / programs / device.sm_bandwidth_Bps
+    # In-loop loads that land while the program's one warpgroup waits on
+    # its wgmma (see LOOP_LOAD_OVERLAP; two warpgroups already overlap
+    # through OVERLAP_COMPUTE, and TF32 transposes sit between the two).
+    hidden = 0.0
+    if groups == 1 and not transposed:
+      hidden = LOOP_LOAD_OVERLAP * min(t_looped, t_dot * sms / programs)
+    t = (t_looped - hidden + t_hoisted * (1.0 + HOISTED_LOAD_EXTRA)
          + t_busy * sms / programs + steps * device.loop_step_s
          + inner_loop_starts(expr, run_trips if scale else trips) * NESTED_LOOP_FILL_S
-         + tf32_transposed_elements(region, expr, tiles, run_trips if scale else trips,
-                                    device.mma_rows) * TF32_TRANSPOSE_S_PER_ELEMENT)
+         + transposed * TF32_TRANSPOSE_S_PER_ELEMENT)
     return t * (1.0 + STAGE2_PENALTY) if num_stages <= 2 else t
 
   t_program = program_time(t_dot, t_comp, bytes_moved, steps, mean)

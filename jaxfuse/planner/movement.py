@@ -36,7 +36,7 @@ from typing import Mapping, Optional, Sequence, Union
 from jaxfuse import ir
 from jaxfuse.planner import tiling
 
-__all__ = ["chimera_volume", "placed_volume", "op_footprints", "io_tensors"]
+__all__ = ["chimera_volume", "placed_volume", "hoisted_load_bytes", "op_footprints", "io_tensors"]
 
 
 def _trips(ext: int, tile: float, continuous: bool) -> float:
@@ -137,6 +137,32 @@ def op_footprints(region: ir.Region, tiles: Mapping[str, int]) -> dict[str, int]
   return out
 
 
+def _statement_bytes(region: ir.Region, st: tiling.Stmt, buf: "ir.Buffer",
+                     enclosing: Sequence[str],
+                     tiles: Mapping[str, int], grid: Sequence[str],
+                     split: Optional[tuple[str, int]],
+                     run_fraction: Optional[Mapping[str, float]]) -> int:
+  """Bytes one Load/Store statement moves over all programs."""
+  ext = region.loop_extents
+  xl = {l for l, s in buf.strides if s != 0}
+  n = 1
+  for l in xl:
+    n *= ext[l]
+  for l in set(enclosing) | set(grid):
+    if l in xl:
+      continue
+    trips = math.ceil(ext[l] / tiles[l])
+    if split and l == split[0]:
+      trips = math.ceil(trips / split[1])
+    n *= trips
+  if split and split[0] not in xl:
+    n *= split[1]
+  for l in enclosing:
+    if run_fraction and l in run_fraction:
+      n *= run_fraction[l]
+  return round(n * ir.dtype_itemsize(region.value_map[st.value].dtype))
+
+
 def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
                   grid: Sequence[str], split: Optional[tuple[str, int]] = None,
                   run_fraction: Optional[Mapping[str, float]] = None) -> dict[str, int]:
@@ -148,29 +174,26 @@ def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str
   tiles a causal mask hides are skipped); statements inside it move that
   fraction.
   """
-  ext = region.loop_extents
-  vm = region.value_map
   bufs = {b.value: b for b in region.inputs + region.outputs}
   out: dict[str, int] = {}
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind == "C":
       continue
-    b = bufs[st.value]
-    xl = {l for l, s in b.strides if s != 0}
-    n = 1
-    for l in xl:
-      n *= ext[l]
-    for l in set(enclosing) | set(grid):
-      if l in xl:
-        continue
-      trips = math.ceil(ext[l] / tiles[l])
-      if split and l == split[0]:
-        trips = math.ceil(trips / split[1])
-      n *= trips
-    if split and split[0] not in xl:
-      n *= split[1]
-    for l in enclosing:
-      if run_fraction and l in run_fraction:
-        n *= run_fraction[l]
-    out[st.value] = out.get(st.value, 0) + round(n * ir.dtype_itemsize(vm[st.value].dtype))
+    out[st.value] = out.get(st.value, 0) + _statement_bytes(
+        region, st, bufs[st.value], enclosing, tiles, grid, split, run_fraction)
   return out
+
+
+def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
+                       grid: Sequence[str], split: Optional[tuple[str, int]] = None) -> int:
+  """Bytes (all programs) of the loads a plan issues before its loops: the
+  Load statements at the top level of an ``expr`` that has a loop (the
+  whole-k row tile of ``(Lx0,n(...))``, attention's query tile). They are
+  part of ``placed_volume`` too; the cost model prices them apart because
+  no loop's software pipeline overlaps them with compute. A plan without
+  loops has none."""
+  if all(isinstance(n, tiling.Stmt) for n in expr.body):
+    return 0
+  bufs = {b.value: b for b in region.inputs}
+  return sum(_statement_bytes(region, n, bufs[n.value], (), tiles, grid, split, None)
+             for n in expr.body if isinstance(n, tiling.Stmt) and n.kind == "L")

@@ -32,11 +32,13 @@ Example::
     python -m benchmarks.model_fidelity --plot
     python benchmarks/model_fidelity.py --cases=G1,S1 --candidates=80
     python -m benchmarks.model_fidelity --rescore=/tmp/fid.G4.json   # CPU: re-rank a saved run
+    python -m benchmarks.model_fidelity --rescore='benchmarks/results/s52/fidelity/*.G?.json'
 """
 
 from __future__ import annotations
 
 import datetime
+import glob
 import json
 import math
 import os
@@ -72,10 +74,11 @@ flags.DEFINE_bool("isolate", True, "On a GPU with several cases, measure each ca
                   "a fresh process (a kernel that faults leaves the CUDA context "
                   "unusable for every later case in the same process).")
 
-flags.DEFINE_list("rescore", [], "JSON files written by earlier runs of this binary: re-rank "
-                  "their measured candidates with the current cost model (no GPU "
-                  "needed) and print the same statistics. The sample stays the one "
-                  "the earlier model drew.")
+flags.DEFINE_list("rescore", [], "JSON files written by earlier runs of this binary (or "
+                  "glob patterns of them): re-rank their measured candidates with the "
+                  "current cost model (no GPU needed) and print the same statistics, "
+                  "per sample and summed up. The sample stays the one the earlier "
+                  "model drew.")
 
 FLAGS = flags.FLAGS
 
@@ -568,12 +571,49 @@ def rescore_rows(paths: Sequence[str], dtype: str) -> list[dict]:
   return out
 
 
+def rescore_paths(entries: Sequence[str]) -> list[str]:
+  """``--rescore``'s entries as files: a glob pattern is expanded (sorted),
+  a file named twice is read once. A pattern or name that matches no file
+  raises ``ValueError`` naming the flag."""
+  out: list[str] = []
+  for entry in entries:
+    hits = sorted(glob.glob(entry)) if glob.has_magic(entry) else (
+        [entry] if os.path.isfile(entry) else [])
+    if not hits:
+      raise ValueError(f"--rescore: no file matches {entry!r}")
+    out += [h for h in hits if h not in out]
+  return out
+
+
+def summarize(rows: Sequence[dict]) -> dict[str, Any]:
+  """Statistics over every sample (row) with a measured ranking: Spearman's
+  mean and lowest, Pearson's mean, top-1 regret's mean and largest (with
+  its case), and how many samples meet the issue's targets (Spearman >=
+  0.85 and regret < 15%)."""
+  ok = [r for r in rows if not r.get("error") and r.get("stats", {}).get("spearman") is not None
+        and r["stats"].get("regret_top1") is not None]
+  summary: dict[str, Any] = {"samples": len(ok)}
+  if not ok:
+    return summary
+  sp = [r["stats"]["spearman"] for r in ok]
+  rg = [r["stats"]["regret_top1"] for r in ok]
+  pe = [r["stats"]["pearson"] for r in ok if r["stats"].get("pearson") is not None]
+  worst = max(ok, key=lambda r: r["stats"]["regret_top1"])
+  summary.update(mean_spearman=float(np.mean(sp)), min_spearman=float(np.min(sp)),
+                 mean_regret_top1=float(np.mean(rg)), max_regret_top1=float(np.max(rg)),
+                 worst_case=worst["case"],
+                 at_target=sum(1 for a, b in zip(sp, rg) if a >= 0.85 and b < 0.15))
+  if pe:
+    summary["mean_pearson"] = float(np.mean(pe))
+  return summary
+
+
 def main(argv) -> int:
   del argv
   prefix = FLAGS.out or harness.default_out("model_fidelity", FLAGS.dtype)
   if FLAGS.rescore:
     from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
-    rows = rescore_rows(FLAGS.rescore, FLAGS.dtype)
+    rows = rescore_rows(rescore_paths(FLAGS.rescore), FLAGS.dtype)
     print(table(rows))
     for r in rows:
       if r.get("error"):
@@ -582,6 +622,8 @@ def main(argv) -> int:
         reasons = sorted({search.rejection_kind(x["reason"]) for x in r["rejected"]})
         print(f"[model_fidelity] {r['case']}: {len(r['rejected'])} saved plans left out, "
               f"the current planner rejects them: {'; '.join(reasons)}")
+    print(f"[model_fidelity] summary: {json.dumps(summarize(rows))} (targets: Spearman >= "
+          "0.85, regret < 15%)")
     return 0
   if not harness.on_gpu():
     return dry_run(prefix)
@@ -615,15 +657,7 @@ def main(argv) -> int:
     rows.append(row)
   print()
   print(table(rows))
-  sp = [r["stats"]["spearman"] for r in rows if r.get("stats", {}).get("spearman") is not None]
-  rg = [r["stats"]["regret_top1"] for r in rows if r.get("stats", {}).get("regret_top1") is not None]
-  summary = {}
-  if sp:
-    summary["mean_spearman"] = float(np.mean(sp))
-    summary["min_spearman"] = float(np.min(sp))
-  if rg:
-    summary["mean_regret_top1"] = float(np.mean(rg))
-    summary["max_regret_top1"] = float(np.max(rg))
+  summary = summarize(rows)
   print(f"[model_fidelity] summary: {json.dumps(summary)} (targets: Spearman >= 0.85, "
         "regret < 15%)")
   meta = {"binary": "model_fidelity", "date": datetime.datetime.now().isoformat(timespec="seconds"),

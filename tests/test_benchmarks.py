@@ -562,6 +562,30 @@ def test_fidelity_rescore_reranks_a_saved_run(tmp_path):
   assert s["spearman"] is not None and "| G1 |" in mf.table(rows)
 
 
+def test_fidelity_rescore_takes_globs_and_sums_the_samples_up(tmp_path):
+  """--rescore expands glob patterns (a file named twice is read once, a
+  pattern matching nothing is an error naming the flag); ``summarize``
+  gives the statistics over every ranked sample, errors left out."""
+  from benchmarks import model_fidelity as mf
+  for name in ("a.G1.json", "b.G2.json", "c.csv"):
+    (tmp_path / name).write_text("{}")
+  a, b = str(tmp_path / "a.G1.json"), str(tmp_path / "b.G2.json")
+  assert mf.rescore_paths([str(tmp_path / "*.G?.json"), a]) == [a, b]
+  for bad in ("*.S?.json", "missing.json"):
+    with pytest.raises(ValueError, match="--rescore"):
+      mf.rescore_paths([str(tmp_path / bad)])
+  rows = [{"case": "G1", "stats": {"spearman": 0.90, "pearson": 0.95, "regret_top1": 0.02}},
+          {"case": "G5", "stats": {"spearman": 0.88, "pearson": 0.90, "regret_top1": 0.21}},
+          {"case": "S2", "stats": {"spearman": 0.80, "pearson": 0.85, "regret_top1": 0.0}},
+          {"case": "x", "error": "unknown case", "stats": {}}]
+  s = mf.summarize(rows)
+  assert s["samples"] == 3 and s["worst_case"] == "G5" and s["at_target"] == 1
+  assert s["max_regret_top1"] == 0.21 and s["min_spearman"] == 0.80
+  assert s["mean_regret_top1"] == pytest.approx(0.23 / 3)
+  assert s["mean_pearson"] == pytest.approx(0.9)
+  assert mf.summarize(rows[3:]) == {"samples": 0}
+
+
 def test_fidelity_rescore_leaves_out_plans_the_planner_now_rejects(tmp_path):
   """A saved plan that the current planner's rules reject (here 128x128
   causal scores over the masked register budget) is not ranked again; the

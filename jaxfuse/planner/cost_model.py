@@ -447,9 +447,10 @@ OVERLAP_TRAFFIC = 0.25
 # (``model_fidelity --rescore``): the purely additive program priced split
 # GEMM-chain plans with a k loop 20-30% above their kernel times and
 # ranked the hoisted whole-k plans first; MCFuser G5's regret went 21-22%
-# -> 9-10%, attention S6's 14% -> 1%, the mean regret 3.9% -> 2.5%, the
-# worst 22% -> 11%, with the lowest Spearman 0.87 -> 0.85 (attention S2
-# and S3). Applied to two warpgroups as well, it ranked a 128x128 8-warp
+# -> 9-10%, attention S6's 14% -> 1%, the mean regret 4.1% -> 2.6%, the
+# worst 22% -> 11%, samples at the issue's targets 36 -> 38 of 38, with the
+# lowest Spearman 0.87 -> 0.85 (attention S2 and S3); the command is in
+# RESULTS. Applied to two warpgroups as well, it ranked a 128x128 8-warp
 # sliding-window plan first (30% regret); applied with TF32 transposes,
 # float32 MCFuser G11's regret rose 17% -> 27%. Measured with them (H100,
 # 2026-11-24, benchmarks/RESULTS.md fifty-second session): a fresh

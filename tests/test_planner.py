@@ -476,7 +476,10 @@ def _decode_region(keys: int, batch: int = 1, heads: int = 32, kv_heads: int = 8
 
 def test_decoding_step_splits_its_key_loop_across_programs():
   """Flash-decoding: at one query token (8 programs of 4 query heads), the
-  best plan splits the 4096 keys over 16 programs per head, and tune='auto'
+  best plan splits the 4096 keys over several programs per head (8 parts
+  of 512 keys: its kernels measured 12.1 us on an H100, the best of 50
+  plans, against 14.8 us for the 16-part plan the model picked before the
+  narrow-row rate was refitted, fifty-third session), and tune='auto'
   times it against XLA (both estimates miss at these shapes). Key loops
   under MIN_STREAMED_SPLIT_EXTENT are not split (MCFuser S9, 512 keys,
   measured slower split)."""
@@ -489,7 +492,7 @@ def test_decoding_step_splits_its_key_loop_across_programs():
   assert all(s is None or s[0] != key
              for s in search.build_space(dec, h100, streamable=frozenset()).splits)
   best = plan_region(dec, h100, use_cache=False).best
-  assert best.split == (key, 16)
+  assert best.split == (key, 8)
   _check_executable(dec, best)
   why = cost_model.verdict_uncertain(dec, best, h100)
   assert why and "flash-decoding" in why
@@ -941,6 +944,12 @@ def test_dot_efficiency_rewards_wide_tiles_and_wgmma_rows():
   assert eff(n=16) < eff(n=64) < eff(n=128)
   assert eff(k=16) < eff(k=64)
   assert eff(m=32) == pytest.approx(cost_model.NARROW_ROWS_EFFICIENCY * 32 / 64 * eff(m=64))
+  # float32 (TF32) chains keep the rate their keep-or-drop verdicts were fitted at
+  r32 = examples.gemm_chain(1, 1024, 1024, 512, 512, dtype="float32")
+  eff32 = lambda **t: cost_model.dot_efficiency(
+      r32, r32.contractions[0], dict(dict(b=1, m=64, n=64, k=64, h=64), **t), H100)
+  assert eff32(m=32) == pytest.approx(
+      cost_model.NARROW_ROWS_EFFICIENCY_OTHER * 32 / 64 * eff32(m=64))
   a100 = get_device("a100")                   # no wgmma: 16 rows are full rate
   t = dict(b=1, m=16, n=64, k=64, h=64)
   assert cost_model.dot_efficiency(r, c, t, a100) == pytest.approx(
@@ -1414,12 +1423,15 @@ def test_search_reaches_the_model_optimum_of_the_space(name):
 def test_measured_search_measures_other_structures():
   """With a measuring callback the search also measures the model's best
   plan of each other structure, so a whole structure the model misprices
-  can win (here: 16-row tiles over the whole value width, measuring at
-  half their predicted time on MCFuser S9; the model ranks them far below
-  its 64-row pick and its top plans never include one)."""
+  can win (here, on MCFuser S9: 64-row tiles over the whole value width,
+  made to measure at half their predicted time; the model's top plans,
+  16-row tiles over all 512 keys and 64-row tiles split over the value
+  width, include none)."""
   r = dict(examples.paper_cases())["mcfuser/S9"]
   model = search.search(r, H100)
-  assert model.ranked[0].tile_map["m"] == 64
+  wide64 = lambda p: (p.tile_map["m"], p.tile_map["e"]) == (64, 64)
+  assert model.ranked[0].tile_map["m"] == 16
+  assert not any(wide64(p) for p in model.ranked[:8])
   # Every structure with a plan predicted within DIVERSE_MAX_RATIO of the best.
   best = model.ranked[0].predicted.time_s
   near = {search._structure(r, p) for p in model.ranked  # pylint: disable=protected-access
@@ -1430,10 +1442,9 @@ def test_measured_search_measures_other_structures():
 
   def measure(plans):
     asked.extend(plans)
-    return [p.predicted.time_s * (0.5 if (p.tile_map["m"], p.tile_map["e"]) == (16, 64) else 1.0)
-            for p in plans]
+    return [p.predicted.time_s * (0.5 if wide64(p) else 1.0) for p in plans]
   res = search.search(r, H100, measure=measure)
-  assert (res.ranked[0].tile_map["m"], res.ranked[0].tile_map["e"]) == (16, 64)
+  assert wide64(res.ranked[0])
   structures = {search._structure(r, p) for p in asked}  # pylint: disable=protected-access
   assert len(structures) >= min(search.DIVERSE_N, len(near))
 
@@ -1823,3 +1834,112 @@ def test_model_hides_looped_loads_under_one_warpgroups_dots():
     assert search.predict_plan(r32, p32, H100).t_program_s == pytest.approx(pr32.t_program_s)
   with mock.patch.object(cost_model, "LOOP_LOAD_OVERLAP", 0.0):
     assert search.predict_plan(r, fast, H100).t_program_s > pf.t_program_s
+
+
+# -- mma.sync warps that repeat each other's rows (narrow-row chains) --------
+
+_S7_FLAT = ("grid(b,g,m,e) (Lq,Lk,Cs0,Cs,Cmx,Ct,Cp,Cl,Cph,Lv,Co,Cout,Sout)  "
+            "tiles(b=1, g=1, m={m}, n=256, d=64, e={e})  warps=4 stages=3")
+
+
+def _s7_plan(m: int, e: int):
+  from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
+  r = dict(examples.paper_cases())["mcfuser/S7"]
+  return r, parse_plan(_S7_FLAT.format(m=m, e=e), r.loop_extents)
+
+
+def test_narrow_row_chains_price_the_warps_that_repeat_rows():
+  """Triton lays a chain of mma.sync dots out by its last dot: warps along
+  the rows when that tile is at least as tall as it is wide. On MCFuser S7
+  (one head, 512 queries, 256 keys) the 16-row plans with 16 value columns
+  put 4 warps on 16 rows, each computing the whole tile: measured 5.77 us
+  against 3.21 us at 32 columns (H100, fifty-first session's sample). The
+  model prices the copies, and picks a 16-row plan without them."""
+  r, p16 = _s7_plan(16, 16)
+  _, p32 = _s7_plan(16, 32)
+  _, p64 = _s7_plan(64, 16)
+  t = lambda p: dict(p.tiles)
+  assert cost_model.mma_sync_warps(r, t(p16), 4, H100) == (4, 1)
+  assert cost_model.mma_sync_warps(r, t(p32), 4, H100) == (1, 4)
+  assert cost_model.mma_sync_warps(r, t(p64), 4, H100) is None       # wgmma
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  (one_dot,) = capture.find_regions(jax.make_jaxpr(lambda x, w: jax.nn.gelu(x @ w))(
+      jax.ShapeDtypeStruct((32, 768), jnp.float16), jax.ShapeDtypeStruct((768, 3072), jnp.float16)))
+  tiles = {l: 16 for l in one_dot.region.loop_extents}
+  assert cost_model.mma_sync_warps(one_dot.region, tiles, 4, H100) is None
+  rep = cost_model.warp_replication
+  assert rep((4, 1), 16, 256) == 4 and rep((4, 1), 32, 16) == 2 and rep((4, 1), 64, 8) == 1
+  assert rep((1, 4), 16, 32) == 1 and rep((1, 4), 16, 16) == 2 and rep(None, 16, 8) == 1
+  predict = lambda p: search.predict_plan(r, p, H100)
+  slow, fast = predict(p16), predict(p32)
+  assert slow.time_s > 1.2 * fast.time_s
+  assert slow.t_dot_s > 2 * fast.t_dot_s          # 4 copies of half the value columns
+  best = plan_region(r, H100, use_cache=False).best
+  assert best.tile_map["m"] < H100.mma_rows
+  assert cost_model.mma_sync_warps(r, best.tile_map, best.num_warps, H100) in ((1, 4), None)
+
+
+_TTGIR_PROBE = r"""
+import importlib.util, json, os, re, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+out = {}
+d = tempfile.mkdtemp()
+for name, (source, consts, warps) in json.loads(sys.stdin.read()).items():
+  path = os.path.join(d, name + ".py")
+  with open(path, "w") as f:
+    f.write(source)
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[name] = mod
+  spec.loader.exec_module(mod)
+  fn = mod.fused_kernel
+  sig = {a: ("constexpr" if a in consts else "*fp16") for a in fn.arg_names}
+  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+  found = re.findall(r"nvidia_mma<\{versionMajor = 2.*?warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
+  out[name] = sorted(set(tuple(map(int, w)) for w in found))
+print(json.dumps(out))
+"""
+
+
+def test_mma_sync_warp_layout_is_what_triton_compiles():
+  """cost_model.mma_sync_warps against the mma.sync layouts in the TTGIR
+  Triton compiles the printed S7 kernels to for sm_90 (in a fresh process:
+  once Triton's interpreter has run here, its language cannot compile for
+  a GPU)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import triton.backends  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import triton_printer  # pylint: disable=g-import-not-at-top
+  if "nvidia" not in triton.backends.backends:
+    pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90")
+  jobs, want = {}, {}
+  for m, e in ((16, 16), (16, 32), (32, 16), (32, 64)):
+    r, p = _s7_plan(m, e)
+    k = triton_printer.print_kernel(r, p)
+    name = f"s7_m{m}_e{e}"
+    jobs[name] = (k.source, dict(k.constexprs), k.num_warps)
+    want[name] = [list(cost_model.mma_sync_warps(r, p.tile_map, k.num_warps, H100))]
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  run = subprocess.run([sys.executable, "-c", _TTGIR_PROBE], input=json.dumps(jobs),
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  got = json.loads(run.stdout.strip().splitlines()[-1])
+  assert got == want
+
+
+def test_descent_also_starts_from_other_structures():
+  """MCFuser G5: the population's best plans all split the n loop 8 ways, and
+  the descent from them ends at 8.14 us; started from the best 4-way split
+  it reaches 8.08 us, a plan measured 6.4 us against 7.1 (H100, fifty-third
+  session)."""
+  g5 = examples.gemm_chain(1, 512, 512, 512, 256, batch=False)
+  with mock.patch.object(search, "REFINE_LEADERS", 0):
+    narrow = search.search(g5, H100).ranked[0]
+  best = search.search(g5, H100).ranked[0]
+  assert best.predicted.time_s < narrow.predicted.time_s
+  assert (best.split, narrow.split) == (("n", 4), ("n", 8))

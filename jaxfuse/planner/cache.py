@@ -56,8 +56,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # (cost_model.ELEMENTWISE_COST); 19: a smaller register budget where key
 # tiles are masked (cost_model.MASKED_ACC_REGS_PER_THREAD); 20: looped loads
 # partly hidden under one warpgroup's dots, hoisted loads priced apart
-# (cost_model.LOOP_LOAD_OVERLAP, HOISTED_LOAD_EXTRA).
-FORMAT_VERSION = 20
+# (cost_model.LOOP_LOAD_OVERLAP, HOISTED_LOAD_EXTRA); 21: mma.sync warps
+# that repeat each other's rows priced (cost_model.mma_sync_warps), the
+# narrow-row dot rate refitted, descent from other structures' leaders.
+FORMAT_VERSION = 21
 
 
 def _version() -> str:

@@ -60,7 +60,8 @@ slower than cuDNN):
 
 * a contraction runs at ``P x dot_efficiency``: below ``device.mma_rows``
   rows ``tl.dot`` cannot use wgmma (``NARROW_ROWS_EFFICIENCY`` x rows /
-  ``mma_rows``), and narrow column and reduction tiles pay per-instruction
+  ``mma_rows``; in a chain, warps that repeat each other's rows,
+  ``mma_sync_warps``, each pay), and narrow column and reduction tiles pay per-instruction
   operand traffic and per-step loop overhead (``x / (x + 16)`` each);
 * each elementwise op costs the vector ops and SFU results its printed
   Triton spelling compiles to (``ELEMENTWISE_COST``: ``exp`` one SFU
@@ -150,11 +151,27 @@ def elementwise_cost(fn: str) -> tuple[int, int]:
 # throughput (see dot_efficiency).
 HALF_EFFICIENCY_TILE = 16
 # Throughput of tl.dot on fewer rows than wgmma takes (mma.sync on 16-32
-# rows), relative to wgmma on Hopper, times rows / mma_rows. Fitted with the
-# per-program path on MCFuser G1-G6, G10, S1-S3, S7, S9 (H200, fourth
-# session): 16-row plans measured 2-3x slower than their 64-row
-# neighbours; a flat 0.6 ranked them first.
-NARROW_ROWS_EFFICIENCY = 0.4
+# rows), relative to wgmma on Hopper, times rows / mma_rows. First fitted
+# at 0.4 with the per-program path on MCFuser G1-G6, G10, S1-S3, S7, S9
+# (H200, fourth session: 16-row plans measured 2-3x slower than their
+# 64-row neighbours; a flat 0.6 ranked them first). Part of that gap was
+# warps repeating each other's rows (``mma_sync_warps``); with those
+# copies priced, re-scoring the 38 saved float16 fidelity samples (H100,
+# benchmarks/RESULTS.md fifty-third session) gave mean regret 2.04% at
+# 0.6-0.7 (2.52% at 0.4 without the copies), and at 0.75 a 32-row
+# 256-column MCFuser G6 plan that measured 1.56x the best came first.
+# Those samples are all 16-bit chains. Elsewhere the rate stays 0.4
+# (``NARROW_ROWS_EFFICIENCY_OTHER``), where keep-or-drop verdicts were
+# fitted with it: a region of one contraction, against XLA's few-row GEMM
+# price (twenty-ninth session; at 0.6 BERT-Base's 32-token FFN GEMM + GELU,
+# measured 5.2 us fused against XLA's 4.5, would be fused without a
+# timing), and float32 (TF32) chains, whose mma.sync reads twice the
+# operand bytes per flop (at 0.6 float32 MCFuser G4, measured 11.6 us
+# fused against XLA's 9.7 in the thirty-fourth session, would be fused
+# under tune='model'; the 12 float32 samples' mean regret moved only
+# 10.3% -> 9.8%).
+NARROW_ROWS_EFFICIENCY = 0.6
+NARROW_ROWS_EFFICIENCY_OTHER = 0.4
 # A program with 2 pipeline stages keeps one load in flight while it
 # computes; at 3 stages the same tiles measured faster (G4: n=64 at 3
 # stages 6.3 us vs n=128 at 2 stages 7.5 us; refitted with the L2 and
@@ -276,9 +293,49 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   the contracted loops (batch loops, tile 1, drop out).
   """
   rows, cols, _, red = _gemm_dims(region, op, tiles)
-  eta = 1.0 if rows >= device.mma_rows else NARROW_ROWS_EFFICIENCY * rows / device.mma_rows
+  chain16 = (len(region.contractions) > 1
+             and ir.dtype_itemsize(contraction_dtype(region, op)) <= 2)
+  narrow = NARROW_ROWS_EFFICIENCY if chain16 else NARROW_ROWS_EFFICIENCY_OTHER
+  eta = 1.0 if rows >= device.mma_rows else narrow * rows / device.mma_rows
   h = HALF_EFFICIENCY_TILE
   return eta * cols / (cols + h) * red / (red + h)
+
+
+def mma_sync_warps(region: ir.Region, tiles: Mapping[str, int], num_warps: int,
+                   device: DeviceSpec) -> Optional[tuple[int, int]]:
+  """(warps along rows, warps along columns) of the mma.sync layout Triton
+  gives a chain of dots on fewer rows than wgmma takes (``mma_rows``), or
+  None where the plan's dots run wgmma or the region has one contraction.
+
+  Why: Triton (3.6-3.9, ``warpsPerTileV2`` in AccelerateMatmul) gives every
+  dot of a chain the layout it picks for the one it rewrites first, the
+  chain's last: all warps along the rows when that dot's tile has at least
+  as many rows as columns, else all along the columns. On 16- or 32-row
+  tiles warps along the rows hold copies of one another's rows: compiled
+  for sm_90, attention S7 at m=16 n=256 h=16 issues 160 mma.sync per warp
+  against 48 at h=32, and its warps compute the whole score tile and
+  softmax each (242 registers against 126)."""
+  dots = region.contractions
+  if len(dots) < 2 or tile_rows(region, tiles) >= device.mma_rows:
+    return None
+  rows, cols, _, _ = _gemm_dims(region, dots[-1], tiles)
+  return (num_warps, 1) if rows >= cols else (1, num_warps)
+
+
+# Rows and columns of one warp's mma.sync instruction (m16n8k16).
+_MMA_SYNC_ROWS, _MMA_SYNC_COLS = 16, 8
+
+
+def warp_replication(layout: Optional[tuple[int, int]], rows: int, cols: int) -> float:
+  """How many warps of ``layout`` (``mma_sync_warps``) compute each element
+  of a ``rows`` x ``cols`` tile: warps beyond the tile's 16-row or 8-column
+  instruction blocks repeat their neighbours' work."""
+  if layout is None:
+    return 1.0
+  wr, wc = layout
+  distinct = (min(wr, max(1, math.ceil(rows / _MMA_SYNC_ROWS)))
+              * min(wc, max(1, math.ceil(cols / _MMA_SYNC_COLS))))
+  return wr * wc / distinct
 
 
 def inner_loop_starts(expr: tiling.TilingExpr, trips) -> int:
@@ -646,7 +703,9 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
       fractions = {l: (f[1], f[1]) for l, f in fractions.items()
                    if masked[l].lower is not None and masked[l].upper is not None}
   mean = {l: f[0] for l, f in fractions.items()}
-  work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean)
+  layout = mma_sync_warps(region, tiles, num_warps, device)
+  work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean,
+                         layout)
   bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())
   flops, t_dot, vec, sfu, steps = work
   t_mem = bytes_moved / device.mem_bandwidth_Bps
@@ -700,7 +759,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     # last wave holds short ones and the average sets the waves' time).
     most = {l: f[1] for l, f in fractions.items()}
     _, l_dot, l_vec, l_sfu, l_steps = _statement_work(region, expr, tiles, grid, split, trips,
-                                                      streamable, device, most)
+                                                      streamable, device, most, layout)
     l_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, most).values())
     if split:
       l_moved += 2 * partial
@@ -728,10 +787,20 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
 def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
                     grid: Sequence[str], split: Optional[tuple[str, int]], trips,
                     streamable: frozenset, device: DeviceSpec,
-                    scale: Mapping[str, float]) -> tuple[float, float, float, float, float]:
+                    scale: Mapping[str, float],
+                    layout: Optional[tuple[int, int]] = None
+                    ) -> tuple[float, float, float, float, float]:
   """(flops, tensor-core seconds, vector ops, SFU ops, steps of the longest
   loop nest) of a placed plan's Compute statements over all programs, with
-  the trips of each loop in ``scale`` times its fraction."""
+  the trips of each loop in ``scale`` times its fraction. ``layout``: the
+  chain's mma.sync warps (``mma_sync_warps``); the tensor-core and vector
+  work of a tile its warps repeat counts once per copy."""
+  row_loops = set()
+  if layout is not None:
+    vm = region.value_map
+    for op in region.contractions:
+      lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+      row_loops |= {l for l in vm[op.out].loops if l in lhs and l not in rhs}
   flops = 0
   vec = 0
   sfu = 0
@@ -760,19 +829,27 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
       work *= split[1]
     if run != 1.0:
       work *= run
+    copies = 1.0
+    if layout is not None:
+      if isinstance(op, ir.Contraction):
+        rows, cols, _, _ = _gemm_dims(region, op, tiles)
+      else:
+        rows = math.prod(tiles[l] for l in ol if l in row_loops)
+        cols = math.prod(tiles[l] for l in ol if l not in row_loops)
+      copies = warp_replication(layout, rows, cols)
     if isinstance(op, ir.Contraction):
       flops += 2 * work
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)
-      t_dot += 2 * work / (peak * dot_efficiency(region, op, tiles, device))
+      t_dot += copies * 2 * work / (peak * dot_efficiency(region, op, tiles, device))
       for l in _rescaled_by_stream(region, op, streamable):
         if l in around and trips(l) > 1:
-          vec += work // tiles[l] if run == 1.0 else work / tiles[l]
+          vec += copies * (work // tiles[l] if run == 1.0 else work / tiles[l])
     elif isinstance(op, ir.Elementwise):
       v, f = elementwise_cost(op.fn)
-      vec += v * work
-      sfu += f * work
+      vec += copies * v * work
+      sfu += copies * f * work
     else:
-      vec += work
+      vec += copies * work
   return flops, t_dot, vec, sfu, steps
 
 

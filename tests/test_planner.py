@@ -1639,46 +1639,61 @@ _SFU_PTX = ("ex2.", "lg2.", "rcp.", "rsqrt.", "sqrt.approx", "sin.", "cos.", "ta
             "div.full")
 
 
-_PTX_PROBE = r"""
+_SM90_PROBE = r"""
 import importlib.util, json, os, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-helpers, bodies = json.loads(sys.stdin.read())
 out = {}
 d = tempfile.mkdtemp()
-for name, body in bodies.items():
-  src = ("import triton\nimport triton.language as tl\n\n" + helpers + "\n\n@triton.jit\n"
-         "def k(x_ptr, y_ptr, z_ptr):\n  o = tl.arange(0, 128)\n  x = tl.load(x_ptr + o)\n"
-         "  y = tl.load(y_ptr + o)\n  tl.store(z_ptr + o, " + body + ")\n")
-  mod_name = "ptx_probe_" + name
-  path = os.path.join(d, mod_name + ".py")
+for name, (source, fn_name, sig, consts, options, asm) in json.loads(sys.stdin.read()).items():
+  path = os.path.join(d, name + ".py")
   with open(path, "w") as f:
-    f.write(src)
-  spec = importlib.util.spec_from_file_location(mod_name, path)
+    f.write(source)
+  spec = importlib.util.spec_from_file_location(name, path)
   mod = importlib.util.module_from_spec(spec)
-  sys.modules[mod_name] = mod
+  sys.modules[name] = mod
   spec.loader.exec_module(mod)
-  sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32"}
-  out[name] = triton.compile(ASTSource(fn=mod.k, signature=sig, constexprs={}),
-                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+  fn = getattr(mod, fn_name)
+  if isinstance(sig, str):   # every argument not a constexpr is of this type
+    sig = {a: "constexpr" if a in consts else sig for a in fn.arg_names}
+  consts = {(fn.arg_names.index(c),): v for c, v in consts.items()}
+  out[name] = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                             target=GPUTarget("cuda", 90, 32), options=options).asm[asm]
 print(json.dumps(out))
 """
+
+
+def _compile_sm90(jobs: dict) -> dict[str, str]:
+  """Compiles Triton sources for sm_90 and returns one of each's assembly
+  texts: ``jobs`` maps a module name to (source, kernel name, signature or
+  one type for every argument that is not a constexpr, constexprs, compile
+  options, asm kind such as "ptx" or "ttgir"). In a
+  fresh process: once Triton's interpreter has run in this one
+  (TRITON_INTERPRET=1, other tests), its patched language cannot compile
+  for a GPU."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  run = subprocess.run([sys.executable, "-c", _SM90_PROBE], input=json.dumps(jobs),
+                       capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _ptx_ops(bodies: dict[str, str], helpers: str) -> dict[str, list[str]]:
   """The PTX instructions of ``z = body`` (x, y fp32 vectors) compiled for
   sm_90, without the loads, stores and address arithmetic around it, per
-  name in ``bodies``. Compiled in a fresh process: once Triton's
-  interpreter has run in this one (TRITON_INTERPRET=1, other tests), its
-  patched language cannot compile for a GPU."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-  run = subprocess.run([sys.executable, "-c", _PTX_PROBE], input=json.dumps([helpers, bodies]),
-                       capture_output=True, text=True, env=env, timeout=300, check=False)
-  assert run.returncode == 0, run.stderr[-3000:]
-  ptx = json.loads(run.stdout.strip().splitlines()[-1])
+  name in ``bodies``."""
+  sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*fp32"}
+  ptx = _compile_sm90({
+      "ptx_probe_" + name: (
+          "import triton\nimport triton.language as tl\n\n" + helpers + "\n\n@triton.jit\n"
+          "def k(x_ptr, y_ptr, z_ptr):\n  o = tl.arange(0, 128)\n  x = tl.load(x_ptr + o)\n"
+          "  y = tl.load(y_ptr + o)\n  tl.store(z_ptr + o, " + body + ")\n",
+          "k", sig, {}, {}, "ptx")
+      for name, body in bodies.items()})
+  ptx = {name[len("ptx_probe_"):]: text for name, text in ptx.items()}
   out = {}
   for name, text in ptx.items():
     ops = []
@@ -1881,38 +1896,10 @@ def test_narrow_row_chains_price_the_warps_that_repeat_rows():
   assert cost_model.mma_sync_warps(r, best.tile_map, best.num_warps, H100) in ((1, 4), None)
 
 
-_TTGIR_PROBE = r"""
-import importlib.util, json, os, re, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-out = {}
-d = tempfile.mkdtemp()
-for name, (source, consts, warps) in json.loads(sys.stdin.read()).items():
-  path = os.path.join(d, name + ".py")
-  with open(path, "w") as f:
-    f.write(source)
-  spec = importlib.util.spec_from_file_location(name, path)
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[name] = mod
-  spec.loader.exec_module(mod)
-  fn = mod.fused_kernel
-  sig = {a: ("constexpr" if a in consts else "*fp16") for a in fn.arg_names}
-  k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()}),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-  found = re.findall(r"nvidia_mma<\{versionMajor = 2.*?warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
-  out[name] = sorted(set(tuple(map(int, w)) for w in found))
-print(json.dumps(out))
-"""
-
-
 def test_mma_sync_warp_layout_is_what_triton_compiles():
   """cost_model.mma_sync_warps against the mma.sync layouts in the TTGIR
-  Triton compiles the printed S7 kernels to for sm_90 (in a fresh process:
-  once Triton's interpreter has run here, its language cannot compile for
-  a GPU)."""
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+  Triton compiles the printed S7 kernels to for sm_90."""
+  import re  # pylint: disable=g-import-not-at-top
   import triton.backends  # pylint: disable=g-import-not-at-top
   from jaxfuse.codegen import triton_printer  # pylint: disable=g-import-not-at-top
   if "nvidia" not in triton.backends.backends:
@@ -1922,14 +1909,12 @@ def test_mma_sync_warp_layout_is_what_triton_compiles():
     r, p = _s7_plan(m, e)
     k = triton_printer.print_kernel(r, p)
     name = f"s7_m{m}_e{e}"
-    jobs[name] = (k.source, dict(k.constexprs), k.num_warps)
-    want[name] = [list(cost_model.mma_sync_warps(r, p.tile_map, k.num_warps, H100))]
-  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-  run = subprocess.run([sys.executable, "-c", _TTGIR_PROBE], input=json.dumps(jobs),
-                       capture_output=True, text=True, env=env, timeout=600, check=False)
-  assert run.returncode == 0, run.stderr[-3000:]
-  got = json.loads(run.stdout.strip().splitlines()[-1])
-  assert got == want
+    jobs[name] = (k.source, k.kernel_name, "*fp16", dict(k.constexprs),
+                  {"num_warps": k.num_warps}, "ttgir")
+    want[name] = {cost_model.mma_sync_warps(r, p.tile_map, k.num_warps, H100)}
+  for name, ttgir in _compile_sm90(jobs).items():
+    got = re.findall(r"nvidia_mma<\{versionMajor = 2.*?warpsPerCTA = \[(\d+), (\d+)\]", ttgir)
+    assert {tuple(map(int, w)) for w in got} == want[name], name
 
 
 def test_descent_also_starts_from_other_structures():

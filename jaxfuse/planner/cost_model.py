@@ -267,17 +267,23 @@ def tf32_held_operand_bytes(region: ir.Region, expr: tiling.TilingExpr,
   return total
 
 
-def _gemm_dims(region: ir.Region, op: "ir.Contraction",
-               sizes: Mapping[str, int]) -> tuple[int, int, int, int]:
-  """(rows, cols, batch, red) of ``op`` at ``sizes`` (tiles or extents):
-  the lhs-only, rhs-only and shared output loops, and the contracted ones."""
+def _dot_loops(region: ir.Region, op: "ir.Contraction") -> tuple[tuple[str, ...], ...]:
+  """(rows, cols, batch, red) loops of ``op``: its lhs-only, rhs-only and
+  shared output loops, and the contracted ones."""
   vm = region.value_map
   lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
   out = vm[op.out].loops
-  return (math.prod(sizes[l] for l in out if l in lhs and l not in rhs),
-          math.prod(sizes[l] for l in out if l in rhs and l not in lhs),
-          math.prod(sizes[l] for l in out if l in lhs and l in rhs),
-          math.prod(sizes[l] for l in op.reduce))
+  return (tuple(l for l in out if l in lhs and l not in rhs),
+          tuple(l for l in out if l in rhs and l not in lhs),
+          tuple(l for l in out if l in lhs and l in rhs),
+          tuple(op.reduce))
+
+
+def _gemm_dims(region: ir.Region, op: "ir.Contraction",
+               sizes: Mapping[str, int]) -> tuple[int, int, int, int]:
+  """(rows, cols, batch, red) of ``op`` at ``sizes`` (tiles or extents):
+  the products of ``_dot_loops``."""
+  return tuple(math.prod(sizes[l] for l in loops) for loops in _dot_loops(region, op))
 
 
 def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
@@ -794,13 +800,13 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
   loop nest) of a placed plan's Compute statements over all programs, with
   the trips of each loop in ``scale`` times its fraction. ``layout``: the
   chain's mma.sync warps (``mma_sync_warps``); the tensor-core and vector
-  work of a tile its warps repeat counts once per copy."""
+  work of a tile its warps repeat counts once per copy (dots, and the ops
+  on tiles of the dots' rows, which share their layout; an op on a loaded
+  operand tile alone keeps a blocked layout over all warps)."""
   row_loops = set()
   if layout is not None:
-    vm = region.value_map
     for op in region.contractions:
-      lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-      row_loops |= {l for l in vm[op.out].loops if l in lhs and l not in rhs}
+      row_loops.update(_dot_loops(region, op)[0])
   flops = 0
   vec = 0
   sfu = 0
@@ -830,13 +836,13 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
     if run != 1.0:
       work *= run
     copies = 1.0
-    if layout is not None:
-      if isinstance(op, ir.Contraction):
+    if isinstance(op, ir.Contraction):
+      if layout is not None:
         rows, cols, _, _ = _gemm_dims(region, op, tiles)
-      else:
-        rows = math.prod(tiles[l] for l in ol if l in row_loops)
-        cols = math.prod(tiles[l] for l in ol if l not in row_loops)
-      copies = warp_replication(layout, rows, cols)
+        copies = warp_replication(layout, rows, cols)
+    elif ol & row_loops:
+      copies = warp_replication(layout, math.prod(tiles[l] for l in ol & row_loops),
+                                math.prod(tiles[l] for l in ol - row_loops))
     if isinstance(op, ir.Contraction):
       flops += 2 * work
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)

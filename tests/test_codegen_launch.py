@@ -1582,3 +1582,82 @@ def test_decoding_step_runs_split_across_programs():
   assert k.combine_fn is not None and "part_" in k.source   # scratch of the parts
   xs = launch.random_inputs(r, seed=4)
   assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r)
+
+
+# Compiled in a fresh process (the ``fresh_python`` fixture says why): a
+# chain kernel and a split plan's main and combine kernels, with the grid
+# dependency wait on and off.
+_PDL_PTX = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from jaxfuse.codegen import compile as _compile, testing as T
+from jaxfuse.codegen.triton_printer import PDL_FLAG, print_kernel
+from jaxfuse.runtime import direct_launch as dl
+region = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
+plans = [T.simple_plan(region, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64)),
+         T.simple_plan(region, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64),
+                       split=("n", 2))]
+out = []
+try:
+  for plan in plans:
+    pk = print_kernel(region, plan)
+    mod, _ = _compile.load_module(pk.source, interpret=False)
+    for name, consts in ((pk.kernel_name, pk.constexprs), (pk.combine_name, pk.combine_constexprs)):
+      if not name:
+        continue
+      fn = getattr(mod, name)
+      for flag in (0, 1):
+        c = {**dict(consts), PDL_FLAG: flag}
+        sig = {a: ("constexpr" if a in c else "*fp16" if a.endswith("_ptr") else "*fp32")
+               for a in fn.arg_names}
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=c)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        out.append([name, flag, dl.waits_before_memory(ptx), "griddepcontrol.wait" in ptx])
+except (ImportError, AttributeError, TypeError) as e:   # another Triton's compile API
+  print(json.dumps({"skip": f"{type(e).__name__}: {e}"})); sys.exit(0)
+print(json.dumps({"kernels": out}))
+"""
+
+
+def test_printed_kernels_wait_on_their_grid_dependency_before_any_memory_access(fresh_python):
+  """With ``PDL_FLAG`` set, every printed kernel (a split plan's combine
+  pass too) may be started while its predecessor runs: compiled for
+  sm_90, its first memory instruction comes after griddepcontrol.wait.
+  Without the flag it has no wait at all."""
+  pytest.importorskip("triton")
+  res = fresh_python(_PDL_PTX)
+  if "skip" in res:
+    pytest.skip(f"offline compile unavailable: {res['skip']}")
+  kernels = res["kernels"]
+  assert {k[0] for k in kernels} == {"fused_kernel", "fused_kernel_combine"}
+  for name, flag, waits, has_wait in kernels:
+    assert (waits, has_wait) == ((True, True) if flag else (False, False)), name
+
+
+def test_generate_turns_the_grid_dependency_wait_on_only_for_the_gpu(monkeypatch):
+  from jaxfuse import codegen
+  from jaxfuse.codegen import compile as _compile
+  from jaxfuse.codegen import testing as T
+  from jaxfuse.codegen.triton_printer import PDL_FLAG
+  region = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
+  plan = T.simple_plan(region, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64),
+                       split=("n", 2))
+  monkeypatch.setattr(_compile, "grid_dependency_control", lambda: True)
+  k = codegen.generate(region, plan, interpret=True)
+  assert k.constexprs[PDL_FLAG] == 0 and k.combine_constexprs[PDL_FLAG] == 0
+  k = codegen.generate(region, plan, interpret=False)
+  assert k.constexprs[PDL_FLAG] == 1 and k.combine_constexprs[PDL_FLAG] == 1
+  monkeypatch.setattr(_compile, "grid_dependency_control", lambda: False)
+  k = codegen.generate(region, plan, interpret=False)
+  assert k.constexprs[PDL_FLAG] == 0 and k.combine_constexprs[PDL_FLAG] == 0
+
+
+def test_grid_dependency_control_follows_the_record_setting():
+  from jaxfuse.codegen import compile as _compile
+  from jaxfuse.config import config
+  with config.override(record=False):
+    assert not _compile.grid_dependency_control()
+  with config.override(record=True):
+    assert not _compile.grid_dependency_control()      # this CPU-only process has no Hopper

@@ -18,7 +18,8 @@ import os
 from typing import Any, Optional
 
 from jaxfuse import ir
-from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel, ScratchSpec, print_kernel
+from jaxfuse.codegen.triton_printer import (PDL_FLAG, CodegenError, PrintedKernel, ScratchSpec,
+                                           print_kernel)
 from jaxfuse.planner.plan import Plan
 
 __all__ = ["CodegenError", "GeneratedKernel", "ScratchSpec", "generate", "source"]
@@ -84,10 +85,13 @@ def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
     mod, path = _compile.load_module(pk.source, interpret=interpret, cache_dir=cache_dir)
   except Exception as e:  # pylint: disable=broad-except
     raise CodegenError(f"generated kernel failed to import: {type(e).__name__}: {e}") from e
+  constexprs, combine_constexprs = dict(pk.constexprs), dict(pk.combine_constexprs)
+  if not interpret and _compile.grid_dependency_control():
+    constexprs[PDL_FLAG] = combine_constexprs[PDL_FLAG] = 1
   return GeneratedKernel(
       region=region, plan=plan, source=pk.source, module_path=path,
       fn=getattr(mod, pk.kernel_name), grid=pk.grid, num_warps=pk.num_warps,
-      num_stages=pk.num_stages, constexprs=dict(pk.constexprs), interpret=interpret,
+      num_stages=pk.num_stages, constexprs=constexprs, interpret=interpret,
       combine_fn=getattr(mod, pk.combine_name) if pk.combine_name else None,
       combine_grid=pk.combine_grid, scratch=pk.scratch,
-      combine_constexprs=dict(pk.combine_constexprs) if pk.combine_name else None)
+      combine_constexprs=combine_constexprs if pk.combine_name else None)

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -24,7 +25,7 @@ import threading
 import types
 from typing import Iterator, Optional
 
-__all__ = ["load_module", "kernel_dir", "interpret_env"]
+__all__ = ["load_module", "kernel_dir", "interpret_env", "grid_dependency_control"]
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], types.ModuleType] = {}
@@ -94,3 +95,29 @@ def load_module(source: str, *, interpret: bool, cache_dir: Optional[str] = None
     sys.modules[name] = mod
     _modules[key] = mod
     return mod, path
+
+
+def grid_dependency_control() -> bool:
+  """Whether kernels compiled for the GPU in this process wait on their grid
+  dependency (``triton_printer.PDL_FLAG``): ``config.record`` is on, this
+  Triton has the instruction, and jax's first GPU is a CUDA device of
+  compute capability 9.0 or newer."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return bool(config.record) and _grid_dependency_supported()
+
+
+@functools.lru_cache(maxsize=None)
+def _grid_dependency_supported() -> bool:
+  # Only where jax is already loaded: a child process that compiles or
+  # checks kernels without jax must not start a GPU backend for this.
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return False
+  try:
+    from triton.language.extra.cuda import gdc_wait  # pylint: disable=g-import-not-at-top,unused-import
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    major = int(str(getattr(gpus[0], "compute_capability", "0")).split(".")[0]) if gpus else 0
+  except Exception:  # pylint: disable=broad-except   # no GPU backend, an older Triton
+    return False
+  return major >= 9
+

@@ -188,6 +188,11 @@ class _Partial:
   scratch: ScratchSpec
 
 
+# The constexpr that turns on a printed kernel's grid dependency wait
+# (``_Printer.emit_grid_dependency_wait``); 0 in the interpreter, which
+# lacks the instruction.
+PDL_FLAG = "USE_PDL"
+
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
 
@@ -455,6 +460,7 @@ class _Printer:
       ptrs += [a for b in self.r.outputs for a in self._ptr_args(b, self.out_ptr(b.value))]
     consts = [f"{self.EXT[l]}: tl.constexpr" for l in self.order]
     consts += [f"{self.BLK[l]}: tl.constexpr" for l in self.order]
+    consts.append(f"{PDL_FLAG}: tl.constexpr")
     return ", ".join(ptrs + consts)
 
   def out_ptr(self, v: str) -> str:
@@ -462,7 +468,17 @@ class _Printer:
 
   def constexprs(self) -> tuple[tuple[str, int], ...]:
     return tuple([(self.EXT[l], self.ext[l]) for l in self.order] +
-                 [(self.BLK[l], self.T[l]) for l in self.order])
+                 [(self.BLK[l], self.T[l]) for l in self.order] + [(PDL_FLAG, 0)])
+
+  def emit_grid_dependency_wait(self) -> None:
+    """With ``PDL_FLAG`` set (``codegen.generate`` sets it for Hopper and
+    newer when ``config.record`` is on), the kernel's first instruction
+    waits until the grids it depends on have finished and their writes are
+    visible. XLA may then start it while the previous kernel still runs
+    (programmatic dependent launch), as it does its own kernels; launched
+    otherwise the wait returns at once."""
+    self.emit(f"if {PDL_FLAG}:")
+    self.emit("    tl.extra.cuda.gdc_wait()")
 
   def grid_axes(self, heavy: Collection[str] = ()) -> tuple[list[list[str]], tuple[int, ...]]:
     """Program-id axes: innermost grid loop on axis 0; extra loops folded.
@@ -1478,6 +1494,7 @@ class _Printer:
 
   def _kernel_body(self, axes, body, with_split: bool) -> list[str]:
     self._reset_state()
+    self.emit_grid_dependency_wait()
     self.emit_program_ids(axes, self.heavy)
     self.emit_window_bases()
     self.emit_part_bases(outputs=not with_split)
@@ -1571,6 +1588,7 @@ class _Printer:
     raise AssertionError("unreachable")
 
   def _combine_body(self, axes, body, specs, walk_prefix: bool) -> list[str]:
+    self.emit_grid_dependency_wait()
     self.emit_program_ids(axes)
     self.emit_window_bases()
     self.emit_part_bases()

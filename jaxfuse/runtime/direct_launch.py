@@ -28,6 +28,7 @@ import base64
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -40,10 +41,13 @@ from absl import logging
 
 from jaxfuse.runtime import triton_call as _wire
 
-__all__ = ["TARGET", "SOURCE", "available", "build", "kernel_attributes", "rewrite_call",
+__all__ = ["TARGET", "SOURCE", "available", "records", "build", "kernel_attributes",
+           "waits_before_memory", "rewrite_call",
            "apply_attributes", "load_attributes", "store_attributes", "UnsupportedCall"]
 
 TARGET = "jaxfuse_direct_launch"
+# The same handler with XLA's record stage (``records()``).
+RECORD_TARGET = "jaxfuse_direct_launch_rec"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "direct_launch.c")
 
 # Parameter kinds of the handler's ``kinds`` attribute (direct_launch.c).
@@ -63,22 +67,42 @@ def _compiler() -> Optional[str]:
   return cc or None
 
 
-def build(cache_dir: Optional[str] = None) -> str:
+RECORD_HEADER = os.path.join("xla", "ffi", "api", "record_c_api.h")
+
+
+def build(cache_dir: Optional[str] = None, record: bool = False) -> str:
   """Compiles ``direct_launch.c`` into a shared library (once per source,
-  FFI header and compiler) and returns its path. Raises RuntimeError when
-  there is no C compiler or the compile fails."""
+  FFI headers and compiler) and returns its path. ``record``: with the
+  record stage (``jaxfuse_direct_record``) where the installed jaxlib's
+  FFI headers have it and it compiles against them; otherwise, and when
+  False, without. Raises RuntimeError when there is no C compiler or the
+  compile fails."""
   import jax  # pylint: disable=g-import-not-at-top
+  include = jax.ffi.include_dir()
+  if record and os.path.exists(os.path.join(include, RECORD_HEADER)):
+    try:
+      return _build(cache_dir, include, ["-DJAXFUSE_RECORD"])
+    except RuntimeError as e:
+      # The record extension is still changing in XLA: a jaxlib whose API
+      # differs from the one this source was written for keeps capture.
+      logging.info("jaxfuse: direct launch without the record stage (%s)", e)
+  return _build(cache_dir, include, [])
+
+
+def _build(cache_dir: Optional[str], include: str, defines: list[str]) -> str:
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   cc = _compiler()
   if cc is None:
     raise RuntimeError("no C compiler (set CC or install cc)")
-  include = jax.ffi.include_dir()
-  header = os.path.join(include, "xla", "ffi", "api", "c_api.h")
   h = hashlib.sha256()
-  for path in (SOURCE, header):
+  headers = [os.path.join(include, "xla", "ffi", "api", "c_api.h")]
+  if defines:
+    headers.append(os.path.join(include, RECORD_HEADER))
+  for path in [SOURCE] + headers:
     with open(path, "rb") as f:
       h.update(f.read())
   h.update(cc.encode())
+  h.update(" ".join(defines).encode())
   out_dir = os.path.join(cache_dir or config.cache_dir, "direct_launch")
   lib = os.path.join(out_dir, f"jaxfuse_direct_launch_{h.hexdigest()[:16]}.so")
   if os.path.exists(lib):
@@ -86,8 +110,8 @@ def build(cache_dir: Optional[str] = None) -> str:
   os.makedirs(out_dir, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
-  cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE", "-I", include, SOURCE,
-         "-o", tmp, "-ldl", "-lpthread"]
+  cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c11", "-D_GNU_SOURCE", *defines, "-I", include,
+         SOURCE, "-o", tmp, "-ldl", "-lpthread"]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode != 0:
     os.unlink(tmp)
@@ -106,15 +130,15 @@ def available() -> bool:
     try:
       import jax  # pylint: disable=g-import-not-at-top
       from jax._src.lib import xla_client  # pylint: disable=g-import-not-at-top
-      lib = ctypes.CDLL(build())
+      from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+      lib = ctypes.CDLL(build(record=config.record))
       # A launch is a pure function of the attributes and buffers, so XLA
       # may record it into its command buffers (CUDA graphs). Without this
       # trait every call split the graph and cost more host time than
       # jaxlib's call (H100, 2026-11-21).
       traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
       lib.jaxfuse_direct_launch_set_traits(ctypes.c_uint32(int(traits)))
-      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxfuse_direct_launch),
-                                  platform="CUDA", traits=traits)
+      _state["record"] = _register(jax, lib, traits)
       _state["lib"] = lib   # keeps the library loaded for XLA
       _state["ok"] = True
     except Exception as e:  # pylint: disable=broad-except
@@ -122,6 +146,38 @@ def available() -> bool:
                       "Triton call", e)
       _state["ok"] = False
     return _state["ok"]
+
+
+def _register(jax, lib, traits) -> bool:
+  """Registers ``TARGET``; where the library has the record stage, also
+  ``RECORD_TARGET`` with it, and returns whether that worked.
+
+  jax registers a target's handlers through the GPU plugin, which passes on
+  the instantiate, prepare, initialize and execute stages only (jax 0.11.2),
+  so the record stage cannot be registered from here. The handler's
+  instantiate stage can register it through XLA's own FFI API: compiling a
+  call of ``TARGET`` whose ``register_record`` attribute names
+  ``RECORD_TARGET`` does that (``direct_launch.c``)."""
+  execute = jax.ffi.pycapsule(lib.jaxfuse_direct_launch)
+  if not hasattr(lib, "jaxfuse_direct_record_registered"):
+    jax.ffi.register_ffi_target(TARGET, execute, platform="CUDA", traits=traits)
+    return False
+  jax.ffi.register_ffi_target(TARGET, {"instantiate": execute, "execute": execute},
+                              platform="CUDA", traits=traits)
+  try:
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    byte = jax.ShapeDtypeStruct((1,), jnp.uint8)
+    call = jax.ffi.ffi_call(TARGET, byte)
+    jax.jit(lambda x: call(x, register_record=RECORD_TARGET)).lower(byte).compile()
+  except Exception as e:  # pylint: disable=broad-except   (launches are then captured)
+    logging.info("jaxfuse: direct launch without the record stage (%s)", e)
+  return bool(lib.jaxfuse_direct_record_registered())
+
+
+def records() -> bool:
+  """Whether XLA records this process's direct launches as kernel nodes
+  (``config.record`` and a jaxlib with the FFI record stage)."""
+  return available() and bool(_state.get("record"))
 
 
 # --------------------------------------------------------------- attributes
@@ -166,6 +222,31 @@ def _parameter(buf: bytes) -> tuple[int, int]:
   raise UnsupportedCall("kernel parameter of unknown type")
 
 
+# PTX instructions that may touch memory a previous kernel wrote (any load or
+# store but a parameter load, async and bulk copies, atomics, reductions,
+# prefetches), after an optional predicate guard.
+_MEMORY_OPS = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:ld\.(?!param)|st\.|cp\.|atom\.|red\.|"
+                         r"prefetch|multimem\.)", re.M)
+_GRID_WAIT = re.compile(r"^\s*griddepcontrol\.wait\b", re.M)   # unpredicated
+_BRANCH = re.compile(r"^\s*(?:@!?%\w+\s+)?(?:bra|brx|call)\b", re.M)
+
+
+def waits_before_memory(ptx: str) -> bool:
+  """Whether the kernel in ``ptx`` waits on its grid dependency
+  (``griddepcontrol.wait``, on every path) before its first memory
+  instruction. Only such a kernel may be started while the kernel before
+  it still runs (programmatic dependent launch): the wait keeps it from
+  reading that kernel's results, or overwriting its inputs, early."""
+  wait = _GRID_WAIT.search(ptx)
+  if wait is None:
+    return False
+  branch = _BRANCH.search(ptx)
+  if branch is not None and branch.start() < wait.start():
+    return False       # some path might skip the wait
+  first = _MEMORY_OPS.search(ptx)
+  return first is None or wait.start() < first.start()
+
+
 def kernel_attributes(opaque: bytes, n_buffers: int,
                       cubin: Optional[Callable[[str, int, int], bytes]] = None) -> dict:
   """The handler's attributes for a serialized jax-triton call (zlib of a
@@ -173,7 +254,9 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
   custom call, which the kernel's pointer parameters take in order.
   ``cubin(ptx, compute_capability, num_warps)`` compiles the PTX ahead of
   time; without it (or when it fails) the driver compiles the PTX on first
-  launch. Raises UnsupportedCall for what the handler cannot launch."""
+  launch. ``uses_pdl``: the kernel waits on its grid dependency before it
+  touches memory (``waits_before_memory``). Raises UnsupportedCall for
+  what the handler cannot launch."""
   try:
     any_call = _fields(zlib.decompress(opaque))
   except (zlib.error, ValueError) as e:
@@ -218,6 +301,7 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
       "smem": smem,
       "kinds": [k for k, _ in params],
       "values": [v for _, v in params],
+      "uses_pdl": waits_before_memory(ptx),
   }
 
 
@@ -249,13 +333,18 @@ def apply_attributes(results, attrs: dict) -> None:
   i64 = mlir_ir.IntegerType.get_signless(64)
   config = {}
   for k, v in attrs.items():
-    if isinstance(v, str):
+    if k == "uses_pdl":
+      # XLA starts a kernel node that says so before its predecessor ends;
+      # only recorded launches are such nodes.
+      if v and records():
+        config[k] = mlir_ir.BoolAttr.get(True)
+    elif isinstance(v, str):
       config[k] = mlir_ir.StringAttr.get(v)
     elif isinstance(v, list):
       config[k] = mlir_ir.DenseI64ArrayAttr.get(v)
     else:
       config[k] = mlir_ir.IntegerAttr.get(i64, v)
-  _wire.set_typed_ffi(results, TARGET, config)
+  _wire.set_typed_ffi(results, RECORD_TARGET if records() else TARGET, config)
 
 
 # ------------------------------------------------------- compiled-call cache
@@ -288,6 +377,9 @@ def _checked_attributes(value: dict) -> dict:
     if not isinstance(v, list) or any(type(x) is not int for x in v):  # pylint: disable=unidiomatic-typecheck
       raise ValueError(f"field {k!r} is not a list of integers")
     out[k] = list(v)
+  if not isinstance(value.get("uses_pdl", False), bool):
+    raise ValueError("field 'uses_pdl' is not a boolean")
+  out["uses_pdl"] = value.get("uses_pdl", False)
   if (len(out["grid"]) != 3 or min(out["grid"]) < 1 or len(out["kinds"]) != len(out["values"])
       or any(not BUFFER <= k <= BOOL for k in out["kinds"]) or out["image_kind"] not in (0, 1)
       or out["block"] < 32 or out["smem"] < 0 or not 0 <= out["kid"] < 2**63):

@@ -79,18 +79,25 @@ def test_kernel_attributes_refuse_a_buffer_count_mismatch():
 TWO_BUFFERS = _ld(1, CALL + _ld(5, _ld(1, b"")))     # ANY's call plus a second pointer
 
 
-def test_rewrite_call_turns_the_jax_triton_call_into_the_direct_target(monkeypatch):
+def _lowered_direct_call(serialized: bytes) -> str:
+  """The MLIR of a jax-triton call of ``serialized`` (a ``TritonAnyKernelCall``)
+  after jaxfuse's lowering made it a direct launch."""
   import jax
   from jaxfuse.runtime import triton_call as tc
-  monkeypatch.setattr(dl, "triton_cubin", lambda *_: b"cubin")   # the PTX here is not real
 
   def lowering(ctx, x):
     res = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
-                               backend_config=zlib.compress(TWO_BUFFERS))(ctx, x)
+                               backend_config=zlib.compress(serialized))(ctx, x)
     assert tc._direct(res)          # pylint: disable=protected-access
     return res
-  call = _lowered(lowering)
-  assert "@jaxfuse_direct_launch" in call and "api_version = 4" in call
+  return _lowered(lowering)
+
+
+def test_rewrite_call_turns_the_jax_triton_call_into_the_direct_target(monkeypatch):
+  monkeypatch.setattr(dl, "triton_cubin", lambda *_: b"cubin")   # the PTX here is not real
+  monkeypatch.setattr(dl, "records", lambda: False)
+  call = _lowered_direct_call(TWO_BUFFERS)
+  assert "@jaxfuse_direct_launch(" in call and "api_version = 4" in call
   for attr in ("grid = array<i64: 8, 1, 1>", "kinds = array<i64: 0, 5, 0>", 'image = "Y3ViaW4="', "image_kind = 1 : i64", 'name = "kern"',
                "block = 128 : i64", "smem = 0 : i64"):
     assert attr in call, attr
@@ -270,19 +277,11 @@ def test_kernel_attributes_say_whether_the_kernel_waits_on_its_grid_dependency()
 @pytest.mark.parametrize("recorded", [True, False])
 def test_the_call_tells_xla_that_a_waiting_kernel_may_start_early_only_when_recorded(
     monkeypatch, recorded):
-  import jax
-  from jaxfuse.runtime import triton_call as tc
   monkeypatch.setattr(dl, "triton_cubin", lambda *_: b"cubin")
   monkeypatch.setattr(dl, "records", lambda: recorded)
-  waiting = _ld(1, WAITING_CALL + _ld(5, _ld(1, b"")))
-
-  def lowering(ctx, x):
-    res = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
-                               backend_config=zlib.compress(waiting))(ctx, x)
-    assert tc._direct(res)          # pylint: disable=protected-access
-    return res
-  call = _lowered(lowering)
-  assert "@jaxfuse_direct_launch" in call
+  call = _lowered_direct_call(_ld(1, WAITING_CALL + _ld(5, _ld(1, b""))))
+  target = dl.RECORD_TARGET if recorded else dl.TARGET
+  assert f"@{target}(" in call
   assert ("uses_pdl = true" in call) is recorded
 
 

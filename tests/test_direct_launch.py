@@ -799,3 +799,53 @@ def test_record_stage_answers_other_stages_with_nothing(record_handler):
   f = Frame(GOOD)
   f.frame.stage = EXECUTE
   assert f.call(record_handler) is None and not f.errors
+
+
+class _FakeJax:
+  """The parts of jax that ``direct_launch._register`` calls."""
+
+  def __init__(self, lib, compiles: bool):
+    import types
+    import jax
+    self.registered, self.calls = [], []
+    self.ShapeDtypeStruct = jax.ShapeDtypeStruct
+    outer = self
+
+    def ffi_call(target, result):
+      if not compiles:
+        raise RuntimeError("no GPU backend")
+      return lambda x, **attrs: outer.calls.append((target, attrs))
+
+    self.ffi = types.SimpleNamespace(
+        pycapsule=lambda fn: ("capsule", fn),
+        register_ffi_target=lambda name, fn, **kw: outer.registered.append((name, fn)),
+        ffi_call=ffi_call)
+
+    class _Lowered:
+      def compile(self):
+        lib.instantiated = True     # what XLA's instantiate stage does in the handler
+    self.jit = lambda f: types.SimpleNamespace(lower=lambda *a: (f(None), _Lowered())[1])
+
+
+class _FakeLib:
+  def __init__(self, record: bool):
+    self.jaxfuse_direct_launch = "execute"
+    self.instantiated = False
+    if record:
+      self.jaxfuse_direct_record_registered = lambda: int(self.instantiated)
+
+
+@pytest.mark.parametrize("record, compiles, expect", [
+    (True, True, True), (True, False, False), (False, True, False)])
+def test_the_record_target_is_registered_by_instantiating_a_call_or_launches_are_captured(
+    record, compiles, expect):
+  lib = _FakeLib(record)
+  fake = _FakeJax(lib, compiles)
+  assert dl._register(fake, lib, 1) is expect     # pylint: disable=protected-access
+  name, fn = fake.registered[0]
+  assert name == dl.TARGET and len(fake.registered) == 1
+  if record:       # the instantiate stage is what registers the record target
+    assert fn == {"instantiate": ("capsule", "execute"), "execute": ("capsule", "execute")}
+    assert fake.calls == ([(dl.TARGET, {"register_record": dl.RECORD_TARGET})] if compiles else [])
+  else:
+    assert fn == ("capsule", "execute")

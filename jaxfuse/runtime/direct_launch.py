@@ -15,6 +15,13 @@ cached) finds the kernel by a 64-bit id and launches it. The attributes
 (with the cubin) are kept in the plan cache (``store_attributes``), so a
 later process emits the call without compiling the kernel.
 
+Where the installed jaxlib's FFI has the record stage (jaxlib 0.11) and
+``config.record`` is on, the handler also has that stage and calls lower to
+``RECORD_TARGET``: inside XLA's command buffers the launch is then a kernel
+node that XLA creates and updates itself, and a kernel that waits on its
+grid dependency (``waits_before_memory``) may start under its predecessor,
+as XLA's own kernels do (``records``).
+
 Example (what ``triton_call``'s lowering does with ``config.launch ==
 "direct"``)::
 

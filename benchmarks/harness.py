@@ -328,8 +328,10 @@ def jaxfuse_path_note() -> str:
             "no Triton kernels); times are not GPU numbers")
   if backend == "xla":
     return "jaxfuse on GPU with backend=xla: regions run their original ops"
+  record = "on" if getattr(cfg, "record", False) else "off"
   return (f"jaxfuse on GPU: regions lower to generated Triton kernels via "
-          f"jax-triton (backend={backend}, tune={getattr(cfg, 'tune', '?')})")
+          f"jax-triton (backend={backend}, tune={getattr(cfg, 'tune', '?')}, "
+          f"launch={getattr(cfg, 'launch', '?')}, record={record})")
 
 
 def count_regions(fn: Callable, args: tuple) -> Optional[int]:

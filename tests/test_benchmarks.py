@@ -448,6 +448,17 @@ def test_speedups_and_summary_carry_device_call():
   assert "device µs/call" in table and "| 2.50 |" in table and "1.60x" in table
 
 
+def test_the_path_note_says_how_kernels_are_launched_on_the_gpu(monkeypatch):
+  from benchmarks import harness
+  from jaxfuse.config import config
+  monkeypatch.setattr(harness, "on_gpu", lambda: True)
+  with config.override(record=True, tune="auto"):
+    note = harness.jaxfuse_path_note()
+  assert "tune=auto, launch=direct, record=on" in note
+  with config.override(record=False):
+    assert "record=off" in harness.jaxfuse_path_note()
+
+
 def test_choose_calls_by_memory_and_floor(monkeypatch):
   from benchmarks import harness
   monkeypatch.setattr(harness, "on_gpu", lambda: True)

@@ -849,3 +849,16 @@ def test_the_record_target_is_registered_by_instantiating_a_call_or_launches_are
     assert fake.calls == ([(dl.TARGET, {"register_record": dl.RECORD_TARGET})] if compiles else [])
   else:
     assert fn == ("capsule", "execute")
+
+
+def test_records_follows_the_setting_at_each_lowering(monkeypatch):
+  from jaxfuse.config import config
+  monkeypatch.setattr(dl, "available", lambda: True)
+  monkeypatch.setitem(dl._state, "record", True)      # pylint: disable=protected-access
+  with config.override(record=True):
+    assert dl.records()
+  with config.override(record=False):
+    assert not dl.records()
+  monkeypatch.setitem(dl._state, "record", False)     # pylint: disable=protected-access
+  with config.override(record=True):
+    assert not dl.records()

@@ -182,9 +182,11 @@ def _register(jax, lib, traits) -> bool:
 
 
 def records() -> bool:
-  """Whether XLA records this process's direct launches as kernel nodes
-  (``config.record`` and a jaxlib with the FFI record stage)."""
-  return available() and bool(_state.get("record"))
+  """Whether XLA records the direct launches lowered now as kernel nodes:
+  ``config.record`` is on (read at each lowering, so turning it off later
+  in the process takes effect) and the record target is registered."""
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return bool(config.record) and available() and bool(_state.get("record"))
 
 
 # --------------------------------------------------------------- attributes

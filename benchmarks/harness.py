@@ -328,7 +328,13 @@ def jaxfuse_path_note() -> str:
             "no Triton kernels); times are not GPU numbers")
   if backend == "xla":
     return "jaxfuse on GPU with backend=xla: regions run their original ops"
-  record = "on" if getattr(cfg, "record", False) else "off"
+  record = "off"
+  if getattr(cfg, "launch", None) == "direct" and getattr(cfg, "record", False):
+    try:
+      from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+      record = "on" if direct_launch.records() else "off (this jaxlib cannot record launches)"
+    except Exception as e:  # pylint: disable=broad-except  (a note, never the run)
+      record = f"unknown ({type(e).__name__})"
   return (f"jaxfuse on GPU: regions lower to generated Triton kernels via "
           f"jax-triton (backend={backend}, tune={getattr(cfg, 'tune', '?')}, "
           f"launch={getattr(cfg, 'launch', '?')}, record={record})")

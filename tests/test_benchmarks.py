@@ -451,12 +451,15 @@ def test_speedups_and_summary_carry_device_call():
 def test_the_path_note_says_how_kernels_are_launched_on_the_gpu(monkeypatch):
   from benchmarks import harness
   from jaxfuse.config import config
+  from jaxfuse.runtime import direct_launch
   monkeypatch.setattr(harness, "on_gpu", lambda: True)
+  monkeypatch.setattr(direct_launch, "records", lambda: True)
   with config.override(record=True, tune="auto"):
-    note = harness.jaxfuse_path_note()
-  assert "tune=auto, launch=direct, record=on" in note
+    assert "tune=auto, launch=direct, record=on)" in harness.jaxfuse_path_note()
+    monkeypatch.setattr(direct_launch, "records", lambda: False)    # a jaxlib without the stage
+    assert "record=off (this jaxlib cannot record launches)" in harness.jaxfuse_path_note()
   with config.override(record=False):
-    assert "record=off" in harness.jaxfuse_path_note()
+    assert "record=off)" in harness.jaxfuse_path_note()
 
 
 def test_choose_calls_by_memory_and_floor(monkeypatch):

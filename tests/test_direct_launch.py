@@ -255,7 +255,7 @@ WAITING_CALL = _ld(1, KERNEL.replace(_ld(4, PTX), _ld(4, WAITING_PTX))) + CALL[l
 @pytest.mark.parametrize("ptx, waits", [
     (WAITING_PTX.decode(), True),
     ("griddepcontrol.wait;\nst.global.b32 [%rd1], %r1;\n", True),
-    ("mov.u32 %r1, 1;\n", True),                                    # no memory at all
+    ("griddepcontrol.wait;\nmov.u32 %r1, 1;\n", True),              # no memory at all
     ("ld.global.b32 %r2, [%rd1];\ngriddepcontrol.wait;\n", False),  # reads first
     ("cp.async.ca.shared.global [%r1], [%rd1], 16;\ngriddepcontrol.wait;\n", False),
     ("@%p1 bra $L1;\ngriddepcontrol.wait;\nld.global.b32 %r2, [%rd1];\n", False),  # a path skips it
@@ -263,8 +263,6 @@ WAITING_CALL = _ld(1, KERNEL.replace(_ld(4, PTX), _ld(4, WAITING_PTX))) + CALL[l
     ("ld.global.b32 %r2, [%rd1];\n", False),                         # no wait
 ])
 def test_a_kernel_may_start_early_only_if_it_waits_before_touching_memory(ptx, waits):
-  if ptx == "mov.u32 %r1, 1;\n":
-    ptx = "griddepcontrol.wait;\n" + ptx
   assert dl.waits_before_memory(ptx) is waits
 
 

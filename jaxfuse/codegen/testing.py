@@ -281,10 +281,11 @@ def issue_order(source: str, grid: Sequence[int], kernel_name: str = "fused_kern
   import types  # pylint: disable=g-import-not-at-top
   body = source.split(f"def {kernel_name}(", 1)[1].splitlines()[1:]
   lines = []
-  from jaxfuse.codegen.triton_printer import PDL_FLAG  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen.triton_printer import GRID_WAIT_LINES  # pylint: disable=g-import-not-at-top
+  wait = {l.strip() for l in GRID_WAIT_LINES}
   for line in body:
     stmt = line.strip()
-    if stmt in (f"if {PDL_FLAG}:", "tl.extra.cuda.gdc_wait()"):
+    if stmt in wait:
       continue             # the grid dependency wait comes before the program ids
     if not stmt.startswith(("pid", "part")):
       break

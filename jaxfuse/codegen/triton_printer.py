@@ -192,6 +192,7 @@ class _Partial:
 # (``_Printer.emit_grid_dependency_wait``); 0 in the interpreter, which
 # lacks the instruction.
 PDL_FLAG = "USE_PDL"
+GRID_WAIT_LINES = (f"if {PDL_FLAG}:", "    tl.extra.cuda.gdc_wait()")
 
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
@@ -477,8 +478,8 @@ class _Printer:
     visible. XLA may then start it while the previous kernel still runs
     (programmatic dependent launch), as it does its own kernels; launched
     otherwise the wait returns at once."""
-    self.emit(f"if {PDL_FLAG}:")
-    self.emit("    tl.extra.cuda.gdc_wait()")
+    for line in GRID_WAIT_LINES:
+      self.emit(line)
 
   def grid_axes(self, heavy: Collection[str] = ()) -> tuple[list[list[str]], tuple[int, ...]]:
     """Program-id axes: innermost grid loop on axis 0; extra loops folded.

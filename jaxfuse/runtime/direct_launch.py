@@ -340,12 +340,13 @@ def apply_attributes(results, attrs: dict) -> None:
   ``TARGET`` with ``attrs`` (``kernel_attributes``' dict), in place."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
   i64 = mlir_ir.IntegerType.get_signless(64)
+  recorded = records()
   config = {}
   for k, v in attrs.items():
     if k == "uses_pdl":
       # XLA starts a kernel node that says so before its predecessor ends;
       # only recorded launches are such nodes.
-      if v and records():
+      if v and recorded:
         config[k] = mlir_ir.BoolAttr.get(True)
     elif isinstance(v, str):
       config[k] = mlir_ir.StringAttr.get(v)
@@ -353,7 +354,7 @@ def apply_attributes(results, attrs: dict) -> None:
       config[k] = mlir_ir.DenseI64ArrayAttr.get(v)
     else:
       config[k] = mlir_ir.IntegerAttr.get(i64, v)
-  _wire.set_typed_ffi(results, RECORD_TARGET if records() else TARGET, config)
+  _wire.set_typed_ffi(results, RECORD_TARGET if recorded else TARGET, config)
 
 
 # ------------------------------------------------------- compiled-call cache

@@ -1636,7 +1636,7 @@ def test_printed_kernels_wait_on_their_grid_dependency_before_any_memory_access(
     assert (waits, has_wait) == ((True, True) if flag else (False, False)), name
 
 
-def test_generate_turns_the_grid_dependency_wait_on_only_for_the_gpu(monkeypatch):
+def test_generate_turns_the_grid_dependency_wait_on_only_when_asked_for_the_gpu(monkeypatch):
   from jaxfuse import codegen
   from jaxfuse.codegen import compile as _compile
   from jaxfuse.codegen import testing as T
@@ -1644,20 +1644,57 @@ def test_generate_turns_the_grid_dependency_wait_on_only_for_the_gpu(monkeypatch
   region = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
   plan = T.simple_plan(region, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64),
                        split=("n", 2))
-  monkeypatch.setattr(_compile, "grid_dependency_control", lambda: True)
-  k = codegen.generate(region, plan, interpret=True)
-  assert k.constexprs[PDL_FLAG] == 0 and k.combine_constexprs[PDL_FLAG] == 0
-  k = codegen.generate(region, plan, interpret=False)
-  assert k.constexprs[PDL_FLAG] == 1 and k.combine_constexprs[PDL_FLAG] == 1
-  monkeypatch.setattr(_compile, "grid_dependency_control", lambda: False)
-  k = codegen.generate(region, plan, interpret=False)
-  assert k.constexprs[PDL_FLAG] == 0 and k.combine_constexprs[PDL_FLAG] == 0
+
+  def flags(**kw):
+    k = codegen.generate(region, plan, **kw)
+    return k.constexprs[PDL_FLAG], k.combine_constexprs[PDL_FLAG]
+
+  monkeypatch.setattr(_compile, "grid_dependency_supported", lambda: True)
+  assert flags(interpret=True, grid_wait=True) == (0, 0)     # the interpreter lacks it
+  assert flags(interpret=False, grid_wait=True) == (1, 1)
+  assert flags(interpret=False) == (0, 0)                     # not asked for
+  monkeypatch.setattr(_compile, "grid_dependency_supported", lambda: False)
+  assert flags(interpret=False, grid_wait=True) == (0, 0)    # no Hopper or no instruction
 
 
-def test_grid_dependency_control_follows_the_record_setting():
+def test_grid_dependency_is_supported_only_on_hopper_or_newer():
+  from jaxfuse.codegen import compile as _compile
+  assert not _compile.grid_dependency_supported()   # this CPU-only process has no GPU
+
+
+def test_kernels_wait_on_their_grid_dependency_exactly_when_launches_are_recorded(monkeypatch):
+  # One decision for the kernel and its launch: a kernel carries the wait
+  # only where XLA records its launch (and may start it early).
   from jaxfuse.codegen import compile as _compile
   from jaxfuse.config import config
-  with config.override(record=False):
-    assert not _compile.grid_dependency_control()
-  with config.override(record=True):
-    assert not _compile.grid_dependency_control()      # this CPU-only process has no Hopper
+  from jaxfuse.runtime import direct_launch
+  monkeypatch.setattr(_compile, "grid_dependency_supported", lambda: True)
+  for launch_mode, recorded, want in (("direct", True, True), ("direct", False, False),
+                                      ("ffi", True, False)):
+    monkeypatch.setattr(direct_launch, "records", lambda r=recorded: r)
+    with config.override(launch=launch_mode):
+      assert direct_launch.grid_waits() is want, (launch_mode, recorded)
+  monkeypatch.setattr(direct_launch, "records", lambda: True)
+  monkeypatch.setattr(_compile, "grid_dependency_supported", lambda: False)
+  with config.override(launch="direct"):
+    assert not direct_launch.grid_waits()
+
+
+def test_select_kernel_asks_for_the_grid_wait_that_the_launcher_decides(monkeypatch):
+  from jaxfuse.codegen import testing as T
+  from jaxfuse.runtime import direct_launch, launch
+  region = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
+  plan = T.simple_plan(region, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64))
+  asked = []
+
+  def fake_generate(r, p, **kw):
+    asked.append((kw["interpret"], kw["grid_wait"]))
+    raise launch.CodegenError("stop here")
+
+  monkeypatch.setattr(launch, "generate", fake_generate)
+  monkeypatch.setattr(direct_launch, "grid_waits", lambda: True)
+  monkeypatch.setattr(launch, "_kernels", {})
+  for backend in ("triton", "interpret"):
+    with pytest.raises(launch.CodegenError):
+      launch.select_kernel(region, [plan], backend=backend, check=False)
+  assert asked == [(False, True), (True, False)]

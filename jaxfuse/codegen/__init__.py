@@ -65,12 +65,16 @@ def source(region: ir.Region, plan: Plan) -> str:
 
 
 def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
-             cache_dir: Optional[str] = None) -> GeneratedKernel:
+             cache_dir: Optional[str] = None, grid_wait: bool = False) -> GeneratedKernel:
   """Prints, writes and imports the kernel of ``plan`` for ``region``.
 
   ``interpret``: import it for Triton's interpreter (CPU); default: whether
-  ``TRITON_INTERPRET`` is set. Raises ``CodegenError`` when the plan cannot
-  be printed or imported.
+  ``TRITON_INTERPRET`` is set. ``grid_wait``: the kernel (and its combine
+  pass) first waits until the grids it depends on have finished
+  (``PDL_FLAG``), for launches that may start under their predecessor
+  (programmatic dependent launch); ignored by the interpreter and where the
+  GPU or Triton lacks the instruction (``compile.grid_dependency_supported``).
+  Raises ``CodegenError`` when the plan cannot be printed or imported.
 
   Example::
 
@@ -86,7 +90,7 @@ def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
   except Exception as e:  # pylint: disable=broad-except
     raise CodegenError(f"generated kernel failed to import: {type(e).__name__}: {e}") from e
   constexprs, combine_constexprs = dict(pk.constexprs), dict(pk.combine_constexprs)
-  if not interpret and _compile.grid_dependency_control():
+  if grid_wait and not interpret and _compile.grid_dependency_supported():
     constexprs[PDL_FLAG] = combine_constexprs[PDL_FLAG] = 1
   return GeneratedKernel(
       region=region, plan=plan, source=pk.source, module_path=path,

@@ -25,7 +25,7 @@ import threading
 import types
 from typing import Iterator, Optional
 
-__all__ = ["load_module", "kernel_dir", "interpret_env", "grid_dependency_control"]
+__all__ = ["load_module", "kernel_dir", "interpret_env", "grid_dependency_supported"]
 
 _lock = threading.Lock()
 _modules: dict[tuple[str, bool], types.ModuleType] = {}
@@ -97,17 +97,13 @@ def load_module(source: str, *, interpret: bool, cache_dir: Optional[str] = None
     return mod, path
 
 
-def grid_dependency_control() -> bool:
-  """Whether kernels compiled for the GPU in this process wait on their grid
-  dependency (``triton_printer.PDL_FLAG``): ``config.record`` is on, this
-  Triton has the instruction, and jax's first GPU is a CUDA device of
-  compute capability 9.0 or newer."""
-  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  return bool(config.record) and _grid_dependency_supported()
-
-
 @functools.lru_cache(maxsize=None)
-def _grid_dependency_supported() -> bool:
+def grid_dependency_supported() -> bool:
+  """Whether kernels compiled for the GPU in this process can wait on their
+  grid dependency (``triton_printer.PDL_FLAG``): this Triton has the
+  instruction and jax's first GPU is a CUDA device of compute capability
+  9.0 or newer. Whether they should is the launcher's call
+  (``runtime.direct_launch.grid_waits``)."""
   # Only where jax is already loaded: a child process that compiles or
   # checks kernels without jax must not start a GPU backend for this.
   jax = sys.modules.get("jax")

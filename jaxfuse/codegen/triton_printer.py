@@ -472,8 +472,8 @@ class _Printer:
                  [(self.BLK[l], self.T[l]) for l in self.order] + [(PDL_FLAG, 0)])
 
   def emit_grid_dependency_wait(self) -> None:
-    """With ``PDL_FLAG`` set (``codegen.generate`` sets it for Hopper and
-    newer when ``config.record`` is on), the kernel's first instruction
+    """With ``PDL_FLAG`` set (``codegen.generate(grid_wait=True)`` on Hopper
+    and newer, asked for when launches are recorded), the kernel's first instruction
     waits until the grids it depends on have finished and their writes are
     visible. XLA may then start it while the previous kernel still runs
     (programmatic dependent launch), as it does its own kernels; launched

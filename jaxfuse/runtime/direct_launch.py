@@ -50,7 +50,8 @@ from jaxfuse.runtime import triton_call as _wire
 
 __all__ = ["TARGET", "SOURCE", "available", "records", "build", "kernel_attributes",
            "waits_before_memory", "rewrite_call",
-           "apply_attributes", "load_attributes", "store_attributes", "UnsupportedCall"]
+           "apply_attributes", "load_attributes", "store_attributes", "UnsupportedCall",
+           "grid_waits"]
 
 TARGET = "jaxfuse_direct_launch"
 # The same handler with XLA's record stage (``records()``).
@@ -187,6 +188,18 @@ def records() -> bool:
   in the process takes effect) and the record target is registered."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   return bool(config.record) and available() and bool(_state.get("record"))
+
+
+def grid_waits() -> bool:
+  """Whether kernels generated now should wait on their grid dependency
+  (``codegen.generate(grid_wait=True)``): they launch directly, XLA records
+  the launches (so it may start them under their predecessor), and the GPU
+  and Triton have the instruction. One decision for both sides, so that a
+  kernel carries the wait exactly when its launch can use it."""
+  from jaxfuse.codegen import compile as _compile  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  return (config.launch == _wire.DIRECT and _compile.grid_dependency_supported()
+          and records())
 
 
 # --------------------------------------------------------------- attributes

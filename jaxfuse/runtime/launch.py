@@ -39,6 +39,7 @@ from jaxfuse.codegen import CodegenError, GeneratedKernel, generate
 from jaxfuse.codegen.compile import interpret_env
 from jaxfuse.runtime import compile_pool
 from jaxfuse.runtime import device_clock
+from jaxfuse.runtime import direct_launch
 from jaxfuse.runtime import timing
 from jaxfuse.runtime import triton_call
 
@@ -1046,7 +1047,8 @@ def select_kernel(region: ir.Region, plans: Sequence[Any], *, backend: str,
       reasons.append(f"{p}: {hit}")
       continue
     try:
-      k = generate(region, p, interpret=interpret)
+      k = generate(region, p, interpret=interpret,
+                   grid_wait=not interpret and direct_launch.grid_waits())
       if check:
         _checked(k, runner)
     except Exception as e:  # pylint: disable=broad-except  (compile errors, smem overflow, ...)
@@ -1457,8 +1459,10 @@ class _TorchMeasurer:
         why[i] = f"{type(hit).__name__}: {hit}"[:500]
         continue
       try:
+        on_cpu = self.device == "cpu"
         kernels[i] = hit if isinstance(hit, GeneratedKernel) else generate(
-            self.region, p, interpret=self.device == "cpu")
+            self.region, p, interpret=on_cpu,
+            grid_wait=not on_cpu and direct_launch.grid_waits())
       except Exception as e:  # pylint: disable=broad-except
         why[i] = f"{type(e).__name__}: {e}"[:500]
     # The same source imports as the same function: one compile per module.

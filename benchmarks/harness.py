@@ -88,6 +88,7 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}
 # (H200, fifth session), more than some whole calls cost inside a program.
 CALL_OUTPUTS = ("consumed", "returned")
 SLOPE_INPUTS = ("separate", "stacked")
+SLOPE_ORDERS = ("interleaved", "sequential")
 
 
 def define_flags(default_cases: str = "all", default_baselines: str = "all",
@@ -127,6 +128,15 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
                     "'stacked' passes one array per input holding every set, "
                     "and call i reads x[i] (jax and jaxfuse programs only; "
                     "torch baselines keep separate inputs).")
+  flags.DEFINE_enum("slope_order", "interleaved", list(SLOPE_ORDERS),
+                    "When the per-call windows of jax.jit, jaxfuse.jit and the "
+                    "other JAX programs that take the case's inputs as they are "
+                    "run: 'interleaved' times each repetition's windows of all "
+                    "of them in turn, so that the host's drift over a run falls "
+                    "on all alike; 'sequential' times each implementation "
+                    "whole, one after another (before the fifty-sixth session). "
+                    "Torch baselines and programs on other layouts or stacked "
+                    "inputs are always timed on their own.")
   flags.DEFINE_enum("tune", "auto", ["model", "auto", "measure"],
                     "jaxfuse's config.tune: the analytical model alone; auto "
                     "(jaxfuse's default): the model, with keep-or-drop timed "
@@ -475,6 +485,12 @@ class JaxImpl(Impl):
 
   def prepare(self, args: tuple) -> Any:
     return tuple(self._prepare(*args)) if self._prepare else tuple(args)
+
+  @property
+  def reads_case_inputs(self) -> bool:
+    """Whether ``prepare`` passes the case's arrays on as they are (no
+    copies: the program can be timed alongside others on the same arrays)."""
+    return self._prepare is None
 
   def build(self) -> Callable[[list], Any]:
     fn = self.fn
@@ -889,6 +905,7 @@ class Settings:
   tune: str = "auto"
   call_outputs: str = "consumed"
   slope_inputs: str = "separate"
+  slope_order: str = "interleaved"
   seed: int = 0
   fresh_cache: bool = True
   tol: float = 0.0
@@ -901,7 +918,8 @@ class Settings:
                min_window_ms=max(0.0, FLAGS.min_window_ms),
                mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
                tune=FLAGS.tune, call_outputs=FLAGS.call_outputs,
-               slope_inputs=FLAGS.slope_inputs, seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
+               slope_inputs=FLAGS.slope_inputs, slope_order=FLAGS.slope_order,
+               seed=FLAGS.seed, fresh_cache=FLAGS.fresh_cache,
                tol=FLAGS.tol, details=FLAGS.jaxfuse_details)
 
   @property
@@ -943,9 +961,17 @@ def slope_time(runner: Callable[[list], Any], block: Callable[[Any], None],
   executions, and one slow execution decided the rep (jaxfuse per-call
   spread 0.70 on the H100, benchmarks/RESULTS.md).
   """
+  return slope_times([(runner, block, sets)], k, reps, min_window_ms)[0]
+
+
+def slope_times(timed: Sequence[tuple[Callable[[list], Any], Callable[[Any], None], list]],
+                k: int, reps: int, min_window_ms: float = 50.0) -> list[dict]:
+  """``slope_time`` of several (runner, block, sets), their windows
+  interleaved repetition by repetition (``jaxfuse.runtime.timing.slopes``)."""
   from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
-  return timing.slope(lambda n: runner(sets[:n]), block, lo=k, hi=4 * k, reps=reps,
-                      min_window_s=min_window_ms * 1e-3)
+  return timing.slopes([lambda n, r=r, s=s: r(s[:n]) for r, _, s in timed],
+                       [b for _, b, _ in timed], lo=k, hi=4 * k, reps=reps,
+                       min_window_s=min_window_ms * 1e-3)
 
 
 def _derived(res: dict, case: Case, roof: Roof) -> None:
@@ -1126,6 +1152,9 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
   if not on_gpu() and settings.dtype == "float32":
     tol = settings.tol or 1e-4
 
+  # JAX programs that read the case's inputs as they are: their per-call
+  # windows are timed together after the loop (``--slope_order``).
+  together: list[tuple[Impl, Callable, list, dict]] = []
   for impl in impls:
     res: dict[str, Any] = {"note": impl.note}
     row["impls"][impl.name] = res
@@ -1178,8 +1207,14 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
               res["jaxfuse"]["plans_run"] = plans_run(regions)
           except Exception as e:  # pylint: disable=broad-except  (a report, never the run)
             res["jaxfuse"]["lowered"] = [f"unknown ({type(e).__name__}: {e})"]
-        res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
-                               settings.min_window_ms))
+        if (settings.slope_order == "interleaved" and stacked is None
+            and isinstance(impl, JaxImpl) and impl.reads_case_inputs):
+          together.append((impl, timed, prepared, res))
+          res["slope_order"] = "interleaved"
+        else:
+          res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
+                                settings.min_window_ms))
+          res["slope_order"] = "alone"
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         res["slope_inputs"] = "separate" if stacked is None else "stacked"
         if settings.do_profile:
@@ -1203,6 +1238,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
     except Exception as e:  # one broken baseline must not end the run
       res["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
       logging.warning("%s/%s failed:\n%s", case.name, impl.name, traceback.format_exc())
+  _time_together(together, k, settings, case, roof)
 
   # Accept an error within tolerance or within 2x of XLA's at the same dtype.
   xla_err = row["impls"].get("xla", {}).get("rel_err")
@@ -1213,6 +1249,36 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
   row["tolerance"] = tol
   _speedups(row)
   return row
+
+
+def _time_together(together: list[tuple["Impl", Callable, list, dict]], k: int,
+                   settings: Settings, case: Case, roof: Roof) -> None:
+  """Per-call times of ``run_case``'s deferred implementations, their
+  windows interleaved (``slope_times``). Where that fails, each is timed
+  alone, and one that fails then too gets an error status."""
+  ok = [(impl, timed, prepared, res) for impl, timed, prepared, res in together
+        if res.get("status") == "ok"]
+  if not ok:
+    return
+  try:
+    times = slope_times([(t, impl.block, p) for impl, t, p, _ in ok], k, settings.reps,
+                        settings.min_window_ms)
+  except Exception as e:  # pylint: disable=broad-except  (then one by one)
+    logging.warning("%s: interleaved timing failed (%s: %s); timing each alone",
+                    case.name, type(e).__name__, e)
+    times = None
+  for i, (impl, timed, prepared, res) in enumerate(ok):
+    try:
+      if times is None:
+        res["slope_order"] = "alone"
+        res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
+                              settings.min_window_ms))
+      else:
+        res.update(times[i])
+      _derived(res, case, roof)
+    except Exception as e:  # pylint: disable=broad-except
+      res["status"] = f"error: {type(e).__name__}: {str(e)[:300]}"
+      logging.warning("%s/%s failed:\n%s", case.name, impl.name, traceback.format_exc())
 
 
 def _speedups(row: dict) -> None:

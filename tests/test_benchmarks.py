@@ -103,12 +103,12 @@ def test_slope_windows_last_min_window_ms(monkeypatch):
   from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
   seen = []
-  real = timing.slope
+  real = timing.slopes
 
-  def slope(*args, **kwargs):
+  def slopes(*args, **kwargs):
     seen.append(kwargs["min_window_s"])
     return real(*args, **kwargs)
-  monkeypatch.setattr(timing, "slope", slope)
+  monkeypatch.setattr(timing, "slopes", slopes)
   case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
   roof = harness.get_roof("float32")
   for ms in (50.0, 7.0):
@@ -118,6 +118,59 @@ def test_slope_windows_last_min_window_ms(monkeypatch):
     harness.run_case(case, [harness.xla_impl(case.fn)], settings, roof)
     assert seen == [ms * 1e-3]
   assert harness.Settings().min_window_ms == 50.0
+
+
+def test_jax_programs_on_the_case_inputs_are_timed_interleaved(monkeypatch):
+  """--slope_order=interleaved (the default): jax.jit and jaxfuse.jit are
+  timed in one interleaved slope after the loop; a program on another
+  layout is timed alone; 'sequential' times each alone, in turn."""
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
+  groups = []
+  real = timing.slopes
+
+  def slopes(runs, blocks, **kwargs):
+    groups.append(len(runs))
+    # A fixed time: the CPU's slopes of microsecond calls may read < 0.
+    return [{**r, "per_call_s": 1e-3} for r in real(runs, blocks, **kwargs)]
+  monkeypatch.setattr(timing, "slopes", slopes)
+  case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
+  roof = harness.get_roof("float32")
+  copied = harness.JaxImpl("xla-copied", case.fn, prepare=lambda *a: [x + 0 for x in a])
+  impls = [harness.jaxfuse_impl(case.fn), harness.xla_impl(case.fn), copied]
+  for order, want_groups, want in (("interleaved", [1, 2], ["interleaved"] * 2 + ["alone"]),
+                                   ("sequential", [1, 1, 1], ["alone"] * 3)):
+    groups.clear()
+    settings = harness.Settings(dtype="float32", reps=2, profile="off", min_window_ms=1.0,
+                                details=False, slope_order=order)
+    row = harness.run_case(case, impls, settings, roof)
+    assert groups == want_groups, order
+    res = [row["impls"][i.name] for i in impls]
+    assert [r["slope_order"] for r in res] == want
+    for r in res:
+      assert r["status"] == "ok" and r["correct"] and r["per_call_s"] == 1e-3, r
+      # Derived from the time taken after the loop, too.
+      assert r["per_call_tflops"] == pytest.approx(case.flops / 1e-3 / 1e12)
+  assert harness.Settings().slope_order == "interleaved"
+
+
+def test_a_failed_interleaved_timing_times_each_program_alone(monkeypatch):
+  from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
+  real = timing.slopes
+
+  def slopes(runs, blocks, **kwargs):
+    if len(runs) > 1:
+      raise RuntimeError("out of memory")
+    return real(runs, blocks, **kwargs)
+  monkeypatch.setattr(timing, "slopes", slopes)
+  case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
+  settings = harness.Settings(dtype="float32", reps=1, profile="off", min_window_ms=1.0,
+                              details=False)
+  row = harness.run_case(case, [harness.jaxfuse_impl(case.fn), harness.xla_impl(case.fn)],
+                         settings, harness.get_roof("float32"))
+  for r in row["impls"].values():
+    assert r["status"] == "ok" and r["slope_order"] == "alone" and "per_call_s" in r
 
 
 def test_stacked_slope_inputs_pass_one_array_per_input():

@@ -142,6 +142,30 @@ def test_slope_takes_fixed_costs_out(monkeypatch):
     timing.slope(run, lambda out: None, lo=4, hi=4)
 
 
+def test_slopes_interleave_the_programs_windows(monkeypatch):
+  from jaxfuse.runtime import timing
+  clock = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+  order = []
+
+  def program(name, fixed, per_call):
+    def run(n):
+      order.append((name, n))
+      clock[0] += fixed + n * per_call
+      return n
+    return run
+  a, b = timing.slopes([program("a", 30e-6, 5e-6), program("b", 10e-6, 2e-6)],
+                       [lambda out: None] * 2, lo=4, hi=16, reps=3, min_window_s=1e-9)
+  assert a["per_call_s"] == pytest.approx(5e-6) and b["per_call_s"] == pytest.approx(2e-6)
+  assert a["executions"] == b["executions"] == 1
+  # After the warm-up and the window sizing, each repetition times a then b.
+  assert order[-12:] == [("a", 4), ("a", 16), ("b", 4), ("b", 16)] * 3
+  with pytest.raises(ValueError, match="runs, blocks"):
+    timing.slopes([program("a", 0, 1e-6)], [], lo=4, hi=16)
+  assert timing.slope(program("c", 1e-6, 3e-6), lambda out: None, lo=4, hi=16,
+                      reps=2)["per_call_s"] == pytest.approx(3e-6)
+
+
 def test_consume_outputs_keeps_every_output_whole_and_returns_samples():
   import jax
   import jax.numpy as jnp

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-__all__ = ["slope", "graph_time", "consume_outputs"]
+__all__ = ["slope", "slopes", "graph_time", "consume_outputs"]
 
 
 def slope(run: Callable[[int], Any], block: Callable[[Any], None], *, lo: int, hi: int,
@@ -43,33 +43,64 @@ def slope(run: Callable[[int], Any], block: Callable[[Any], None], *, lo: int, h
   ``per_call_spread`` ((max - min) / median), ``naive_per_call_s`` (time of
   the ``lo`` program over ``lo``) and ``executions`` (per window).
   """
+  return slopes([run], [block], lo=lo, hi=hi, reps=reps, min_window_s=min_window_s,
+                max_executions=max_executions)[0]
+
+
+def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any], None]], *,
+           lo: int, hi: int, reps: int = 7, min_window_s: float = 10e-3,
+           max_executions: int = 256) -> list[dict]:
+  """``slope`` of several programs (``runs[i]`` waited for by ``blocks[i]``),
+  interleaved: each repetition times every program's ``lo`` and ``hi``
+  windows in turn.
+
+  Why: timed one after another, two implementations of a call were minutes
+  apart (compiles and profiles between them), and the host's speed drifts
+  on that scale: the same fused call read 5.2 and 8.9 us per call in two
+  processes on one H100 host, where the host bounds it (fifty-sixth
+  session). Interleaved, drift falls on all of them alike, and their ratio
+  compares like with like.
+
+  Example::
+
+      a, b = slopes([run_a, run_b], [jax.block_until_ready] * 2, lo=4, hi=16)
+      a["per_call_s"] / b["per_call_s"]
+  """
   if not 0 < lo < hi:
     raise ValueError(f"lo, hi: need 0 < lo < hi, got lo={lo}, hi={hi}")
   if reps < 1:
     raise ValueError(f"reps must be >= 1, got {reps}")
-  block(run(lo))
-  block(run(hi))
+  if len(runs) != len(blocks) or not runs:
+    raise ValueError(f"runs, blocks: need as many (at least one) of each, got "
+                     f"{len(runs)} and {len(blocks)}")
+  for run, block in zip(runs, blocks):
+    block(run(lo))
+    block(run(hi))
 
-  def window(n: int, executions: int) -> float:
+  def window(i: int, n: int, executions: int) -> float:
     t0 = time.perf_counter()
     out = None
     for _ in range(executions):
-      out = run(n)
-    block(out)
+      out = runs[i](n)
+    blocks[i](out)
     return (time.perf_counter() - t0) / executions
 
-  one = window(hi, 1)
-  executions = int(min(max_executions, max(1, math.ceil(min_window_s / max(one, 1e-9)))))
-  slopes, naive = [], []
+  executions = [int(min(max_executions, max(1, math.ceil(min_window_s / max(window(i, hi, 1), 1e-9)))))
+                for i in range(len(runs))]
+  slopes_, naive = [[] for _ in runs], [[] for _ in runs]
   for _ in range(reps):
-    t_lo = window(lo, executions)
-    t_hi = window(hi, executions)
-    slopes.append((t_hi - t_lo) / (hi - lo))
-    naive.append(t_lo / lo)
-  med = statistics.median(slopes)
-  spread = (max(slopes) - min(slopes)) / abs(med) if med and len(slopes) > 1 else 0.0
-  return {"per_call_s": med, "per_call_min_s": min(slopes), "per_call_spread": spread,
-          "naive_per_call_s": statistics.median(naive), "executions": executions}
+    for i, e in enumerate(executions):
+      t_lo = window(i, lo, e)
+      t_hi = window(i, hi, e)
+      slopes_[i].append((t_hi - t_lo) / (hi - lo))
+      naive[i].append(t_lo / lo)
+  out = []
+  for i, e in enumerate(executions):
+    med = statistics.median(slopes_[i])
+    spread = (max(slopes_[i]) - min(slopes_[i])) / abs(med) if med and reps > 1 else 0.0
+    out.append({"per_call_s": med, "per_call_min_s": min(slopes_[i]), "per_call_spread": spread,
+                "naive_per_call_s": statistics.median(naive[i]), "executions": e})
+  return out
 
 
 def consume_outputs(outs: Any) -> Any:

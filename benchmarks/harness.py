@@ -128,14 +128,16 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
                     "'stacked' passes one array per input holding every set, "
                     "and call i reads x[i] (jax and jaxfuse programs only; "
                     "torch baselines keep separate inputs).")
-  flags.DEFINE_enum("slope_order", "interleaved", list(SLOPE_ORDERS),
+  flags.DEFINE_enum("slope_order", "sequential", list(SLOPE_ORDERS),
                     "When the per-call windows of jax.jit, jaxfuse.jit and the "
                     "other JAX programs that take the case's inputs as they are "
-                    "run: 'interleaved' times each repetition's windows of all "
-                    "of them in turn, so that the host's drift over a run falls "
-                    "on all alike; 'sequential' times each implementation "
-                    "whole, one after another (before the fifty-sixth session). "
-                    "Torch baselines and programs on other layouts or stacked "
+                    "run: 'sequential' times each implementation whole, one "
+                    "after another; 'interleaved' times each repetition's "
+                    "windows of all of them in turn, so that drift of the host "
+                    "during a case falls on all alike (on the H100 it did not "
+                    "narrow the spread of host-bound calls: "
+                    "benchmarks/RESULTS.md, fifty-sixth session). Torch "
+                    "baselines and programs on other layouts or stacked "
                     "inputs are always timed on their own.")
   flags.DEFINE_enum("tune", "auto", ["model", "auto", "measure"],
                     "jaxfuse's config.tune: the analytical model alone; auto "
@@ -905,7 +907,7 @@ class Settings:
   tune: str = "auto"
   call_outputs: str = "consumed"
   slope_inputs: str = "separate"
-  slope_order: str = "interleaved"
+  slope_order: str = "sequential"
   seed: int = 0
   fresh_cache: bool = True
   tol: float = 0.0

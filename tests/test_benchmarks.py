@@ -121,9 +121,9 @@ def test_slope_windows_last_min_window_ms(monkeypatch):
 
 
 def test_jax_programs_on_the_case_inputs_are_timed_interleaved(monkeypatch):
-  """--slope_order=interleaved (the default): jax.jit and jaxfuse.jit are
-  timed in one interleaved slope after the loop; a program on another
-  layout is timed alone; 'sequential' times each alone, in turn."""
+  """--slope_order=interleaved: jax.jit and jaxfuse.jit are timed in one
+  interleaved slope after the loop; a program on another layout is timed
+  alone; 'sequential' (the default) times each alone, in turn."""
   from benchmarks import gemm_chain, harness  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
   groups = []
@@ -151,7 +151,7 @@ def test_jax_programs_on_the_case_inputs_are_timed_interleaved(monkeypatch):
       assert r["status"] == "ok" and r["correct"] and r["per_call_s"] == 1e-3, r
       # Derived from the time taken after the loop, too.
       assert r["per_call_tflops"] == pytest.approx(case.flops / 1e-3 / 1e12)
-  assert harness.Settings().slope_order == "interleaved"
+  assert harness.Settings().slope_order == "sequential"
 
 
 def test_a_failed_interleaved_timing_times_each_program_alone(monkeypatch):
@@ -166,7 +166,7 @@ def test_a_failed_interleaved_timing_times_each_program_alone(monkeypatch):
   monkeypatch.setattr(timing, "slopes", slopes)
   case = gemm_chain.make_case("w", 1, 32, 32, 16, 16, dtype="float32")
   settings = harness.Settings(dtype="float32", reps=1, profile="off", min_window_ms=1.0,
-                              details=False)
+                              details=False, slope_order="interleaved")
   row = harness.run_case(case, [harness.jaxfuse_impl(case.fn), harness.xla_impl(case.fn)],
                          settings, harness.get_roof("float32"))
   for r in row["impls"].values():

@@ -54,12 +54,12 @@ def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any]
   interleaved: each repetition times every program's ``lo`` and ``hi``
   windows in turn.
 
-  Why: timed one after another, two implementations of a call were minutes
-  apart (compiles and profiles between them), and the host's speed drifts
-  on that scale: the same fused call read 5.2 and 8.9 us per call in two
-  processes on one H100 host, where the host bounds it (fifty-sixth
-  session). Interleaved, drift falls on all of them alike, and their ratio
-  compares like with like.
+  Why: timed one after another, two implementations of a call are seconds
+  apart (compiles and profiles between them), and the host's speed may
+  drift in between; interleaved, drift falls on all of them alike. (On the
+  H100 host, where a fused call read 5.2 and 8.9 us per call in two
+  processes, interleaving did not narrow the spread of such host-bound
+  calls: benchmarks/RESULTS.md, fifty-sixth session.)
 
   Example::
 

@@ -238,8 +238,8 @@ def test_a_kernel_that_fails_in_the_child_is_dropped_for_the_next_plan(monkeypat
   monkeypatch.setattr(launch, "_device_reference",
                       lambda region, seed, xs: ir.evaluate(region, xs, precision="native"))
   monkeypatch.setattr(launch, "start_reference", lambda *a, **kw: None)
-  monkeypatch.setattr(launch, "generate", lambda region, p, interpret: generate(region, p,
-                                                                                 interpret=True))
+  monkeypatch.setattr(launch, "generate", lambda region, p, interpret, grid_wait: generate(
+      region, p, interpret=True))
   with config.override(check_isolate=True):
     k = launch.select_kernel(r, plans, backend="triton")
   assert seen == [str(p) for p in plans] and str(k.plan) == str(plans[1])

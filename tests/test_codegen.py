@@ -218,7 +218,7 @@ def test_split_causal_attention_with_a_pieced_head_dim():
   r = T.attention(M=40, N=96, D=80, Dv=48, heads=2, causal=True, dtype="float16")
   plan = T.simple_plan(r, ("b", "g", "m"), [("n", [])], dict(b=1, g=1, m=16, n=16), split=("n", 3))
   k = run_and_check(r, plan)
-  main, combine = k.source.split("def fused_kernel_combine")
+  main, combine = k.source.split("_combine(")
   assert "# d in pieces of 64 + 16" in main and "offs_d_1" in main
   assert "Q_ptr +" not in combine
 
@@ -261,7 +261,7 @@ def test_split_combine_pass_retiles_small_grids():
   assert k.constexprs["BLOCK_M"] == 64 and k.constexprs["BLOCK_H"] == 128
   assert k.combine_constexprs["BLOCK_M"] * k.combine_constexprs["BLOCK_H"] <= 1024
   assert _programs(k.combine_grid) > _programs(k.grid) // 3
-  combine = k.source.split("def fused_kernel_combine")[1]
+  combine = k.source.split("_combine(")[1]
   assert "a_ptr +" not in combine and "bb_ptr +" not in combine
 
 
@@ -699,3 +699,23 @@ def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
 
   r = _captured(attend, (2, _T, 16), (2, _T, 16), (2, _T, 16), (_T, _T))
   assert streaming.masked_tile_relations(r) == {}
+
+
+def test_kernels_are_named_after_their_contractions():
+  """A profile names jaxfuse's kernels and what each computes; regions that
+  share a kernel share its name."""
+  from jaxfuse.codegen.triton_printer import kernel_name_for, print_kernel
+  att = T.attention(M=64, N=64, heads=2, dtype="float16")
+  chain = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
+  assert kernel_name_for(att) == "jaxfuse_" + "__".join(
+      s.replace(",", "_").replace("->", "_") for s in att.einsum_summary().split(" ; "))
+  assert kernel_name_for(chain) != kernel_name_for(att)
+  assert kernel_name_for(T.gemm_chain(M=128, N=64, K=32, H=16, dtype="float16")) == \
+      kernel_name_for(chain)
+  plan = T.simple_plan(chain, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64),
+                       split=("n", 2))
+  pk = print_kernel(chain, plan)
+  assert pk.kernel_name == kernel_name_for(chain) and pk.kernel_name.isidentifier()
+  assert pk.combine_name == pk.kernel_name + "_combine"
+  assert f"def {pk.kernel_name}(" in pk.source and f"def {pk.combine_name}(" in pk.source
+  assert print_kernel(chain, plan, kernel_name="custom").kernel_name == "custom"

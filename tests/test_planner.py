@@ -181,7 +181,7 @@ def test_place_keeps_a_deferred_softmax_denominator_before_the_store():
   e = tiling.place(r, "mnk", t | {"h": 32}, grid=("b", "g", "m"))
   plan = Plan(expr=e, grid=("b", "g", "m"), tiles=tuple((l.name, t[l.name] if l.name != "h" else 32)
                                                          for l in r.loops))
-  assert "fused_kernel" in source(r, plan)
+  assert "def jaxfuse_bgmk_bgnk_bgmn__bgmn_bgnh_bgmh(" in source(r, plan)
 
 
 def test_hoisting_cuts_a_traffic_by_h_times_n():

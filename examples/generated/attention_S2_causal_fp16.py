@@ -26,8 +26,10 @@ import triton.language as tl
 
 
 @triton.jit
-def fused_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, B: tl.constexpr, G: tl.constexpr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr):
-  pid_m = tl.program_id(0)
+def jaxfuse_bgmd_bgnd_bgmn__bgmn_bgne_bgme(Q_ptr, K_ptr, V_ptr, O_ptr, B: tl.constexpr, G: tl.constexpr, M: tl.constexpr, N: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, USE_PDL: tl.constexpr):
+  if USE_PDL:
+      tl.extra.cuda.gdc_wait()
+  pid_m = 7 - tl.program_id(0)
   pid_g = tl.program_id(1)
   pid_b = tl.program_id(2)
   i_b = pid_b

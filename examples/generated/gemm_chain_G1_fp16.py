@@ -15,7 +15,9 @@ import triton.language as tl
 
 
 @triton.jit
-def fused_kernel(a_ptr, bb_ptr, d_ptr, e_ptr, B: tl.constexpr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def jaxfuse_bmk_bkn_bmn__bmn_bnh_bmh(a_ptr, bb_ptr, d_ptr, e_ptr, B: tl.constexpr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, H: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+  if USE_PDL:
+      tl.extra.cuda.gdc_wait()
   pid_h = tl.program_id(0)
   pid_m = tl.program_id(1)
   pid_b = tl.program_id(2)

@@ -9,7 +9,7 @@ interpreted copy is imported, which is when ``triton.jit`` reads it).
 Example::
 
     mod = load_module(source, interpret=True)
-    mod.fused_kernel[grid](*tensors, **constexprs)
+    getattr(mod, pk.kernel_name)[grid](*tensors, **constexprs)   # pk = print_kernel(...)
 """
 
 from __future__ import annotations

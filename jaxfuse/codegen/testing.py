@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Optional, Sequence, Union
 
 from jaxfuse import ir
@@ -266,7 +267,7 @@ def _reduced_before(region: Region, v: str, loop: str) -> set:
 _PID_TEMPS = ("pid_lpt", "pid_chunk", "pid_rest")
 
 
-def issue_order(source: str, grid: Sequence[int], kernel_name: str = "fused_kernel"
+def issue_order(source: str, grid: Sequence[int], kernel_name: Optional[str] = None
                 ) -> list[dict[str, int]]:
   """The grid positions a printed kernel's programs take, in the order the
   GPU issues them (axis 0 fastest): for each program, its ``pid_<loop>``
@@ -279,6 +280,9 @@ def issue_order(source: str, grid: Sequence[int], kernel_name: str = "fused_kern
   """
   import itertools  # pylint: disable=g-import-not-at-top
   import types  # pylint: disable=g-import-not-at-top
+  if kernel_name is None:
+    # The main kernel (named by ``kernel_name_for``) precedes a combine pass.
+    kernel_name = re.search(r"^def (jaxfuse_\w+)\(", source, re.M).group(1)
   body = source.split(f"def {kernel_name}(", 1)[1].splitlines()[1:]
   lines = []
   from jaxfuse.codegen.triton_printer import GRID_WAIT_LINES  # pylint: disable=g-import-not-at-top

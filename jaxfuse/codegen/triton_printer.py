@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import keyword
 import math
+import re
 from typing import Collection, Mapping, Optional, Sequence
 
 from jaxfuse import ir
@@ -31,7 +32,8 @@ from jaxfuse.planner.pruning import dot_hazard  # the printer refuses what the p
 from jaxfuse.planner import tiling
 from jaxfuse.planner.tiling import LoopNode, Stmt, next_pow2
 
-__all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "dot_hazard", "print_kernel"]
+__all__ = ["CodegenError", "PrintedKernel", "ScratchSpec", "dot_hazard", "kernel_name_for",
+           "print_kernel"]
 
 
 class CodegenError(RuntimeError):
@@ -1613,8 +1615,26 @@ def _stmts(node):
     yield from _stmts(n)
 
 
-def print_kernel(region: ir.Region, plan: Plan, kernel_name: str = "fused_kernel") -> PrintedKernel:
-  """Prints the Triton source of ``plan`` for ``region``.
+def kernel_name_for(region: ir.Region) -> str:
+  """The printed kernel's function name: ``jaxfuse_`` and the region's
+  contractions, einsum-style (``jaxfuse_mk_kn_mn__mn_nh_mh`` for a GEMM
+  chain), so that a profile says which kernels are jaxfuse's and what each
+  computes. Regions that print the same source get the same name, as they
+  share the kernel. Split plans' combine pass adds ``_combine``.
+
+  Example::
+
+      kernel_name_for(region)   # 'jaxfuse_bgmk_bgnk_bgmn__bgmn_bgnh_bgmh'
+  """
+  parts = [re.sub(r"\W", "_", s.replace("->", "_").replace(",", "_"))
+           for s in region.einsum_summary().split(" ; ") if s]
+  return ("jaxfuse_" + "__".join(parts))[:200] if parts else "jaxfuse_kernel"
+
+
+def print_kernel(region: ir.Region, plan: Plan, kernel_name: Optional[str] = None
+                 ) -> PrintedKernel:
+  """Prints the Triton source of ``plan`` for ``region``. ``kernel_name``:
+  the kernel function's name (default ``kernel_name_for(region)``).
 
   Example::
 
@@ -1625,4 +1645,4 @@ def print_kernel(region: ir.Region, plan: Plan, kernel_name: str = "fused_kernel
     raise TypeError(f"region must be a jaxfuse.ir.Region, got {type(region).__name__}")
   if not isinstance(plan, Plan):
     raise TypeError(f"plan must be a jaxfuse.planner.plan.Plan, got {type(plan).__name__}")
-  return _Printer(rewrite.fold_exp2(region), plan, kernel_name).build()
+  return _Printer(rewrite.fold_exp2(region), plan, kernel_name or kernel_name_for(region)).build()

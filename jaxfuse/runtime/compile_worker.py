@@ -6,7 +6,7 @@ It reads one JSON job per line on stdin and answers one JSON line on stdout:
 
     {"path": ".../jaxfuse_kernel_<h>.py", "module": "jaxfuse_kernel_<h>",
      "target": ["cuda", 90, 32], "env": {...}, "cache_dir": "...",
-     "fns": [["fused_kernel", "<spec>"], ...]}
+     "fns": [["jaxfuse_mk_kn_mn__mn_nh_mh", "<spec>"], ...]}
     -> {"ok": true}  or  {"ok": false, "error": "..."}
 
 ``<spec>`` is Triton's own serialized specialization (the

@@ -1619,8 +1619,8 @@ def kernel_name_for(region: ir.Region) -> str:
   """The printed kernel's function name: ``jaxfuse_`` and the region's
   contractions, einsum-style (``jaxfuse_mk_kn_mn__mn_nh_mh`` for a GEMM
   chain), so that a profile says which kernels are jaxfuse's and what each
-  computes. Regions that print the same source get the same name, as they
-  share the kernel. Split plans' combine pass adds ``_combine``.
+  computes. The name depends on the contractions alone, so regions that
+  share a kernel share its name. Split plans' combine pass adds ``_combine``.
 
   Example::
 

@@ -85,8 +85,10 @@ def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any]
     blocks[i](out)
     return (time.perf_counter() - t0) / executions
 
-  executions = [int(min(max_executions, max(1, math.ceil(min_window_s / max(window(i, hi, 1), 1e-9)))))
-                for i in range(len(runs))]
+  def executions_for(i: int) -> int:
+    one = window(i, hi, 1)
+    return int(min(max_executions, max(1, math.ceil(min_window_s / max(one, 1e-9)))))
+  executions = [executions_for(i) for i in range(len(runs))]
   slopes_, naive = [[] for _ in runs], [[] for _ in runs]
   for _ in range(reps):
     for i, e in enumerate(executions):

@@ -58,8 +58,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # partly hidden under one warpgroup's dots, hoisted loads priced apart
 # (cost_model.LOOP_LOAD_OVERLAP, HOISTED_LOAD_EXTRA); 21: mma.sync warps
 # that repeat each other's rows priced (cost_model.mma_sync_warps), the
-# narrow-row dot rate refitted, descent from other structures' leaders.
-FORMAT_VERSION = 21
+# narrow-row dot rate refitted, descent from other structures' leaders;
+# 22: a GEMM's epilogue temporaries count against the register budget
+# (cost_model.epilogue_live_tiles).
+FORMAT_VERSION = 22
 
 
 def _version() -> str:

@@ -222,12 +222,15 @@ def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
   if masked is None:
     masked = tiling.masked_tile_relations(region)
   warps = cost_model.choose_warps(region, tiles)
-  acc = cost_model.accumulator_bytes(region, tiles)
+  acc = cost_model.register_tile_bytes(region, tiles, warps)
   budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles),
                                             masked=bool(masked))
   if acc > budget:
+    held = "fp32 accumulators"
+    if acc > cost_model.accumulator_bytes(region, tiles):
+      held += f" and epilogue tiles ({cost_model.epilogue_live_tiles(region)} live)"
     raise tiling.PlacementError(
-        f"fp32 accumulators of {acc} B exceed the register budget of {warps} warps "
+        f"{held} of {acc} B exceed the register budget of {warps} warps "
         f"({budget} B{' with masked key tiles' if masked else ''})")
 
 
@@ -238,6 +241,8 @@ def rejection_kind(reason: str) -> str:
     return "Rule 4: shared memory"
   if "TF32 operand tiles" in reason:
     return "fp32 accumulators and TF32 operand tiles exceed the register budget"
+  if "epilogue tiles" in reason:
+    return "fp32 accumulators and epilogue tiles exceed the register budget"
   if "masked key tiles" in reason:
     return "fp32 accumulators exceed the register budget of masked key tiles"
   if "register budget" in reason:

@@ -40,7 +40,7 @@ import numpy as np
 __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
-    "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "coalesce_loops",
+    "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots", "coalesce_loops",
     "contiguous_strides", "dtype_itemsize",
     "WINDOW_ALIGN",
 ]
@@ -766,6 +766,68 @@ def xla_joins(region: "Region") -> "dict[str, tuple[str, ...]]":
     if len(free) >= 2 and not any(len(direct[a]) >= 2 and direct[a] >= set(free) for a in ins):
       joins[op.out] = tuple(free)
   return joins
+
+
+# XLA's DotMerger (run by its GPU compiler) merges two dots that read one
+# operand when the input and output bytes of at least one of them are at
+# most this many (32 MiB on GPUs).
+XLA_DOT_MERGER_BYTES = 32 << 20
+
+
+def xla_merged_dots(region: "Region") -> "list[tuple[Contraction, ...]]":
+  """Groups of the region's contractions that XLA runs as one GEMM: those
+  that read one lhs (or one rhs) value alike (same contracted loops, other
+  operands of one dtype and rank), none computed from another's result, with at
+  least one of them moving at most ``XLA_DOT_MERGER_BYTES``. Each group has
+  two or more contractions, in region order.
+
+  Why: XLA's DotMerger turns ``x @ wg`` and ``x @ wu`` (a gated MLP's gate
+  and up projections) into one GEMM of ``x`` against both weights side by
+  side, so XLA's time for them is one GEMM of the summed columns, not two
+  (on the H100, two 8x4864x896 siblings ran as one kernel of 8.06 us, as
+  one 8x9728x896 GEMM does; benchmarks/RESULTS.md, fifty-eighth session).
+  Dots too large to merge (LLaMA-2-7B's, 90 MB of weight each) ran as two
+  kernels.
+
+  Example::
+
+      xla_merged_dots(gated_mlp_region)   # [(c_gate, c_up)]
+  """
+  vm = region.value_map
+  deps: dict[str, set] = {}     # the contractions each value is computed from
+  for op in region.ops:
+    d = set().union(*(deps.get(a, set()) for a in op.inputs))
+    deps[op.out] = d | {op.out} if isinstance(op, Contraction) else d
+  cons = region.contractions
+  ext = region.loop_extents
+
+  def nbytes(c) -> int:
+    return sum(math.prod(ext[l] for l in vm[v].loops) * dtype_itemsize(vm[v].dtype)
+               for v in (c.lhs, c.rhs, c.out))
+
+  def shared(a, b) -> bool:
+    if a.reduce != b.reduce or vm[a.out].dtype != vm[b.out].dtype:
+      return False
+    if a.lhs == b.lhs:
+      va, vb = vm[a.rhs], vm[b.rhs]
+    elif a.rhs == b.rhs:
+      va, vb = vm[a.lhs], vm[b.lhs]
+    else:
+      return False
+    return (va.dtype == vb.dtype and len(va.loops) == len(vb.loops)
+            and a.precision == b.precision)
+
+  groups: list[list] = []
+  for c in cons:
+    for g in groups:
+      if (all(shared(c, o) and c.out not in deps[o.out] and o.out not in deps[c.out]
+              for o in g)
+          and min(nbytes(o) for o in g + [c]) <= XLA_DOT_MERGER_BYTES):
+        g.append(c)
+        break
+    else:
+      groups.append([c])
+  return [tuple(g) for g in groups if len(g) > 1]
 
 
 def _identity_operand(op, vm) -> "str | None":

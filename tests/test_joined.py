@@ -95,10 +95,41 @@ def test_xla_pays_a_kernel_for_the_join():
   dev = jaxfuse.devices.get_device("h100")
   gemm = cost_model._library_gemm_time  # pylint: disable=protected-access
   peak = dev.dot_peak("float16", reg.contractions[0].precision)
-  two_gemms = 2 * gemm(16, 2816, 1, 1024, 2, peak, dev)
+  # XLA's DotMerger runs the gate and up GEMMs as one GEMM of both
+  # weights side by side (ir.xla_merged_dots).
+  assert [tuple(c.out for c in g) for g in ir.xla_merged_dots(reg)] == [
+      tuple(c.out for c in reg.contractions)]
+  merged = gemm(16, 2 * 2816, 1, 1024, 2, peak, dev)
+  assert merged < 2 * gemm(16, 2816, 1, 1024, 2, peak, dev)
   join_bytes = 3 * 16 * 2816 * 2
   assert cost_model.unfused_time(reg, dev) == pytest.approx(
-      two_gemms + join_bytes / dev.mem_bandwidth_Bps + dev.min_kernel_s)
+      merged + join_bytes / dev.mem_bandwidth_Bps + dev.min_kernel_s)
+
+
+def test_xla_merges_sibling_dots_only_when_one_is_small():
+  """XLA's DotMerger: the gate and up GEMMs of a gated MLP merge when one of
+  them moves at most 32 MiB (Qwen2-0.5B's, 8.7 MB of weight each: one
+  kernel on the H100), not at LLaMA-2-7B's widths (90 MB each: two
+  kernels); a chain's dependent dots never merge."""
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+  merged = {}
+  for d, f in ((896, 4864), (4096, 11008)):
+    [r] = capture.find_regions(jax.make_jaxpr(_gate)(spec(128, d), spec(d, f), spec(d, f)))
+    reg = ir.simplify(r.region)
+    merged[d] = ir.xla_merged_dots(reg)
+  assert len(merged[896]) == 1 and len(merged[896][0]) == 2
+  assert merged[4096] == []
+  assert ir.xla_merged_dots(examples.gemm_chain(1, 64, 64, 32, 32)) == []
+  assert ir.xla_merged_dots(examples.attention(1, 2, 64, 64, 32)) == []
+  # The merged pair is priced as one GEMM of both weights' columns.
+  [r] = capture.find_regions(jax.make_jaxpr(_gate)(spec(128, 896), spec(896, 4864),
+                                                   spec(896, 4864)))
+  dev = jaxfuse.devices.get_device("h100")
+  peak = dev.dot_peak("float16", "default")
+  one = cost_model._library_gemm_time(128, 9728, 1, 896, 2, peak, dev)  # pylint: disable=protected-access
+  two = 2 * cost_model._library_gemm_time(128, 4864, 1, 896, 2, peak, dev)  # pylint: disable=protected-access
+  assert one < two
+  assert cost_model.unfused_time(ir.simplify(r.region), dev) < two
 
 
 @pytest.mark.parametrize("fun", [_gated_mlp, _gate])

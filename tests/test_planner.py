@@ -494,12 +494,16 @@ def test_decoding_step_splits_its_key_loop_across_programs():
   best = plan_region(dec, h100, use_cache=False).best
   assert best.split == (key, 8)
   _check_executable(dec, best)
-  why = cost_model.verdict_uncertain(dec, best, h100)
+  # Predicted under the bound (XLA's few-row GEMMs priced as measured,
+  # fifty-eighth session): the model's to keep, as such steps measured
+  # 1.1-2.9x faster fused (thirty-sixth session).
+  assert cost_model.verdict_uncertain(dec, best, h100) is None
+  assert cost_model.slower_than_unfused(dec, best, h100) is None
+  # The same plan predicted nearer XLA is timed under tune='auto'.
+  near = dataclasses.replace(best, predicted=dataclasses.replace(
+      best.predicted, time_s=1.2 * cost_model.unfused_time(dec, h100)))
+  why = cost_model.verdict_uncertain(dec, near, h100)
   assert why and "flash-decoding" in why
-  # The same plan predicted well under the bound is the model's to keep.
-  sure = dataclasses.replace(best, predicted=dataclasses.replace(
-      best.predicted, time_s=0.5 * cost_model.unfused_time(dec, h100)))
-  assert cost_model.verdict_uncertain(dec, sure, h100) is None
   s9 = examples.attention(1, 1, 1024, 512, 64)
   assert search.splittable_loops(s9) == ("n",)
   assert all(s is None or s[0] != "n" for s in search.build_space(s9, h100).splits)
@@ -1183,10 +1187,10 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   g1 = examples.gemm_chain(1, 512, 256, 64, 64)
   # two GEMM kernels at least
   assert cost_model.unfused_time(g1, h200) >= 2 * h200.min_kernel_s
-  # split-K: the 16-tile first GEMM of G6 is cheaper split than whole
-  split = cost_model._library_gemm_time(512, 512, 1, 1024, 2, h200.peak("float16"), h200)
+  # split-K: a GEMM of few output tiles and a long reduction is cheaper split
+  split = cost_model._library_gemm_time(128, 1024, 1, 4096, 2, h200.peak("float16"), h200)
   monkeypatch.setattr(cost_model, "_LIBRARY_SPLITS", (1,))
-  assert split < cost_model._library_gemm_time(512, 512, 1, 1024, 2, h200.peak("float16"), h200)
+  assert split < cost_model._library_gemm_time(128, 1024, 1, 4096, 2, h200.peak("float16"), h200)
   monkeypatch.undo()
   attn = examples.attention(1, 8, 512, 512, 64, 64)
   assert cost_model.unfused_time(attn, h200) > cost_model.unfused_time(
@@ -1197,52 +1201,77 @@ def test_unfused_estimate_and_verdict(monkeypatch):
   best1 = plan_region(g1, h200, use_cache=False).best
   assert "separate kernels" in cost_model.slower_than_unfused(g6, best6, h200)
   assert cost_model.slower_than_unfused(g1, best1, h200) is None
-  # split reductions (on by default) cut G6's prediction, and make G4 (a
-  # 256-wide first reduction) a predicted winner
+  # split reductions (on by default) cut G6's prediction, and bring G4 (a
+  # 256-wide first reduction) near XLA's time, where tune='auto' times it
   split6 = plan_region(g6, h200, use_cache=False).best
   assert split6.split and split6.predicted.time_s < best6.predicted.time_s
   g4 = examples.gemm_chain(1, 512, 512, 256, 256)
   split4 = plan_region(g4, h200, use_cache=False).best
-  assert split4.split and cost_model.slower_than_unfused(g4, split4, h200) is None
+  assert split4.split and cost_model.verdict_uncertain(g4, split4, h200)
 
 
-def test_library_gemm_at_few_rows_streams_the_weight(monkeypatch):
-  """At 32 rows XLA's GEMMs ran near their roofline floor plus one launch
-  (H100, 2026-11-23: 2.05, 2.91, 3.39 and 5.09 us at K x N = 512 x 2048 ..
-  1280 x 5120); the tiled estimate alone read 1.8-2.0x those. Above
-  ``_LIBRARY_STREAMING_ROWS`` rows the tiled estimate stands."""
+def test_library_gemm_time_matches_xla_kernels_measured_on_the_h100():
+  """XLA's own GEMM kernels measured on the H100 (fifty-eighth session,
+  benchmarks/results/s58/gemm: float16, inputs cycled through 2x the L2,
+  kernel time per call with any split-K reduction), from weight streaming at
+  8 rows to compute-bound 2048-row GEMMs and batched attention-shaped ones.
+  The estimate it replaced read 0.44-5.1x of these; this one stays within
+  0.6-1.7x of each and 0.97x over the 122 measured (log-rms 0.20)."""
   h100 = get_device("h100")
   peak = h100.peak("float16")
-  measured = {(512, 2048): 2.05e-6, (768, 3072): 2.91e-6, (1024, 4096): 3.39e-6,
-              (1280, 5120): 5.09e-6}
-  est = {kn: cost_model._library_gemm_time(32, kn[1], 1, kn[0], 2, peak, h100) for kn in measured}
-  for kn, t in measured.items():
-    assert 0.75 * t < est[kn] < 1.25 * t, (kn, est[kn], t)
-  at512 = cost_model._library_gemm_time(512, 3072, 1, 768, 2, peak, h100)
-  monkeypatch.setattr(cost_model, "_LIBRARY_STREAMING_ROWS", 0)
-  assert cost_model._library_gemm_time(32, 3072, 1, 768, 2, peak, h100) > 1.5 * est[(768, 3072)]
-  assert cost_model._library_gemm_time(512, 3072, 1, 768, 2, peak, h100) == at512
+  measured = {   # (batch, rows, cols, K): us
+      (1, 8, 3072, 768): 4.52, (1, 8, 22016, 4096): 62.85, (1, 32, 1280, 5120): 8.77,
+      (1, 128, 9728, 896): 10.37, (1, 128, 4096, 11008): 40.69, (1, 512, 3072, 768): 7.97,
+      (1, 512, 896, 4864): 13.03, (1, 2048, 22016, 4096): 487.44, (1, 4096, 3072, 768): 28.88,
+      (1, 512, 256, 64): 1.82, (8, 1024, 1024, 128): 8.51, (16, 512, 512, 64): 5.68}
+  ratios = []
+  for (b, m, n, k), t in measured.items():
+    r = cost_model._library_gemm_time(m, n, b, k, 2, peak, h100) / (t * 1e-6)
+    assert 0.6 < r < 1.7, ((b, m, n, k), r)
+    ratios.append(r)
+  assert 0.8 < math.exp(sum(map(math.log, ratios)) / len(ratios)) < 1.25
 
 
-def test_few_token_gemm_gelu_is_left_to_xla_under_the_model():
-  """BERT-Base's FFN GEMM + bias + GELU: at 32 tokens the fused kernel ran
-  slower than XLA's GEMM and GELU kernels (5.2 against 4.5 us, H100), so the
-  model leaves it to XLA; at 128 tokens (2.3x faster fused) it stays."""
+def test_exact_gelu_epilogue_costs_xla_two_kernels():
+  """XLA runs exact GELU's epilogue (an erf) as two kernels with a float32
+  intermediate, tanh-GELU's as one: at 4096x3072x768 on the H100 55 us
+  against 16.5 us after the same GEMM (fifty-eighth session)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  h100 = get_device("h100")
+  f16 = lambda *shape: jax.ShapeDtypeStruct(shape, "float16")
+  t = {}
+  for approx in (False, True):
+    closed = jax.make_jaxpr(lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=approx))(
+        f16(4096, 768), f16(768, 3072), f16(3072))
+    [cap] = capture.find_regions(closed)
+    t[approx] = cost_model.unfused_time(cap.region, h100)
+  n = 4096 * 3072
+  extra = (n * (3 * 2 + 8) - 2 * n * 2) / h100.mem_bandwidth_Bps + h100.min_kernel_s
+  assert t[False] - t[True] == pytest.approx(extra, rel=0.05)
+
+
+def test_few_token_gemm_gelu_verdicts():
+  """GEMM + bias + GELU at 32 tokens (H100, fifty-eighth session, kernel
+  time per call): at BERT-Base's width the fused kernel ran 5.4 us against
+  XLA's 5.7-6.0 us in two kernels, so the model fuses it; at ViT-Huge's
+  (1280 -> 5120) it ran 19.5-21.0 us against 8.7-8.8, and the model does
+  not keep it on its own word (tune='auto' times it, and dropped it)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top
   h100 = get_device("h100")
   f = lambda x, w, b: jax.nn.gelu(x @ w + b, approximate=True)
   verdicts = {}
-  for m in (32, 128):
-    args = (jax.ShapeDtypeStruct((m, 768), jnp.float16),    # shapes only: nothing runs
-            jax.ShapeDtypeStruct((768, 3072), jnp.float16),
-            jax.ShapeDtypeStruct((3072,), jnp.float16))
+  for d, ff in ((768, 3072), (1280, 5120)):
+    args = (jax.ShapeDtypeStruct((32, d), jnp.float16),    # shapes only: nothing runs
+            jax.ShapeDtypeStruct((d, ff), jnp.float16),
+            jax.ShapeDtypeStruct((ff,), jnp.float16))
     (cap,) = capture.find_regions(jax.make_jaxpr(f)(*args))
     best = plan_region(cap.region, h100, use_cache=False).best
-    verdicts[m] = cost_model.slower_than_unfused(cap.region, best, h100)
-  assert verdicts[32] and "separate kernels" in verdicts[32]
-  assert verdicts[128] is None
+    verdicts[d] = cost_model.slower_than_unfused(cap.region, best, h100)
+  assert verdicts[768] is None
+  assert verdicts[1280] and "separate kernels" in verdicts[1280]
 
 
 def test_keep_or_drop_bound_is_a_predicted_win_for_every_dtype():
@@ -1287,7 +1316,7 @@ def test_bert_small_ffn_predicted_slower_fused_is_left_to_xla():
   best = plan_region(ffn, h100, use_cache=False).best
   assert best is not None
   ratio = best.predicted.time_s / cost_model.unfused_time(ffn, h100)
-  assert cost_model.UNFUSED_MARGIN < ratio < 1.5
+  assert ratio > cost_model.UNFUSED_MARGIN
   assert "separate kernels" in cost_model.slower_than_unfused(ffn, best, h100)
 
 
@@ -1357,7 +1386,7 @@ def test_xla_epilogue_kernel_is_bound_by_traffic_or_instructions(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(512, 1024, 256, 256), (1024, 1024, 128, 128),
                                    (2048, 2048, 256, 256)])
-def test_ffn_chains_that_ran_faster_fused_stay_fused_under_the_model(shape, monkeypatch):
+def test_ffn_chains_that_ran_faster_fused_are_timed_not_dropped(shape, monkeypatch):
   """Three GEMM-GELU-GEMM chains forced fused in the twentieth session ran
   1.04x, 1.32x and 1.05x ``jax.jit``'s device span (H100, float16). With
   XLA's GELU priced as free their predictions sat at 0.75-0.77x the unfused
@@ -1372,7 +1401,10 @@ def test_ffn_chains_that_ran_faster_fused_stay_fused_under_the_model(shape, monk
   h100 = get_device("h100")
   r = _ffn_chain_region(*shape)
   best = plan_region(r, h100, use_cache=False).best
-  assert cost_model.slower_than_unfused(r, best, h100) is None
+  # With XLA's GEMMs priced as measured (fifty-eighth session) they predict
+  # at 0.76-1.57x, inside the band tune='auto' times: measurement keeps
+  # them, where tune='model' alone leaves them to XLA.
+  assert cost_model.verdict_uncertain(r, best, h100)
   priced = best.predicted.time_s / cost_model.unfused_time(r, h100)
   monkeypatch.setattr(cost_model, "elementwise_cost", lambda fn: (0, 0))
   free = best.predicted.time_s / cost_model.unfused_time(r, h100)
@@ -1542,14 +1574,14 @@ def test_verdict_uncertain_for_float32_dots_and_near_the_bound():
     assert "bound" in cost_model.verdict_uncertain(r, plan_at(r, m), h100)
     assert "bound" in cost_model.verdict_uncertain(r, plan_at(r, hi * 0.99), h100)
     assert cost_model.verdict_uncertain(r, plan_at(r, hi), h100) is None
-    assert cost_model.verdict_uncertain(r, plan_at(r, 1.5), h100) is None
+    assert cost_model.verdict_uncertain(r, plan_at(r, 2.5), h100) is None
   for r in (f32, T.with_precision(f32, "ieee"), T.with_precision(f32, "tf32x3")):
     def at(fraction, r=r):
       return dataclasses.replace(best[id(f32)], predicted=dataclasses.replace(
           best[id(f32)].predicted, time_s=fraction * cost_model.unfused_time(r, h100)))
     for fraction in (0.3, m, hi * 0.99):
       assert "float32 dots" in cost_model.verdict_uncertain(r, at(fraction), h100)
-    for fraction in (hi, 1.5, 11.0):   # predicted slower than XLA: the model's word
+    for fraction in (hi, 2.5, 11.0):   # predicted slower than XLA: the model's word
       assert cost_model.verdict_uncertain(r, at(fraction), h100) is None
   # MCFuser G6 and G1 at float16 on the H100: G6 is near the bound, G1 is not.
   g6 = examples.gemm_chain(1, 512, 512, 1024, 256)

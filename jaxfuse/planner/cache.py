@@ -60,8 +60,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # that repeat each other's rows priced (cost_model.mma_sync_warps), the
 # narrow-row dot rate refitted, descent from other structures' leaders;
 # 22: a GEMM's epilogue temporaries count against the register budget
-# (cost_model.epilogue_live_tiles).
-FORMAT_VERSION = 22
+# (cost_model.epilogue_live_tiles); 23: XLA's GEMMs priced as fitted on the H100
+# (cost_model._library_gemm_time, ir.xla_merged_dots), keep-or-drop bounds refitted.
+FORMAT_VERSION = 23
 
 
 def _version() -> str:

@@ -755,9 +755,9 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
   g6 = examples.gemm_chain(1, 512, 512, 1024, 256)                  # near the bound
   g1_32 = examples.gemm_chain(1, 512, 256, 64, 64, dtype="float32")     # predicted a win
   g4_32 = examples.gemm_chain(1, 512, 512, 256, 256, dtype="float32")   # near parity
-  g6_32 = examples.mlp_chain(1, 8, (768, 3072, 768), dtype="float32")   # 2.5x: a loss
+  mlp_32 = examples.mlp_chain(1, 8, (768, 3072, 768), dtype="float32")  # 2.5x: a loss
   with config.override(tune="model"):
-    for r in (g6, g4_32, g6_32):
+    for r in (g6, g4_32, mlp_32):
       with pytest.raises(launch.LeftToXLA, match="separate kernels"):
         launch._candidate_plans(r, None, backend="triton")
     for r in (g1, g1_32):
@@ -773,7 +773,7 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
     with pytest.raises(launch.LeftToXLA, match="separate kernels"):
       launch._candidate_plans(g4_32, None, backend="triton", timing=False)
     with pytest.raises(launch.LeftToXLA, match="separate kernels"):   # the model's word
-      launch._candidate_plans(g6_32, None, backend="triton")
+      launch._candidate_plans(mlp_32, None, backend="triton")
   with config.override(tune="measure"):
     assert launch.keep_or_drop_timed(g1, [object()])
 

@@ -4,7 +4,8 @@ The chain is ``y = act2(act1(x @ W1 + b1) @ W2 + b2) @ W3 + b3`` with
 ``x: (M, D0)``, ``W1: (D0, D1)``, ``W2: (D1, D2)``, ``W3: (D2, D3)``. The
 built-in cases are a transformer MLP block (``D0 -> 4*D0 -> D0``) followed by
 a ``D0 x D0`` projection, at the hidden sizes of BERT-Small/Base/Large
-(512/768/1024) and ViT-Huge (1280), with few tokens ``M`` (8, 32, 128): the
+(512/768/1024) and ViT-Huge (1280), with few tokens ``M`` (1, 8, 32, 128; one
+token is a decoding step at batch 1): the
 weights dominate the traffic, so the chain is memory-bound (intensity ~ M
 FLOP/byte against a ridge near 260 on an H100) and one fused kernel saves
 the launches and the intermediates' round trips.
@@ -56,7 +57,7 @@ flags.DEFINE_bool("bias", True, "Add a bias after each GEMM.")
 FLAGS = flags.FLAGS
 
 MODELS = {"bert-small": 512, "bert-base": 768, "bert-large": 1024, "vit-huge": 1280}
-TOKENS = (8, 32, 128)
+TOKENS = (1, 8, 32, 128)
 # Gated (SwiGLU) MLPs: hidden size, intermediate size.
 GATED_MODELS = {"qwen2-0.5b": (896, 4864), "tinyllama-1.1b": (2048, 5632),
                 "llama2-7b": (4096, 11008)}

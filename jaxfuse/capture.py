@@ -8,7 +8,8 @@ last contraction and the pointwise/layout prologue of its other operands. A
 single contraction is a region too when XLA would run part of its epilogue
 in kernels of its own after the GEMM (GELU, SiLU; ``ir.xla_epilogue_split``):
 fusing the epilogue saves those kernels' passes over the GEMM's result.
-Regions are expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold
+So is a vector-matrix product (one row, e.g. a decoding step at batch 1),
+which XLA runs as a reduction (``ir.vector_dot_dims``). Regions are expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold
 into the index maps of the region's input/output buffers.
 
 Capture inlines ``pjit``/``closed_call`` for analysis, looks through
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -122,6 +124,17 @@ def _is_dot(it: Item) -> bool:
     return False
   return (all(_dtype(a) in CONTRACTION_DTYPES for a in it.invars)
           and _dtype(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
+
+
+def _is_vector_dot(it: Item) -> bool:
+  """A dot XLA runs as a reduction (``ir.vector_dot_dims``): fused on its
+  own even with no epilogue to cut, since one kernel that streams the
+  matrix beats XLA's multiply and reduction kernels."""
+  (lc, rc), (lb, rb) = it.params["dimension_numbers"]
+  ls, rs = (tuple(v.aval.shape) for v in it.invars)
+  free = lambda shape, used: math.prod(d for i, d in enumerate(shape) if i not in used)
+  return ir.vector_dot_dims(free(ls, set(lc) | set(lb)), free(rs, set(rc) | set(rb)),
+                            math.prod(ls[i] for i in lb))
 
 
 _CHEAP = PRIMITIVES - {"dot_general"}
@@ -616,11 +629,12 @@ class _LevelAnalysis:
           f = None
           why = None
           for epi, split, pro in _VARIANTS:
-            if length == 1 and epi == "none":
+            if length == 1 and epi == "none" and not _is_vector_dot(sub[0]):
               continue   # a single contraction is fused for its epilogue only
             try:
               f = self.candidate(sub, epi, split, pro)
-              if length == 1 and not self.separate_epilogue(f):
+              if (length == 1 and not _is_vector_dot(sub[0])
+                  and not self.separate_epilogue(f)):
                 # Less inclusive variants have no more epilogue to cut.
                 why = "a single contraction whose epilogue XLA fuses into its GEMM"
                 f = None
@@ -660,7 +674,7 @@ class _LevelAnalysis:
     followers = {m.idx for ms in self.joined.values() for m in ms[1:]}
     for d in self.items:
       if (_is_dot(d) and d.idx not in in_chains | followers and d.idx not in taken
-          and (d.idx in self.joined or self.reread_after(d))):
+          and (d.idx in self.joined or self.reread_after(d) or _is_vector_dot(d))):
         attempt([d])
     # A joined group no region took: its dots are tried one by one, as
     # dots that join nothing.
@@ -678,7 +692,7 @@ class _LevelAnalysis:
       grouped = {m.idx for ms in self.joined.values() for m in ms}   # still joined
       for d in self.items:
         if (_is_dot(d) and d.idx not in taken and d.idx not in grouped
-            and self.reread_after(d)):
+            and (self.reread_after(d) or _is_vector_dot(d))):
           attempt([d])
     for f in self.sibling_regions():
       taken.update(f.removed)

@@ -787,6 +787,45 @@ def test_single_contraction_is_a_region_only_when_xla_would_cut_its_epilogue(act
     assert rs == []
 
 
+def test_vector_matrix_dot_is_a_region_even_without_an_epilogue():
+  """One row (a decoding step at batch 1) is a vector-matrix product, which
+  XLA runs as a reduction and not as a GEMM (H100, sixtieth session: 0.4-0.8
+  TB/s): a region with or without an epilogue. Eight rows, or a batch of
+  single rows, are XLA's GEMMs: left alone."""
+  x1, x8, w, b = rand(1, 64), rand(8, 64), rand(64, 96), rand(96)
+  r = one_region(lambda x, w: x @ w, x1, w)
+  assert r.region.einsum_summary() == "mk,kn->mn"
+  assert ir.xla_vector_dot(r.region, r.region.contractions[0])
+  check_region_matches_jaxpr(r)
+  _check_rewrite(lambda x, w: x @ w, x1, w, expect_calls=1)
+  biased = lambda x, w, b: jnp.maximum(x @ w + b, 0.0)   # relu: XLA fuses it
+  r = one_region(biased, x1, w, b)
+  assert len(r.region.ops) > 1                            # the epilogue is in it
+  check_region_matches_jaxpr(r)
+  _check_rewrite(biased, x1, w, b, expect_calls=1)
+  # the matrix on the left, one column on the right
+  col = one_region(lambda w, v: w.T @ v, w, rand(64, 1))
+  assert ir.xla_vector_dot(col.region, col.region.contractions[0])
+  assert regions_of(lambda x, w: x @ w, x8, w) == []
+  assert regions_of(biased, x8, w, b) == []
+  batched = lambda x, w: jnp.einsum("bmk,bkn->bmn", x, w)
+  assert regions_of(batched, rand(2, 1, 64), rand(2, 64, 96)) == []
+
+
+def test_a_one_row_chain_falls_back_to_its_vector_matrix_parts():
+  """A three-GEMM MLP at one row: below its length, every GEMM is a part of
+  its own (with its bias and activation), none left to XLA's reduction."""
+  def mlp(x, w1, b1, w2, b2, w3):
+    return jax.nn.relu(jax.nn.gelu(x @ w1 + b1) @ w2 + b2) @ w3
+  args = (rand(1, 32), rand(32, 64), rand(64), rand(64, 32), rand(32), rand(32, 16))
+  [whole] = regions_of(mlp, *args)
+  assert len(whole.region.contractions) == 3
+  singles = capture.find_regions(whole.jaxpr, max_contractions=1)
+  assert [len(p.region.contractions) for p in singles] == [1, 1, 1]
+  for p in singles:
+    check_region_matches_jaxpr(p)
+
+
 def test_max_contractions_captures_the_parts_of_a_chain():
   """An FFN chain is one region; below its length, its first GEMM with the
   GELU is (the second GEMM's epilogue is plain: XLA's)."""

@@ -719,3 +719,20 @@ def test_kernels_are_named_after_their_contractions():
   assert pk.combine_name == pk.kernel_name + "_combine"
   assert f"def {pk.kernel_name}(" in pk.source and f"def {pk.combine_name}(" in pk.source
   assert print_kernel(chain, plan, kernel_name="custom").kernel_name == "custom"
+
+
+def test_one_row_gemm_plans_run_correctly():
+  """A vector-matrix region (one row, now captured on its own): the
+  planner's first plans, split ones among them, in the interpreter."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.devices import get_device
+  from jaxfuse.planner import plan_region
+  x, w, b = jnp.ones((1, 256), jnp.float16), jnp.ones((256, 96), jnp.float16), jnp.ones((96,), jnp.float16)
+  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w, b: jax.nn.gelu(x @ w + b))(x, w, b))
+  res = plan_region(r.region, get_device("h100"), use_cache=False, top=24)
+  plans = list(res.ranked[:2]) + [p for p in res.ranked if p.split][:2]
+  assert any(p.split for p in plans), [str(p) for p in res.ranked]
+  for p in plans:
+    run_and_check(r.region, p)

@@ -244,3 +244,11 @@ def test_simplify_drops_boolean_identities(fn, args, dropped):
     assert s.producer("y").args[0] == "p"
   xs = [np.arange(12, dtype=np.float32).reshape(3, 4)]
   np.testing.assert_array_equal(ir.evaluate(s, xs)[0], ir.evaluate(r, xs)[0])
+
+
+def test_vector_dot_dims():
+  """XLA runs an unbatched dot with one output row or column as a reduction."""
+  assert ir.vector_dot_dims(1, 3072, 1)
+  assert ir.vector_dot_dims(3072, 1, 1)
+  assert not ir.vector_dot_dims(8, 3072, 1)
+  assert not ir.vector_dot_dims(1, 3072, 4)   # batched: not measured, not counted

@@ -2050,3 +2050,22 @@ def test_bert_large_ffn_part_plans_a_tile_that_does_not_spill():
   per_thread = cost_model.accumulator_bytes(r, best.tile_map) / 4 / (best.num_warps * 32)
   assert best.num_warps == 8 or per_thread <= 64
   assert best.tile_map != {"m": 64, "n": 256, "k": 128}
+
+
+def test_unfused_time_prices_a_vector_matrix_dot_as_xla_reduction():
+  """One row: XLA's reduction kernel (the matrix at HBM bandwidth plus
+  XLA_VECTOR_DOT_S), above the library GEMM price the model would otherwise
+  give it; eight rows keep the GEMM price."""
+  h100 = get_device("h100")
+  one = examples.gemm_chain(1, 1, 3072, 768, 768)
+  dot = one.contractions[0]
+  matrix = 768 * 3072 * 2 / h100.mem_bandwidth_Bps
+  got = cost_model._xla_vector_dot_time(768, 3072, 2, h100)
+  assert got == pytest.approx(matrix + cost_model.XLA_VECTOR_DOT_S)
+  assert got > cost_model._library_gemm_time(1, 3072, 1, 768, 2, h100.peak("float16"), h100)
+  eight = examples.gemm_chain(1, 8, 3072, 768, 768)
+  assert not ir.xla_vector_dot(eight, eight.contractions[0])
+  assert ir.xla_vector_dot(one, dot)
+  # The chain's first GEMM is priced as the reduction, its second (8 -> 1
+  # rows too) as well: the one-row chain costs more than XLA's GEMMs would.
+  assert cost_model.unfused_time(one, h100) > 2 * cost_model.XLA_VECTOR_DOT_S

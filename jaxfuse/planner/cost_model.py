@@ -982,6 +982,32 @@ def _library_gemm_time(rows: int, cols: int, batch: int, red: int, itemsize: int
   return best
 
 
+# XLA's reduction kernel for a vector-matrix dot (``ir.vector_dot_dims``)
+# takes about this much more than its matrix at HBM bandwidth. Fitted on
+# the H100 (sixtieth session): [1,768]x[768,3072] and [1,1024]x[1024,4096]
+# float16 ran in 6.2 and 7.4 us (this price at 3 TB/s: 6.3 and 7.5 us).
+XLA_VECTOR_DOT_S = 4.7e-6
+
+
+def _xla_vector_dot_time(red: int, width: int, itemsize: int, device: DeviceSpec) -> float:
+  """A vector-matrix dot as XLA runs it: one reduction kernel over the
+  ``red x width`` matrix.
+
+  Where the contracted extent is the longer one, XLA sometimes runs a
+  multiply kernel first that writes the whole product ([1,3072]x[3072,768]:
+  12.3 us, [1,4096]x[4096,1024]: 17.0 us on the H100, sixtieth session) and
+  sometimes not (Llama-2-7B's MLP at one token ran at 92% of HBM
+  bandwidth). Not knowing when, the price leaves that kernel out: it then
+  reads XLA as faster than it may be, so the model keeps fewer such
+  regions, and ``tune='auto'`` times the ones in its uncertain band.
+
+  Example::
+
+      t = _xla_vector_dot_time(3072, 768, 2, get_device("h100"))
+  """
+  return red * width * itemsize / device.mem_bandwidth_Bps + XLA_VECTOR_DOT_S
+
+
 def _elementwise_instruction_time(region: ir.Region, device: DeviceSpec,
                                   outs: Optional[Collection[str]] = None) -> float:
   """Seconds of vector and SFU work for the region's elementwise ops (those
@@ -1019,7 +1045,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   single contraction's epilogue after ``ir.xla_epilogue_split``, the join of
   sibling GEMMs (``ir.xla_joins``), the per-part kernels of stacked dots.
   Each of those is bound by its traffic or its instructions, whichever is
-  longer.
+  longer. A vector-matrix dot is XLA's reduction (``_xla_vector_dot_time``).
 
   Why: a fused plan predicted slower than this is left to XLA under
   tune=model. On an H200 (fourth session) this estimate was 0.6-1.7x XLA's
@@ -1058,6 +1084,9 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
         continue
       rows, cols, batch, red = merged.get(op.out) or _gemm_dims(region, op, ext)
       itemsize = ir.dtype_itemsize(vm[op.lhs].dtype)
+      if ir.vector_dot_dims(rows, cols, batch):
+        total += _xla_vector_dot_time(red, max(rows, cols), itemsize, device)
+        continue
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)
       total += _library_gemm_time(rows, cols, batch, red, itemsize, peak, device)
     elif isinstance(op, ir.Reduction):

@@ -9,8 +9,9 @@ single contraction is a region too when XLA would run part of its epilogue
 in kernels of its own after the GEMM (GELU, SiLU; ``ir.xla_epilogue_split``):
 fusing the epilogue saves those kernels' passes over the GEMM's result.
 So is a vector-matrix product (one row, e.g. a decoding step at batch 1),
-which XLA runs as a reduction (``ir.vector_dot_dims``). Regions are expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold
-into the index maps of the region's input/output buffers.
+which XLA runs as a reduction (``ir.vector_dot_dims``). Regions are
+expressed in the Chain IR (:mod:`jaxfuse.ir`); layout ops fold into the
+index maps of the region's input/output buffers.
 
 Capture inlines ``pjit``/``closed_call`` for analysis, looks through
 ``custom_jvp_call``/``custom_vjp_call`` (a call a region does not absorb whole

@@ -41,7 +41,7 @@ __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
     "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots", "coalesce_loops",
-    "vector_dot_dims", "xla_vector_dot",
+    "vector_dot_dims", "xla_vector_dot", "contraction_loops",
     "contiguous_strides", "dtype_itemsize",
     "WINDOW_ALIGN",
 ]
@@ -754,6 +754,23 @@ def vector_dot_dims(lhs_free: int, rhs_free: int, batch: int) -> bool:
   return batch == 1 and min(lhs_free, rhs_free) == 1
 
 
+def contraction_loops(region: "Region", op: "Contraction") -> "tuple[tuple[str, ...], ...]":
+  """(rows, cols, batch, red) loops of ``op``: its lhs-only, rhs-only and
+  shared output loops, and the contracted ones.
+
+  Example::
+
+      rows, cols, batch, red = contraction_loops(region, region.contractions[0])
+  """
+  vm = region.value_map
+  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
+  out = vm[op.out].loops
+  return (tuple(l for l in out if l in lhs and l not in rhs),
+          tuple(l for l in out if l in rhs and l not in lhs),
+          tuple(l for l in out if l in lhs and l in rhs),
+          tuple(op.reduce))
+
+
 def xla_vector_dot(region: "Region", op: "Contraction") -> bool:
   """``vector_dot_dims`` of ``op`` at the region's extents.
 
@@ -761,12 +778,9 @@ def xla_vector_dot(region: "Region", op: "Contraction") -> bool:
 
       xla_vector_dot(region, region.contractions[0])
   """
-  vm, ext = region.value_map, region.loop_extents
-  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  out = vm[op.out].loops
-  return vector_dot_dims(math.prod(ext[l] for l in out if l in lhs and l not in rhs),
-                         math.prod(ext[l] for l in out if l in rhs and l not in lhs),
-                         math.prod(ext[l] for l in out if l in lhs and l in rhs))
+  ext = region.loop_extents
+  rows, cols, batch, _ = (math.prod(ext[l] for l in ls) for ls in contraction_loops(region, op))
+  return vector_dot_dims(rows, cols, batch)
 
 
 def xla_joins(region: "Region") -> "dict[str, tuple[str, ...]]":

@@ -721,16 +721,23 @@ def test_kernels_are_named_after_their_contractions():
   assert print_kernel(chain, plan, kernel_name="custom").kernel_name == "custom"
 
 
-def test_one_row_gemm_plans_run_correctly():
-  """A vector-matrix region (one row, now captured on its own): the
-  planner's first plans, split ones among them, in the interpreter."""
+@pytest.mark.parametrize("form", ["row", "vector", "column"])
+def test_one_row_gemm_plans_run_correctly(form):
+  """A vector-matrix region (one row, a 1-D vector, or one column; now
+  captured on its own): the planner's first plans, split ones among them,
+  in the interpreter against the IR evaluator."""
   import jax
   import jax.numpy as jnp
   from jaxfuse import capture
   from jaxfuse.devices import get_device
   from jaxfuse.planner import plan_region
-  x, w, b = jnp.ones((1, 256), jnp.float16), jnp.ones((256, 96), jnp.float16), jnp.ones((96,), jnp.float16)
-  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w, b: jax.nn.gelu(x @ w + b))(x, w, b))
+  w, b = jnp.ones((256, 96), jnp.float16), jnp.ones((96,), jnp.float16)
+  if form == "column":
+    f, args = (lambda w, v: jax.nn.gelu(w.T @ v)), (w, jnp.ones((256, 1), jnp.float16))
+  else:
+    x = jnp.ones((1, 256) if form == "row" else (256,), jnp.float16)
+    f, args = (lambda x, w, b: jax.nn.gelu(x @ w + b)), (x, w, b)
+  [r] = capture.find_regions(jax.make_jaxpr(f)(*args))
   res = plan_region(r.region, get_device("h100"), use_cache=False, top=24)
   plans = list(res.ranked[:2]) + [p for p in res.ranked if p.split][:2]
   assert any(p.split for p in plans), [str(p) for p in res.ranked]

@@ -268,16 +268,7 @@ def tf32_held_operand_bytes(region: ir.Region, expr: tiling.TilingExpr,
   return total
 
 
-def _dot_loops(region: ir.Region, op: "ir.Contraction") -> tuple[tuple[str, ...], ...]:
-  """(rows, cols, batch, red) loops of ``op``: its lhs-only, rhs-only and
-  shared output loops, and the contracted ones."""
-  vm = region.value_map
-  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  out = vm[op.out].loops
-  return (tuple(l for l in out if l in lhs and l not in rhs),
-          tuple(l for l in out if l in rhs and l not in lhs),
-          tuple(l for l in out if l in lhs and l in rhs),
-          tuple(op.reduce))
+_dot_loops = ir.contraction_loops
 
 
 def _gemm_dims(region: ir.Region, op: "ir.Contraction",

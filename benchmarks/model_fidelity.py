@@ -234,6 +234,11 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   for model, d in mlp_chain.MODELS.items():
     for m in (8, 32):
       cases[f"E-{model}-M{m}"] = epilogue_case(f"E-{model}-M{m}", m, d, 4 * d, dtype)
+  # One-row GEMMs (a decoding step's projections at batch 1): every plan is
+  # a broadcast product whose loads Triton does not pipeline
+  # (``cost_model.is_unpipelined``). Not run by default.
+  for k, n in ONE_ROW_SHAPES:
+    cases[f"V-{k}x{n}"] = one_row_case(f"V-{k}x{n}", k, n, dtype)
   # The GEMM chains with a tanh-GELU between the GEMMs (``gemm_chain
   # --epilogue=gelu``): plans that recompute the first GEMM per output tile
   # recompute its GELU too, so these rank the elementwise ops' price. Not
@@ -247,6 +252,28 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   for g in ("CH-G11", "CH-G12"):
     cases[chimera[g].name] = chimera[g]   # named CH-G11+gelu
   return cases
+
+
+# (K, N) of one-row GEMMs: BERT-Base's and BERT-Large's FFN, Qwen2-0.5B's
+# down projection and its transpose, LLaMA-2-7B's up and down projections.
+ONE_ROW_SHAPES = ((768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4864, 896),
+                  (896, 4864), (4096, 11008), (11008, 4096))
+
+
+def one_row_case(name: str, k: int, n: int, dtype: str) -> harness.Case:
+  """``x @ w`` with x [1, k], w [k, n] (weights scaled by 1/sqrt(k))."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def fn(x, w):
+    return x @ w
+
+  def make_inputs(key, dt):
+    kx, kw = jax.random.split(key)
+    return (harness.normal(kx, (1, k), dt), harness.normal(kw, (k, n), dt, k ** -0.5))
+
+  item = jnp.dtype(dtype).itemsize
+  return harness.Case(name, fn, make_inputs, 2.0 * k * n, float(item * (k + k * n + n)),
+                      {"M": 1, "K": k, "N": n}, group="one-row GEMM")
 
 
 def epilogue_case(name: str, m: int, k: int, n: int, dtype: str) -> harness.Case:

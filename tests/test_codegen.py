@@ -743,3 +743,37 @@ def test_one_row_gemm_plans_run_correctly(form):
   assert any(p.split for p in plans), [str(p) for p in res.ranked]
   for p in plans:
     run_and_check(r.region, p)
+
+
+@pytest.mark.parametrize("tiles,split,deferred", [
+    (dict(m=1, n=16, k=32), None, True),          # 200 = 6 whole k tiles + a masked one
+    (dict(m=1, n=16, k=32), ("k", 3), True),      # parts sum their product tiles, then store
+    (dict(m=1, n=128, k=128), None, False),       # 16384 products > 64 registers x 128 threads
+    (dict(m=1, n=64, k=200), None, False),        # k in one tile: no loop to defer past
+])
+def test_broadcast_product_sums_after_its_loop(tiles, split, deferred):
+  """A broadcast-product contraction (here a one-row GEMM) accumulated over
+  a k loop keeps its whole product tile and sums it once after the loop,
+  when the tile fits the register cap; the sum is right with masked k
+  tiles and in split plans' partial results."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.codegen.triton_printer import print_kernel
+  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w: x @ w)(
+      jnp.ones((1, 200), jnp.float16), jnp.ones((200, 160), jnp.float16)))
+  tree = [("k", [])] if tiles["k"] < 200 else []
+  plan = T.simple_plan(r.region, ("m", "n"), tree, tiles, split=split)
+  src = print_kernel(r.region, plan).source
+  main = src.split("_combine(")[0]
+  loop = main[main.index("for start_k"):] if tree else ""
+  body = loop.split("\n    tl.store")[0].split("\n")
+  in_loop = [ln for ln in body[1:] if ln.startswith("      ")]
+  after = [ln for ln in body[1:] if not ln.startswith("      ")]
+  if deferred:
+    assert "(BLOCK_N, BLOCK_K), 0.0, tl.float32)" in main, main
+    assert not any("tl.sum" in ln for ln in in_loop), main
+    assert any("tl.sum(acc_" in ln for ln in after), main
+  else:
+    assert "(BLOCK_N, BLOCK_K), 0.0, tl.float32)" not in main, main
+  run_and_check(r.region, plan)

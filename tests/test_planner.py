@@ -2069,3 +2069,52 @@ def test_unfused_time_prices_a_vector_matrix_dot_as_xla_reduction():
   # The chain's first GEMM is priced as the reduction, its second (8 -> 1
   # rows too) as well: the one-row chain costs more than XLA's GEMMs would.
   assert cost_model.unfused_time(one, h100) > 2 * cost_model.XLA_VECTOR_DOT_S
+
+
+def _one_row_gemm(k: int, n: int) -> ir.Region:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w: x @ w)(
+      jnp.ones((1, k), jnp.float16), jnp.ones((k, n), jnp.float16)))
+  return r.region
+
+
+def _one_row_time(r, n_tile, k_tile, split=None):
+  from jaxfuse.codegen import testing as T  # pylint: disable=g-import-not-at-top
+  p = T.simple_plan(r, ("m", "n"), [("k", [])], dict(m=1, n=n_tile, k=k_tile), num_stages=3,
+                    split=("k", split) if split else None)
+  return cost_model.predict(r, p.expr, p.tile_map, p.grid, H100, split=p.split,
+                            num_stages=3, num_warps=4).time_s
+
+
+def test_one_row_gemm_is_priced_as_an_unpipelined_stream():
+  """A one-row GEMM's plans are broadcast products: streamed at the bytes a
+  program has in flight, the products on the FMA pipe. Measured on the H100
+  (sixty-first session, Triton 3.6): a 90 MB weight streamed in 33-35 us
+  (the narrow-row dot price said 48 us), and a 768x3072 weight in 4.7-5.0 us
+  at 32x256 tiles against 13.5 us at 64x16 and 15 us at 256x32 (split 4)."""
+  big = _one_row_gemm(4096, 11008)
+  assert cost_model.is_unpipelined(big, {"m": 1, "n": 64, "k": 256})
+  hbm = 4096 * 11008 * 2 / H100.mem_bandwidth_Bps
+  assert hbm < _one_row_time(big, 64, 256) < 1.25 * hbm
+  small = _one_row_gemm(768, 3072)
+  good = _one_row_time(small, 32, 256)
+  assert good < _one_row_time(small, 64, 16) and good < _one_row_time(small, 256, 32, 4)
+  # The deferred sum holds the product tile, and the first loads' latency is
+  # exposed once: a small stream is not priced at its bytes alone.
+  assert good > cost_model.UNPIPELINED_FILL_S + 768 * 3072 * 2 / H100.mem_bandwidth_Bps
+
+
+def test_streamed_one_row_attention_keeps_the_dot_price():
+  """Multi-head decoding (one query row, an online softmax over the keys):
+  broadcast products too, but priced as before, where its plans were
+  fitted (the unpipelined price picked a plan 36% slower than the best)."""
+  att = examples.attention(4, 32, 1, 4096, 128, dtype="float16")
+  tiles = {l: 1 for l in att.loop_extents}
+  tiles.update(n=32, d=128, e=128)
+  assert all(pruning.broadcast_product(att, op, tiles) is not None for op in att.contractions)
+  assert not cost_model.is_unpipelined(att, tiles)
+  assert cost_model.is_unpipelined(_one_row_gemm(256, 512), {"m": 1, "n": 32, "k": 64})
+  chain = examples.gemm_chain(1, 64, 128, 64, 64)
+  assert not cost_model.is_unpipelined(chain, {"b": 1, "m": 64, "n": 64, "k": 64, "h": 64})

@@ -192,6 +192,25 @@ STAGE2_PENALTY = 0.15
 # < 15% still does (G5's regret 0 -> 9.6%; G6 stays at 0.83). Scanned over
 # 0.3-0.8 us: 0.4-0.7 us meet the targets, 0.8 us sends G6's regret to 110%.
 NESTED_LOOP_FILL_S = 0.5e-6
+# Plans whose contractions are all broadcast products (no ``tl.dot``; a
+# one-row GEMM's tiles are 1 x n x k): Triton 3.6 software-pipelines only
+# loads that feed a dot, so each step of such a program waits for its own
+# loads; ``num_stages`` 1 and 3 ran alike. A program then streams at its
+# bytes in flight over a memory round trip, not at the pipelined
+# ``sm_bandwidth``, and its first loads' latency is exposed once. The
+# product runs on the FMA pipe: per multiply-add one FMA, and one convert
+# per element of a 16-bit operand tile (``BROADCAST_PRODUCT_OPS``), not a
+# tensor-core dot at the narrow-row rate (which priced a one-row GEMM of
+# 90 MB at 48 us; it ran 33 us). The two constants were fitted by grid
+# search on 750 measured one-row GEMM kernels at 4 warps (H100, Triton 3.6,
+# 2026-11-24, benchmarks/RESULTS.md sixty-first session: 8 shapes 768-11008
+# wide, tiles n 32-256 x k 16-256, split 1-16); on 50 printed plans per
+# shape the model then ranked with Spearman 0.64-0.94, its pick within 3%
+# of the best on six shapes and 21-22% off on the two 90 MB ones, where
+# its time is HBM traffic and the plans near-tie.
+UNPIPELINED_PROGRAM_BANDWIDTH_BPS = 20e9
+UNPIPELINED_FILL_S = 2.5e-6
+BROADCAST_PRODUCT_OPS = {2: 2, 4: 1}
 
 
 # Seconds per element per program for a float32 operand tile that a TF32
@@ -713,6 +732,20 @@ def _part_max(ext_l, t_l, ext_o, t_o, bounds, parts) -> float:
              for p in range(parts)) / (tiles_o * full)
 
 
+def is_unpipelined(region: ir.Region, tiles: Mapping[str, int]) -> bool:
+  """Whether every contraction of ``region`` prints as a broadcast product
+  at ``tiles`` (``pruning.broadcast_product``), so that no load of the
+  program is software-pipelined (see ``UNPIPELINED_PROGRAM_BANDWIDTH_BPS``),
+  in a region without an online softmax. Such a softmax at one query row
+  (multi-head decoding) keeps the narrow-row dot price it was fitted with:
+  priced this way, the model's pick for a 4-batch 32-head decoding step ran
+  127 us against 93 us for the best plan measured (H100, sixty-first
+  session)."""
+  return (bool(region.contractions) and not tiling.streamable_loops(region)
+          and all(pruning.broadcast_product(region, op, tiles) is not None
+                  for op in region.contractions))
+
+
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
             grid: Sequence[str], device: DeviceSpec,
             split: Optional[tuple[str, int]] = None,
@@ -762,8 +795,9 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                    if masked[l].lower is not None and masked[l].upper is not None}
   mean = {l: f[0] for l, f in fractions.items()}
   layout = mma_sync_warps(region, tiles, num_warps, device)
+  unpipelined = is_unpipelined(region, tiles)
   work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean,
-                         layout)
+                         layout, unpipelined)
   bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())
   flops, t_dot, vec, sfu, steps = work
   t_mem = bytes_moved / device.mem_bandwidth_Bps
@@ -788,6 +822,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   share = min(1.0, max(0.0, per_sm - 1.0))
 
   hoisted = movement.hoisted_load_bytes(region, expr, tiles, grid, split)
+  program_bw = UNPIPELINED_PROGRAM_BANDWIDTH_BPS if unpipelined else device.sm_bandwidth_Bps
 
   def program_time(t_dot, t_comp, moved, steps, scale):
     def run_trips(l):
@@ -796,8 +831,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     t_busy = _overlapped(t_dot, t_vec, OVERLAP_COMPUTE) if groups >= 2 else t_comp
     transposed = tf32_transposed_elements(region, expr, tiles, run_trips if scale else trips,
                                           device.mma_rows)
-    t_looped = (moved - hoisted) / programs / device.sm_bandwidth_Bps
-    t_hoisted = hoisted / programs / device.sm_bandwidth_Bps
+    t_looped = (moved - hoisted) / programs / program_bw
+    t_hoisted = hoisted / programs / program_bw
     # In-loop loads that land while the program's one warpgroup waits on
     # its wgmma (see LOOP_LOAD_OVERLAP; two warpgroups already overlap
     # through OVERLAP_COMPUTE, and TF32 transposes sit between the two).
@@ -808,6 +843,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
          + t_busy * sms / programs + steps * device.loop_step_s
          + inner_loop_starts(expr, run_trips if scale else trips) * NESTED_LOOP_FILL_S
          + transposed * TF32_TRANSPOSE_S_PER_ELEMENT)
+    if unpipelined:
+      return t
     return t * (1.0 + STAGE2_PENALTY) if num_stages <= 2 else t
 
   t_program = program_time(t_dot, t_comp, bytes_moved, steps, mean)
@@ -817,7 +854,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
     # last wave holds short ones and the average sets the waves' time).
     most = {l: f[1] for l, f in fractions.items()}
     _, l_dot, l_vec, l_sfu, l_steps = _statement_work(region, expr, tiles, grid, split, trips,
-                                                      streamable, device, most, layout)
+                                                      streamable, device, most, layout,
+                                                      unpipelined)
     l_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, most).values())
     if split:
       l_moved += 2 * partial
@@ -832,6 +870,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                   bytes_moved / (sms * device.sm_bandwidth_Bps))
   t_throughput = _overlapped(t_traffic, t_shared, OVERLAP_TRAFFIC * share)
   body = max(t_throughput, t_grid)
+  if unpipelined:
+    body += UNPIPELINED_FILL_S
   time_s = body + extra
   return Prediction(time_s=time_s, t_mem_s=t_mem, t_comp_s=t_comp,
                     alpha=body / (t_mem + t_comp) if t_mem + t_comp > 0 else 1.0,
@@ -846,7 +886,8 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
                     grid: Sequence[str], split: Optional[tuple[str, int]], trips,
                     streamable: frozenset, device: DeviceSpec,
                     scale: Mapping[str, float],
-                    layout: Optional[tuple[int, int]] = None
+                    layout: Optional[tuple[int, int]] = None,
+                    unpipelined: bool = False
                     ) -> tuple[float, float, float, float, float]:
   """(flops, tensor-core seconds, vector ops, SFU ops, steps of the longest
   loop nest) of a placed plan's Compute statements over all programs, with
@@ -854,7 +895,9 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
   chain's mma.sync warps (``mma_sync_warps``); the tensor-core and vector
   work of a tile its warps repeat counts once per copy (dots, and the ops
   on tiles of the dots' rows, which share their layout; an op on a loaded
-  operand tile alone keeps a blocked layout over all warps)."""
+  operand tile alone keeps a blocked layout over all warps).
+  ``unpipelined``: the plan's contractions are broadcast products
+  (``is_unpipelined``), priced on the FMA pipe."""
   row_loops = set()
   if layout is not None:
     for op in region.contractions:
@@ -895,7 +938,11 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
     elif ol & row_loops:
       copies = warp_replication(layout, math.prod(tiles[l] for l in ol & row_loops),
                                 math.prod(tiles[l] for l in ol - row_loops))
-    if isinstance(op, ir.Contraction):
+    if isinstance(op, ir.Contraction) and unpipelined:
+      flops += 2 * work
+      size = ir.dtype_itemsize(contraction_dtype(region, op))
+      vec += copies * work * BROADCAST_PRODUCT_OPS.get(size, 1)
+    elif isinstance(op, ir.Contraction):
       flops += 2 * work
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)
       t_dot += copies * 2 * work / (peak * dot_efficiency(region, op, tiles, device))

@@ -732,7 +732,8 @@ def _part_max(ext_l, t_l, ext_o, t_o, bounds, parts) -> float:
              for p in range(parts)) / (tiles_o * full)
 
 
-def is_unpipelined(region: ir.Region, tiles: Mapping[str, int]) -> bool:
+def is_unpipelined(region: ir.Region, tiles: Mapping[str, int],
+                   streamable: Optional[frozenset] = None) -> bool:
   """Whether every contraction of ``region`` prints as a broadcast product
   at ``tiles`` (``pruning.broadcast_product``), so that no load of the
   program is software-pipelined (see ``UNPIPELINED_PROGRAM_BANDWIDTH_BPS``),
@@ -740,8 +741,13 @@ def is_unpipelined(region: ir.Region, tiles: Mapping[str, int]) -> bool:
   (multi-head decoding) keeps the narrow-row dot price it was fitted with:
   priced this way, the model's pick for a 4-batch 32-head decoding step ran
   127 us against 93 us for the best plan measured (H100, sixty-first
-  session)."""
-  return (bool(region.contractions) and not tiling.streamable_loops(region)
+  session). ``streamable``: ``tiling.streamable_loops(region)`` where the
+  caller has it."""
+  if not region.contractions:
+    return False
+  if streamable is None:
+    streamable = tiling.streamable_loops(region)
+  return (not streamable
           and all(pruning.broadcast_product(region, op, tiles) is not None
                   for op in region.contractions))
 
@@ -795,7 +801,7 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                    if masked[l].lower is not None and masked[l].upper is not None}
   mean = {l: f[0] for l, f in fractions.items()}
   layout = mma_sync_warps(region, tiles, num_warps, device)
-  unpipelined = is_unpipelined(region, tiles)
+  unpipelined = is_unpipelined(region, tiles, streamable)
   work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean,
                          layout, unpipelined)
   bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())

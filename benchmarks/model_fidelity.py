@@ -239,6 +239,10 @@ def fidelity_cases(dtype: str) -> dict[str, harness.Case]:
   # (``cost_model.is_unpipelined``). Not run by default.
   for k, n in ONE_ROW_SHAPES:
     cases[f"V-{k}x{n}"] = one_row_case(f"V-{k}x{n}", k, n, dtype)
+  # A gated MLP's gate/up part at one token: two one-row products share the
+  # k loop (and ``pruning.deferred_sums``' register cap). Not run by default.
+  for model, (d, f) in mlp_chain.GATED_MODELS.items():
+    cases[f"VG-{d}x{f}"] = one_row_case(f"VG-{d}x{f}", d, f, dtype, gated=True)
   # The GEMM chains with a tanh-GELU between the GEMMs (``gemm_chain
   # --epilogue=gelu``): plans that recompute the first GEMM per output tile
   # recompute its GELU too, so these rank the elementwise ops' price. Not
@@ -260,20 +264,25 @@ ONE_ROW_SHAPES = ((768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4864, 8
                   (896, 4864), (4096, 11008), (11008, 4096))
 
 
-def one_row_case(name: str, k: int, n: int, dtype: str) -> harness.Case:
-  """``x @ w`` with x [1, k], w [k, n] (weights scaled by 1/sqrt(k))."""
+def one_row_case(name: str, k: int, n: int, dtype: str, gated: bool = False) -> harness.Case:
+  """``x @ w`` with x [1, k], w [k, n] (weights scaled by 1/sqrt(k)); with
+  ``gated``, ``silu(x @ wg) * (x @ wu)``, a gated MLP's gate/up part."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  mats = 2 if gated else 1
 
-  def fn(x, w):
-    return x @ w
+  def fn(x, *ws):
+    return jax.nn.silu(x @ ws[0]) * (x @ ws[1]) if gated else x @ ws[0]
 
   def make_inputs(key, dt):
-    kx, kw = jax.random.split(key)
-    return (harness.normal(kx, (1, k), dt), harness.normal(kw, (k, n), dt, k ** -0.5))
+    ks = jax.random.split(key, 1 + mats)
+    return (harness.normal(ks[0], (1, k), dt),) + tuple(
+        harness.normal(kw, (k, n), dt, k ** -0.5) for kw in ks[1:])
 
   item = jnp.dtype(dtype).itemsize
-  return harness.Case(name, fn, make_inputs, 2.0 * k * n, float(item * (k + k * n + n)),
-                      {"M": 1, "K": k, "N": n}, group="one-row GEMM")
+  return harness.Case(name, fn, make_inputs, 2.0 * mats * k * n,
+                      float(item * (k + mats * k * n + n)),
+                      {"M": 1, "K": k, "N": n, **({"gated": True} if gated else {})},
+                      group="one-row gated part" if gated else "one-row GEMM")
 
 
 def epilogue_case(name: str, m: int, k: int, n: int, dtype: str) -> harness.Case:

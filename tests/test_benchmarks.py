@@ -754,3 +754,16 @@ def test_run_in_child_returns_the_childs_row(tmp_path, monkeypatch):
   row, why, _ = harness.run_in_child(script, "tiny-gemm", str(tmp_path / "bad"),
                                      "process_per_region", 240)
   assert row is None and "child exited" in why
+
+
+def test_fidelity_one_row_cases_capture_their_products():
+  """The one-row fidelity cases: ``V-<K>x<N>`` one product, ``VG-<K>x<N>``
+  a gated MLP's gate/up part (two products over one k loop, SiLU join)."""
+  from benchmarks import model_fidelity as mf
+  cases = mf.fidelity_cases("float16")
+  assert {"VG-896x4864", "VG-2048x5632", "VG-4096x11008"} <= set(cases)
+  v = mf.capture_region(cases["V-3072x768"], "float16")
+  g = mf.capture_region(cases["VG-896x4864"], "float16")
+  assert len(v.contractions) == 1 and len(g.contractions) == 2
+  assert g.loop_extents == {"m": 1, "n": 4864, "k": 896}
+  assert cases["VG-896x4864"].flops == 2 * 2.0 * 896 * 4864

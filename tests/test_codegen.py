@@ -745,13 +745,14 @@ def test_one_row_gemm_plans_run_correctly(form):
     run_and_check(r.region, p)
 
 
-@pytest.mark.parametrize("tiles,split,deferred", [
-    (dict(m=1, n=16, k=32), None, True),          # 200 = 6 whole k tiles + a masked one
-    (dict(m=1, n=16, k=32), ("k", 3), True),      # parts sum their product tiles, then store
-    (dict(m=1, n=128, k=128), None, False),       # 16384 products > 64 registers x 128 threads
-    (dict(m=1, n=64, k=200), None, False),        # k in one tile: no loop to defer past
+@pytest.mark.parametrize("tiles,split,warps,deferred", [
+    (dict(m=1, n=16, k=32), None, 4, True),       # 200 = 6 whole k tiles + a masked one
+    (dict(m=1, n=16, k=32), ("k", 3), 4, True),   # parts sum their product tiles, then store
+    (dict(m=1, n=128, k=128), None, 4, True),     # 16384 products = 128 registers x 128 threads
+    (dict(m=1, n=128, k=128), None, 2, False),    # over 128 registers x 64 threads
+    (dict(m=1, n=64, k=200), None, 4, False),     # k in one tile: no loop to defer past
 ])
-def test_broadcast_product_sums_after_its_loop(tiles, split, deferred):
+def test_broadcast_product_sums_after_its_loop(tiles, split, warps, deferred):
   """A broadcast-product contraction (here a one-row GEMM) accumulated over
   a k loop keeps its whole product tile and sums it once after the loop,
   when the tile fits the register cap; the sum is right with masked k
@@ -763,7 +764,7 @@ def test_broadcast_product_sums_after_its_loop(tiles, split, deferred):
   [r] = capture.find_regions(jax.make_jaxpr(lambda x, w: x @ w)(
       jnp.ones((1, 200), jnp.float16), jnp.ones((200, 160), jnp.float16)))
   tree = [("k", [])] if tiles["k"] < 200 else []
-  plan = T.simple_plan(r.region, ("m", "n"), tree, tiles, split=split)
+  plan = T.simple_plan(r.region, ("m", "n"), tree, tiles, split=split, num_warps=warps)
   src = print_kernel(r.region, plan).source
   main = src.split("_combine(")[0]
   loop = main[main.index("for start_k"):] if tree else ""
@@ -776,4 +777,31 @@ def test_broadcast_product_sums_after_its_loop(tiles, split, deferred):
     assert any("tl.sum(acc_" in ln for ln in after), main
   else:
     assert "(BLOCK_N, BLOCK_K), 0.0, tl.float32)" not in main, main
+  run_and_check(r.region, plan)
+
+
+@pytest.mark.parametrize("warps,deferred", [(4, ("c0", "c1")), (2, ("c0",))])
+def test_products_sharing_a_loop_share_the_deferred_sum_cap(warps, deferred):
+  """A gated part's gate and up products live in one k loop: they share the
+  register cap, so at 2 warps only the first is kept whole (the other sums
+  every step). The printer defers exactly what ``pruning.deferred_sums``
+  says, which the planner prices, and both forms compute the right values."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.codegen.triton_printer import print_kernel
+  from jaxfuse.planner import pruning
+  x = jnp.ones((1, 200), jnp.float16)
+  w = jnp.ones((200, 160), jnp.float16)
+  [r] = capture.find_regions(jax.make_jaxpr(
+      lambda x, wg, wu: jax.nn.silu(x @ wg) * (x @ wu))(x, w, w))
+  tiles = dict(m=1, n=64, k=128)   # 8192 products each: 64 registers per thread at 4 warps
+  plan = T.simple_plan(r.region, ("m", "n"), [("k", [])], tiles, num_warps=warps)
+  assert pruning.deferred_sums(r.region, plan.expr, plan.tile_map, warps) == set(deferred)
+  assert pruning.summed_every_step(r.region, plan.expr, plan.tile_map, warps) == tuple(
+      v for v in ("c0", "c1") if v not in deferred)
+  src = print_kernel(r.region, plan).source
+  for v in ("c0", "c1"):
+    kept = f"acc_{v} = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)" in src
+    assert kept == (v in deferred), src
   run_and_check(r.region, plan)

@@ -1735,3 +1735,65 @@ def test_select_kernel_asks_for_the_grid_wait_that_the_launcher_decides(monkeypa
     with pytest.raises(launch.CodegenError):
       launch.select_kernel(region, [plan], backend=backend, check=False)
   assert asked == [(False, True), (True, False)]
+
+
+def test_one_row_kernels_are_captured_and_do_not_wait_on_their_grid_dependency(monkeypatch):
+  """A one-row stream (every contraction a broadcast product) is launched
+  as a stream capture, not a kernel node XLA records (it ran up to 1.5x
+  slower recorded, on the H100), so it is generated without the
+  grid-dependency wait; a GEMM chain's kernel keeps both."""
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.codegen import testing as T
+  from jaxfuse.runtime import direct_launch, launch
+  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w: x @ w)(
+      jnp.ones((1, 256), jnp.float16), jnp.ones((256, 512), jnp.float16)))
+  one_row = T.simple_plan(r.region, ("m", "n"), [("k", [])], dict(m=1, n=64, k=64))
+  chain = T.gemm_chain(M=64, N=128, K=64, H=64, dtype="float16")
+  chain_plan = T.simple_plan(chain, ("b", "m"), [("n", [])], dict(b=1, m=64, n=64, k=64, h=64))
+  assert not launch.recorded_launch(r.region, one_row)
+  assert launch.recorded_launch(chain, chain_plan)
+  monkeypatch.setattr(direct_launch, "grid_waits", lambda: True)
+  assert not launch.grid_wait_pays(r.region, one_row)
+  assert launch.grid_wait_pays(chain, chain_plan)
+  monkeypatch.setattr(direct_launch, "grid_waits", lambda: False)
+  assert not launch.grid_wait_pays(chain, chain_plan)
+  asked = []
+
+  def fake_generate(region, p, **kw):
+    asked.append(kw["grid_wait"])
+    raise launch.CodegenError("stop here")
+  monkeypatch.setattr(direct_launch, "grid_waits", lambda: True)
+  monkeypatch.setattr(launch, "generate", fake_generate)
+  monkeypatch.setattr(launch, "_kernels", {})
+  for region, plan in ((r.region, one_row), (chain, chain_plan)):
+    with pytest.raises(launch.CodegenError):
+      launch.select_kernel(region, [plan], backend="triton", check=False)
+  assert asked == [False, True]
+
+
+def test_triton_launch_asks_for_a_captured_launch_of_one_row_kernels(monkeypatch):
+  """The launch of a one-row kernel names the captured direct target."""
+  import types
+  import jax
+  import jax.numpy as jnp
+  from jaxfuse import capture
+  from jaxfuse.codegen import generate
+  from jaxfuse.codegen import testing as T
+  from jaxfuse.runtime import launch, triton_call
+  [r] = capture.find_regions(jax.make_jaxpr(lambda x, w: x @ w)(
+      jnp.ones((1, 256), jnp.float16), jnp.ones((256, 512), jnp.float16)))
+  k = generate(r.region, T.simple_plan(r.region, ("m", "n"), [("k", [])], dict(m=1, n=64, k=64)),
+               interpret=True)
+  asked, targets = [], []
+
+  def fake_call(*args, out_shape, custom_call_target_name, **kw):
+    targets.append(custom_call_target_name)
+    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+  monkeypatch.setattr(triton_call, "jax_triton_module",
+                      lambda: types.SimpleNamespace(triton_call=fake_call))
+  monkeypatch.setattr(triton_call, "call_target",
+                      lambda jt, record=True: asked.append(record) or f"target-{record}")
+  launch.triton_launch(k, [jnp.ones((1, 256), jnp.float16), jnp.ones((256, 512), jnp.float16)])
+  assert asked == [False] and targets == ["target-False"]

@@ -79,16 +79,17 @@ def test_kernel_attributes_refuse_a_buffer_count_mismatch():
 TWO_BUFFERS = _ld(1, CALL + _ld(5, _ld(1, b"")))     # ANY's call plus a second pointer
 
 
-def _lowered_direct_call(serialized: bytes) -> str:
+def _lowered_direct_call(serialized: bytes, record: bool = True) -> str:
   """The MLIR of a jax-triton call of ``serialized`` (a ``TritonAnyKernelCall``)
-  after jaxfuse's lowering made it a direct launch."""
+  after jaxfuse's lowering made it a direct launch (``record``: as asked of
+  ``triton_call.call_target``)."""
   import jax
   from jaxfuse.runtime import triton_call as tc
 
   def lowering(ctx, x):
     res = jax.ffi.ffi_lowering("triton_kernel_call", api_version=2,
                                backend_config=zlib.compress(serialized))(ctx, x)
-    assert tc._direct(res)          # pylint: disable=protected-access
+    assert tc._direct(res, record)          # pylint: disable=protected-access
     return res
   return _lowered(lowering)
 
@@ -281,6 +282,15 @@ def test_the_call_tells_xla_that_a_waiting_kernel_may_start_early_only_when_reco
   target = dl.RECORD_TARGET if recorded else dl.TARGET
   assert f"@{target}(" in call
   assert ("uses_pdl = true" in call) is recorded
+
+
+def test_a_launch_asked_to_be_captured_is_never_recorded(monkeypatch):
+  """``call_target(record=False)`` (one-row kernels, ``launch.recorded_launch``):
+  the plain target, so XLA captures the launch, and no early start."""
+  monkeypatch.setattr(dl, "triton_cubin", lambda *_: b"cubin")
+  monkeypatch.setattr(dl, "records", lambda: True)
+  call = _lowered_direct_call(_ld(1, WAITING_CALL + _ld(5, _ld(1, b""))), record=False)
+  assert f"@{dl.TARGET}(" in call and "uses_pdl" not in call
 
 
 def test_compiled_call_uses_pdl_field_is_a_checked_boolean():

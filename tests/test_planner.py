@@ -2113,3 +2113,50 @@ def test_streamed_one_row_attention_keeps_the_dot_price():
   assert cost_model.is_unpipelined(_one_row_gemm(256, 512), {"m": 1, "n": 32, "k": 64})
   chain = examples.gemm_chain(1, 64, 128, 64, 64)
   assert not cost_model.is_unpipelined(chain, {"b": 1, "m": 64, "n": 64, "k": 64, "h": 64})
+
+
+def test_one_row_plans_keep_their_products_within_the_deferred_sum_cap():
+  """The model prices a one-row plan as a stream whose products are summed
+  once after the loop; a plan over the printer's register cap would sum every
+  step instead (up to 1.8x slower, H100, sixty-first session), so the search
+  drops it rather than rank it at the deferred price. BERT-Large's one-token
+  down projection had been given n=16, k=1024 (128 products a thread at 4
+  warps, over the old per-product cap) and ran slower than the plan before."""
+  r = _one_row_gemm(4096, 1024)
+  res = plan_region(r, "h100", use_cache=False, top=10000)
+  key = "one-row products summed every step (deferred-sum cap)"
+  assert res.space["rejected"].get(key, 0) > 0, res.space["rejected"]
+  for p in res.ranked:
+    assert not pruning.summed_every_step(r, p.expr, p.tile_map, p.num_warps), str(p)
+    assert pruning.deferred_sums(r, p.expr, p.tile_map, p.num_warps) == {"c0"} or (
+        p.tile_map["k"] >= 4096), str(p)
+  # A gated part: gate and up products share the loop, so the cap is shared.
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  w = jax.ShapeDtypeStruct((2048, 5632), "float16")
+  (cap,) = capture.find_regions(jax.make_jaxpr(
+      lambda x, wg, wu: jax.nn.silu(x @ wg) * (x @ wu))(
+          jax.ShapeDtypeStruct((1, 2048), "float16"), w, w))
+  gated = cap.region
+  for p in plan_region(gated, "h100", use_cache=False, top=10000).ranked:
+    assert len(pruning.deferred_sums(gated, p.expr, p.tile_map, p.num_warps)) == 2 or (
+        p.tile_map["k"] >= 2048), str(p)
+
+
+def test_narrow_rows_of_a_weight_larger_than_l2_are_priced_slower():
+  """16 float16 columns (32-byte rows) of a 90 MB weight ran 36-43 us
+  against 33-35 us at 32-64 columns (H100, sixty-second session); a 23 MB
+  weight ran alike at every width. The model prices the first and picks
+  32+ columns there, and leaves the second as it was."""
+  big = _one_row_gemm(11008, 4096)
+  l2 = H100.l2_bytes
+  assert cost_model.narrow_run_bytes(big, {"m": 1, "n": 16, "k": 256}, l2) == 11008 * 4096 * 2
+  assert cost_model.narrow_run_bytes(big, {"m": 1, "n": 32, "k": 256}, l2) == 0
+  small = _one_row_gemm(5632, 2048)
+  assert cost_model.narrow_run_bytes(small, {"m": 1, "n": 16, "k": 256}, l2) == 0
+  narrow = _one_row_time(big, 16, 256)
+  with mock.patch.object(cost_model, "NARROW_RUN_FACTOR", 1.0):
+    assert narrow > 1.1 * _one_row_time(big, 16, 256)
+    assert plan_region(big, "h100", use_cache=False).best.tile_map["n"] == 16
+  best = plan_region(big, "h100", use_cache=False).best
+  assert best.tile_map["n"] >= 32, str(best)

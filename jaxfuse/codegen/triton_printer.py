@@ -7,8 +7,8 @@ Values live in registers as tiles whose dims are the value's loops with a
 tile larger than one, in the region's loop order; loops of tile 1 are scalar
 indices. Contractions use ``tl.dot`` when each of the M/N/K dims is one loop
 with a tile >= 16, otherwise a broadcast multiply and ``tl.sum`` (summed
-once after a loop that accumulates it, where the product tile fits
-``DEFERRED_SUM_REGS_PER_THREAD``).
+once after a loop that accumulates it, where the products fit the register
+cap of ``pruning.deferred_sums``).
 Accumulators are float32. Reductions over a sequential loop accumulate
 across its iterations; when they feed values along that loop they run online
 (``streaming.analyze``).
@@ -25,12 +25,13 @@ import dataclasses
 import keyword
 import math
 import re
-from typing import Collection, Mapping, Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from jaxfuse import ir
 from jaxfuse.codegen import rewrite, streaming
 from jaxfuse.planner.plan import Plan
-from jaxfuse.planner.pruning import dot_hazard  # the printer refuses what the planner prunes
+# The printer refuses what the planner prunes and defers the sums it prices.
+from jaxfuse.planner.pruning import deferred_sums, dot_hazard
 from jaxfuse.planner import tiling
 from jaxfuse.planner.tiling import LoopNode, Stmt, next_pow2
 
@@ -201,15 +202,6 @@ GRID_WAIT_LINES = (f"if {PDL_FLAG}:", "    tl.extra.cuda.gdc_wait()")
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
 
-# fp32 registers per thread a broadcast-product accumulator may take when its
-# in-tile sum is deferred past its loop (``_Printer.deferred_sum``). Why
-# defer: a ``tl.sum`` every step is a cross-thread reduction every step; one-
-# row GEMMs (H100, Triton 3.6, sixty-first session, 8 shapes 768-11008 wide)
-# ran 1.05-1.8x faster at equal tiles with the product summed once after the
-# loop. The best tiles measured held 32-64 registers per thread.
-DEFERRED_SUM_REGS_PER_THREAD = 64
-
-
 class _Printer:
 
   def __init__(self, region: ir.Region, plan: Plan, kernel_name: str):
@@ -233,6 +225,7 @@ class _Printer:
     self.acc_loop: dict[str, _Open] = {}      # value -> loop it accumulates in
     self.acc_tile: dict[str, _Tile] = {}
     self.deferred: dict[str, tuple[str, ...]] = {}   # value -> in-tile loops its acc sums last
+    self.deferrable: Optional[frozenset[str]] = None  # pruning.deferred_sums of the plan
     self.scaled: dict[str, _Open] = {}        # value -> loop whose running max it uses
     # Masking values printed as their kept operand here (tiles the mask keeps whole).
     self.whole_kept: dict[str, str] = {}
@@ -974,25 +967,24 @@ class _Printer:
     """The product tile's dims when contraction ``v``, accumulated over loop
     ``lp``, keeps its whole broadcast product in the accumulator and sums
     the in-tile reduced loops once after the loop (see
-    ``DEFERRED_SUM_REGS_PER_THREAD``); None when it sums every step: a
-    ``tl.dot``, an accumulator an online softmax rescales, a loop whose tile
-    is 1, or a product tile over the register cap."""
+    ``pruning.deferred_sums``, which the planner prices); None when it sums
+    every step: a ``tl.dot``, an accumulator an online softmax rescales, a
+    loop whose tile is 1, or no room left under the register cap."""
     op = self.ops[v]
-    l = lp.node.loop
-    if not isinstance(op, ir.Contraction) or l not in op.reduce or self.T[l] <= 1:
-      return None
-    if lp.stream is not None and lp.stream.accumulator_scale(v) is not None:
+    if self.deferrable is None:
+      rescaled = {a for st in self.info.streamed.values()
+                  for a, sc in st.accumulators if sc is not None}
+      self.deferrable = deferred_sums(self.r, self.plan.expr, self.plan.tile_map,
+                                      self.plan.num_warps, rescaled)
+    if (v not in self.deferrable or not isinstance(op, ir.Contraction)
+        or lp.node.loop not in op.reduce):
       return None
     a_l, b_l = self.bl(op.lhs), self.bl(op.rhs)
     red_in = [x for x in op.reduce if self.T[x] > 1]
     dts = (self.vm[op.lhs].dtype, self.vm[op.rhs].dtype)
     if tiling.dot_roles(a_l, b_l, self.bl(op.out), red_in, self.T, dts) is not None:
       return None
-    U = tuple(x for x in self.order if x in a_l or x in b_l)
-    cap = DEFERRED_SUM_REGS_PER_THREAD * 32 * int(self.plan.num_warps)
-    if math.prod(self.T[x] for x in U) > cap:
-      return None
-    return U
+    return tuple(x for x in self.order if x in a_l or x in b_l)
 
   def emit_acc_init(self, v: str, lp: _Open, defer: bool = True) -> None:
     op = self.ops[v]
@@ -1027,7 +1019,6 @@ class _Printer:
     acc = self.acc_tile[v]
     st = lp.stream
     sc = st.accumulator_scale(v) if st else None
-    n = lp.node.loop
     if isinstance(op, ir.Reduction) and op.kind == "max":
       a = self.operand(op.arg)
       prev = f"{acc.var}_prev"
@@ -1327,13 +1318,8 @@ class _Printer:
     lp.accs.sort(key=self.op_index.get)
     if st is None and lp.accs:
       raise CodegenError(f"internal: no streaming info for reduced loop {l}")
-    needs_online = any(
-        any(i in self.acc_loop or i in st.running_max for i in self.ops[c].inputs)
-        for c in self.subtree_computes(node)
-        if st is not None and (st.scale_of(c) is not None)) if st else False
     if l in self.info.single_tile and lp.accs:
       raise CodegenError(f"loop {l} cannot be tiled sequentially: {self.info.single_tile[l]}")
-    del needs_online
     for v in lp.accs:
       self.emit_acc_init(v, lp)
     lo, hi = self.loop_bounds(node, lp)

@@ -61,8 +61,11 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # narrow-row dot rate refitted, descent from other structures' leaders;
 # 22: a GEMM's epilogue temporaries count against the register budget
 # (cost_model.epilogue_live_tiles); 23: XLA's GEMMs priced as fitted on the H100
-# (cost_model._library_gemm_time, ir.xla_merged_dots), keep-or-drop bounds refitted.
-FORMAT_VERSION = 23
+# (cost_model._library_gemm_time, ir.xla_merged_dots), keep-or-drop bounds refitted;
+# 24: one-row plans priced as unpipelined streams (cost_model.is_unpipelined),
+# those that would sum a product every step dropped (pruning.deferred_sums),
+# narrow rows of weights over the L2 priced (cost_model.NARROW_RUN_FACTOR).
+FORMAT_VERSION = 24
 
 
 def _version() -> str:

@@ -212,6 +212,32 @@ UNPIPELINED_PROGRAM_BANDWIDTH_BPS = 20e9
 UNPIPELINED_FILL_S = 2.5e-6
 BROADCAST_PRODUCT_OPS = {2: 2, 4: 1}
 
+# An unpipelined stream that reads an input larger than the L2 in rows
+# narrower than NARROW_RUN_BYTES (its unit-stride loop's tile: 16 float16
+# columns of a weight) reads it from HBM at 1 / NARROW_RUN_FACTOR of the
+# bandwidth: the rest of each DRAM burst serves the neighbouring program
+# only while it stays in L2. H100, sixty-second session: LLaMA-2-7B's
+# one-token down projection (90 MB) ran 36-43 us at n=16 against 33-35 us at
+# n=32 to 64 (the model, HBM-bound there, priced them alike and picked
+# n=16); TinyLlama's (23 MB) ran 12.0-12.4 us at n=16 and 11.7-12.0 at 32-64.
+NARROW_RUN_BYTES = 64
+NARROW_RUN_FACTOR = 1.15
+
+
+def narrow_run_bytes(region: ir.Region, tiles: Mapping[str, int], l2_bytes: int) -> int:
+  """Bytes of ``region``'s inputs over ``l2_bytes`` that a plan at
+  ``tiles`` reads in rows under ``NARROW_RUN_BYTES`` (see there)."""
+  vm = region.value_map
+  ext = region.loop_extents
+  out = 0
+  for b in region.inputs:
+    unit = [l for l, st in b.strides if st == 1 and ext[l] > 1]
+    item = ir.dtype_itemsize(vm[b.value].dtype)
+    size = math.prod(ext[l] for l, st in b.strides if st != 0) * item
+    if unit and min(tiles[unit[0]], ext[unit[0]]) * item < NARROW_RUN_BYTES and size > l2_bytes:
+      out += size
+  return out
+
 
 # Seconds per element per program for a float32 operand tile that a TF32
 # dot (``precision`` other than "ieee") needs K-major (contiguous along the
@@ -872,7 +898,10 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   # Throughput side: re-reads of tiles that concurrently running programs
   # share come from L2, so traffic is bounded by HBM for the bytes the
   # region must move and by the SMs' L2 bandwidth for all of them.
-  t_traffic = max(region.min_bytes() / device.mem_bandwidth_Bps,
+  hbm = region.min_bytes()
+  if unpipelined:
+    hbm += (NARROW_RUN_FACTOR - 1.0) * narrow_run_bytes(region, tiles, device.l2_bytes)
+  t_traffic = max(hbm / device.mem_bandwidth_Bps,
                   bytes_moved / (sms * device.sm_bandwidth_Bps))
   t_throughput = _overlapped(t_traffic, t_shared, OVERLAP_TRAFFIC * share)
   body = max(t_throughput, t_grid)

@@ -66,7 +66,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 from jaxfuse import ir
 from jaxfuse.devices import contraction_dtype
@@ -74,7 +74,8 @@ from jaxfuse.planner import tiling
 
 __all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
            "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
-           "rule4_ok", "dot_hazard", "broadcast_product", "MAX_BROADCAST_PRODUCT", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
+           "rule4_ok", "dot_hazard", "broadcast_product", "deferred_sums", "summed_every_step",
+           "DEFERRED_SUM_REGS_PER_THREAD", "MAX_BROADCAST_PRODUCT", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
            "SMEM_SLACK"]
 
 SMEM_SLACK = 1.2
@@ -230,6 +231,71 @@ def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, 
   return math.prod(tile[l] for l in set(vm[op.lhs].loops) | set(vm[op.rhs].loops))
 
 
+# fp32 registers per thread that the broadcast products a one-row kernel
+# keeps whole (``deferred_sums``) may take together. Why keep them: a
+# ``tl.sum`` every step is a cross-thread reduction every step; one-row GEMMs
+# (H100, Triton 3.6, sixty-first session, 8 shapes 768-11008 wide) ran
+# 1.05-1.8x faster at equal tiles with the product summed once after the
+# loop, at 32, 64 and 128 registers per thread alike (the probe's largest).
+# One cap for all of a kernel's products: in a one-row nest they are live at
+# once (a gated MLP's gate and up products share the k loop).
+DEFERRED_SUM_REGS_PER_THREAD = 128
+
+
+def _deferral_candidates(region: ir.Region, expr: "tiling.TilingExpr",
+                         tiles: Mapping[str, int], rescaled: Collection[str]
+                         ) -> list[tuple[str, int]]:
+  """(contraction, product elements) for each contraction printed as a
+  broadcast product inside a loop it reduces (the outermost such loop: the
+  one accumulating it) with a tile above 1, not rescaled by an online
+  softmax; in the plan's statement order."""
+  ops = {op.out: op for op in region.contractions}
+  vm = region.value_map
+  out = []
+  for st, enclosing in tiling.statement_contexts(expr):
+    op = ops.get(st.value) if st.kind == "C" else None
+    loop = next((l for l in enclosing if op is not None and l in op.reduce), None)
+    if (loop is None or tiling.next_pow2(tiles[loop]) <= 1 or op.out in rescaled
+        or broadcast_product(region, op, tiles) is None):
+      continue
+    out.append((op.out, math.prod(tiling.next_pow2(tiles[l])
+                                  for l in set(vm[op.lhs].loops) | set(vm[op.rhs].loops))))
+  return out
+
+
+def deferred_sums(region: ir.Region, expr: "tiling.TilingExpr", tiles: Mapping[str, int],
+                  num_warps: int, rescaled: Collection[str] = ()) -> frozenset[str]:
+  """Contractions whose whole broadcast product the code generator keeps in
+  its accumulator and sums once after the loop that accumulates it.
+  Candidates: not one tl.dot (``broadcast_product``), inside a loop they
+  reduce whose tile is above 1, not rescaled by an online softmax
+  (``rescaled``); taken in the plan's statement order while their products
+  fit ``DEFERRED_SUM_REGS_PER_THREAD`` together. The others sum every step.
+  The printer defers exactly these.
+
+  Example: ``deferred_sums(region, plan.expr, plan.tile_map, plan.num_warps)``."""
+  budget = DEFERRED_SUM_REGS_PER_THREAD * 32 * int(num_warps)
+  out = []
+  for v, elems in _deferral_candidates(region, expr, tiles, rescaled):
+    if elems <= budget:
+      budget -= elems
+      out.append(v)
+  return frozenset(out)
+
+
+def summed_every_step(region: ir.Region, expr: "tiling.TilingExpr",
+                      tiles: Mapping[str, int], num_warps: int) -> tuple[str, ...]:
+  """Contractions of a plan with no online softmax that print a broadcast
+  product accumulated over a tiled loop yet sum it every step, since
+  ``deferred_sums`` has no room for them. The search drops such plans where
+  the region is priced as an unpipelined stream
+  (``cost_model.is_unpipelined``): at equal tiles that form ran up to 1.8x
+  slower, and it was never the fastest form at its shape (sixty-first
+  session), while the model priced it as if deferred."""
+  kept = deferred_sums(region, expr, tiles, num_warps)
+  return tuple(v for v, _ in _deferral_candidates(region, expr, tiles, ()) if v not in kept)
+
+
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True
                ) -> Optional[str]:
   """Why a plan with these tiles would print a dot that Triton miscompiles
@@ -359,7 +425,6 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
 
   stmts: dict[Optional[str], list] = {}
   ops = list(region.ops)
-  idx = {op.out: i for i, op in enumerate(ops)}
   for i, op in enumerate(ops):
     a, ok = anchor(region.op_loops(op))
     if not ok:

@@ -247,6 +247,8 @@ def rejection_kind(reason: str) -> str:
     return "fp32 accumulators exceed the register budget of masked key tiles"
   if "register budget" in reason:
     return "fp32 accumulators exceed the register budget"
+  if "(deferred-sum cap)" in reason:
+    return "one-row products summed every step (deferred-sum cap)"
   if "(Rule 5)" in reason:
     return ("Rule 5: a TF32 dot that spills registers" if "spills" in reason
             else "Rule 5: a dot Triton miscompiles")
@@ -292,6 +294,13 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   # Loops the code generator prints as pieces are priced at what it prints.
   sized = tiling.piece_sizes(region, expr, tiles, cand.grid)
   warps, stages = cost_model.choose_warps_stages(region, expr, sized, device)
+  if cost_model.is_unpipelined(region, tiles, streamable):
+    summed = pruning.summed_every_step(region, expr, tiles, warps)
+    if summed:
+      raise tiling.PlacementError(
+          f"broadcast products of {', '.join(summed)} summed every step: over "
+          f"{pruning.DEFERRED_SUM_REGS_PER_THREAD} registers per thread at {warps} warps "
+          "(deferred-sum cap)")
   smem = pruning.pipelined_smem_bytes(region, expr, sized, stages)
   if smem > device.smem_per_block_bytes:
     raise tiling.PlacementError(

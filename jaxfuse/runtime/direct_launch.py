@@ -337,23 +337,25 @@ def triton_cubin(ptx: str, compute_capability: int, num_warps: int) -> bytes:
   return backend.make_cubin(ptx, {}, opt, compute_capability)
 
 
-def rewrite_call(results, opaque: bytes) -> dict:
+def rewrite_call(results, opaque: bytes, record: bool = True) -> dict:
   """Turns the jax-triton custom call producing ``results`` into a typed
   FFI call of ``TARGET`` with ``kernel_attributes`` of ``opaque``, in
-  place, and returns those attributes. Raises UnsupportedCall (the op is
-  left unchanged)."""
+  place (see ``apply_attributes`` for ``record``), and returns those
+  attributes. Raises UnsupportedCall (the op is left unchanged)."""
   op = _wire._op(results)  # pylint: disable=protected-access
   attrs = kernel_attributes(opaque, len(op.operands) + len(op.results), cubin=triton_cubin)
-  apply_attributes(results, attrs)
+  apply_attributes(results, attrs, record=record)
   return attrs
 
 
-def apply_attributes(results, attrs: dict) -> None:
+def apply_attributes(results, attrs: dict, record: bool = True) -> None:
   """Makes the custom call producing ``results`` a typed FFI call of
-  ``TARGET`` with ``attrs`` (``kernel_attributes``' dict), in place."""
+  ``TARGET`` with ``attrs`` (``kernel_attributes``' dict), in place: of
+  ``RECORD_TARGET`` where ``record`` and ``records()``, so that XLA
+  records the launch as a kernel node; else XLA captures it from a stream."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
   i64 = mlir_ir.IntegerType.get_signless(64)
-  recorded = records()
+  recorded = record and records()
   config = {}
   for k, v in attrs.items():
     if k == "uses_pdl":

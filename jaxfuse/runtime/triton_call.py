@@ -48,7 +48,10 @@ DIRECT = "direct"   # jaxfuse's own FFI target (direct_launch)
 # Target names jax-triton is handed for jaxfuse's kernels; only the lowering
 # below understands them (it substitutes the real target).
 _SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LEGACY_TARGET,
-             "jaxfuse." + DIRECT: DIRECT}
+             "jaxfuse." + DIRECT: DIRECT, "jaxfuse." + DIRECT + ".captured": DIRECT}
+# A direct launch XLA captures from a stream even where it records others
+# as kernel nodes (``call_target(record=False)``).
+_CAPTURED = "jaxfuse." + DIRECT + ".captured"
 _lock = threading.Lock()
 _registered = False
 _collecting = threading.local()   # collect_calls' list, per lowering thread
@@ -66,14 +69,16 @@ def ffi_available() -> bool:
   return tuple(version) > (0, 10, 2)
 
 
-def call_target(jt) -> str:
+def call_target(jt, record: bool = True) -> str:
   """The ``custom_call_target_name`` to hand ``jt.triton_call`` for a
-  jaxfuse kernel (registers the lowering that understands it)."""
+  jaxfuse kernel (registers the lowering that understands it). ``record``:
+  a direct launch may be recorded as a kernel node of XLA's command
+  buffers (``direct_launch.records``); False asks for a stream capture."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   _register_lowering(jt)
   if config.launch == DIRECT and direct_launch.available():
-    return "jaxfuse." + DIRECT
+    return "jaxfuse." + DIRECT if record else _CAPTURED
   target = FFI_TARGET if config.launch in ("ffi", DIRECT) and ffi_available() else LEGACY_TARGET
   return "jaxfuse." + target
 
@@ -293,15 +298,16 @@ def _op(results):
   return getattr(op, "operation", op)
 
 
-def _direct(results) -> Optional[dict]:
-  """Rewrites the call for jaxfuse's direct launcher and returns the
-  launcher's attributes; None (with one log line) where the launcher does
-  not take it, leaving the op unchanged."""
+def _direct(results, record: bool = True) -> Optional[dict]:
+  """Rewrites the call for jaxfuse's direct launcher (recorded where
+  ``record`` and ``direct_launch.records``) and returns the launcher's
+  attributes; None (with one log line) where the launcher does not take
+  it, leaving the op unchanged."""
   from jax._src.lib.mlir import ir as mlir_ir  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   opaque = mlir_ir.StringAttr(_op(results).attributes["backend_config"]).value_bytes
   try:
-    return direct_launch.rewrite_call(results, opaque)
+    return direct_launch.rewrite_call(results, opaque, record=record)
   except direct_launch.UnsupportedCall as e:
     logging.info("jaxfuse: kernel launched through jaxlib, not directly: %s", e)
     return None
@@ -483,6 +489,7 @@ def jaxfuse_lowering(tl):
     if target is None:
       return legacy(tl.get_cuda_backend, ctx, *args,
                     custom_call_target_name=custom_call_target_name, **params)
+    record = custom_call_target_name != _CAPTURED
     key = compiled_call_key(ctx, params) if target == DIRECT else None
     attrs = direct_launch.load_attributes(key)
     if attrs is not None:
@@ -490,7 +497,7 @@ def jaxfuse_lowering(tl):
       results = jax.ffi.ffi_lowering(
           LEGACY_TARGET, api_version=2, backend_config=b"",
           operand_output_aliases=dict(params.get("input_output_aliases") or ()))(ctx, *args)
-      direct_launch.apply_attributes(results, attrs)
+      direct_launch.apply_attributes(results, attrs, record=record)
       _collect(results, attrs)
       return results
     start_specializer_without_torch()
@@ -501,7 +508,7 @@ def jaxfuse_lowering(tl):
     # The direct launcher reads the call once, at lowering: only the
     # calls left to jaxlib are slimmed.
     if target == DIRECT:
-      attrs = _direct(results)
+      attrs = _direct(results, record)
       if attrs is not None:
         direct_launch.store_attributes(key, attrs)
         _collect(results, attrs)

@@ -58,6 +58,12 @@ Rule 5 (jaxfuse's, for its backend). No dot that Triton is known to
 miscompile, nor a TF32 dot known to spill registers
 (``dot_hazard``): the search never ranks such a plan.
 
+Deferred sums (jaxfuse's, for one-row plans). A broadcast product is kept
+whole and summed once after its loop while the kernel's kept products fit
+one register cap (``deferred_sums``); a one-row plan that would sum a
+product every step instead is not ranked (``summed_every_step``), since the
+model prices one-row plans as if every sum were deferred.
+
 Example::
 
     counts = space_counts(region, get_device("h100"))

@@ -1797,3 +1797,20 @@ def test_triton_launch_asks_for_a_captured_launch_of_one_row_kernels(monkeypatch
                       lambda jt, record=True: asked.append(record) or f"target-{record}")
   launch.triton_launch(k, [jnp.ones((1, 256), jnp.float16), jnp.ones((256, 512), jnp.float16)])
   assert asked == [False] and targets == ["target-False"]
+
+
+def test_keep_or_drop_log_names_the_timed_plan(tmp_path, monkeypatch, caplog):
+  """The timing's log line says which plan was timed (a chain's part is
+  timed with no other record of its plan)."""
+  import logging
+  from jaxfuse.codegen import CodegenError
+  K, _ = _timed_kernel(tmp_path, monkeypatch, ["NVIDIA H100 80GB HBM3"])
+  launch._xla_decisions.clear()
+  try:
+    with caplog.at_level(logging.INFO):
+      with pytest.raises(CodegenError):
+        launch._keep_fused(K(), lambda *a: a)
+    assert any("fused 6.0 us" in r.getMessage() and r.getMessage().endswith("; plan plan A")
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+  finally:
+    launch._xla_decisions.clear()

@@ -202,6 +202,7 @@ GRID_WAIT_LINES = (f"if {PDL_FLAG}:", "    tl.extra.cuda.gdc_wait()")
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
 
+
 class _Printer:
 
   def __init__(self, region: ir.Region, plan: Plan, kernel_name: str):

@@ -280,9 +280,14 @@ def deferred_sums(region: ir.Region, expr: "tiling.TilingExpr", tiles: Mapping[s
   The printer defers exactly these.
 
   Example: ``deferred_sums(region, plan.expr, plan.tile_map, plan.num_warps)``."""
+  return _within_cap(_deferral_candidates(region, expr, tiles, rescaled), num_warps)
+
+
+def _within_cap(candidates: Sequence[tuple[str, int]], num_warps: int) -> frozenset[str]:
+  """The ``candidates`` (in order) whose products fit the cap together."""
   budget = DEFERRED_SUM_REGS_PER_THREAD * 32 * int(num_warps)
   out = []
-  for v, elems in _deferral_candidates(region, expr, tiles, rescaled):
+  for v, elems in candidates:
     if elems <= budget:
       budget -= elems
       out.append(v)
@@ -298,8 +303,9 @@ def summed_every_step(region: ir.Region, expr: "tiling.TilingExpr",
   (``cost_model.is_unpipelined``): at equal tiles that form ran up to 1.8x
   slower, and it was never the fastest form at its shape (sixty-first
   session), while the model priced it as if deferred."""
-  kept = deferred_sums(region, expr, tiles, num_warps)
-  return tuple(v for v, _ in _deferral_candidates(region, expr, tiles, ()) if v not in kept)
+  cands = _deferral_candidates(region, expr, tiles, ())
+  kept = _within_cap(cands, num_warps)
+  return tuple(v for v, _ in cands if v not in kept)
 
 
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True

@@ -47,11 +47,11 @@ LEGACY_TARGET = "triton_kernel_call"
 DIRECT = "direct"   # jaxfuse's own FFI target (direct_launch)
 # Target names jax-triton is handed for jaxfuse's kernels; only the lowering
 # below understands them (it substitutes the real target).
-_SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LEGACY_TARGET,
-             "jaxfuse." + DIRECT: DIRECT, "jaxfuse." + DIRECT + ".captured": DIRECT}
-# A direct launch XLA captures from a stream even where it records others
-# as kernel nodes (``call_target(record=False)``).
+# _CAPTURED: a direct launch XLA captures from a stream even where it
+# records others as kernel nodes (``call_target(record=False)``).
 _CAPTURED = "jaxfuse." + DIRECT + ".captured"
+_SENTINEL = {"jaxfuse." + FFI_TARGET: FFI_TARGET, "jaxfuse." + LEGACY_TARGET: LEGACY_TARGET,
+             "jaxfuse." + DIRECT: DIRECT, _CAPTURED: DIRECT}
 _lock = threading.Lock()
 _registered = False
 _collecting = threading.local()   # collect_calls' list, per lowering thread

@@ -737,6 +737,31 @@ def test_no_plan_for_huge_single_tile():
   assert "no legal plan" in res.why_not
 
 
+def test_search_widens_past_rule3_when_its_tiles_place_no_legal_plan():
+  """33 rows keep only the padded 64-row tile under Rule 3, and at 64 rows
+  every plan with a 16-wide middle is a dot Triton miscompiles (Rule 5):
+  the search then ranks the padded 16- and 32-row tiles rather than leaving
+  the chain unfused, and the plan runs correctly in the interpreter."""
+  from jaxfuse.codegen import generate  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+  r = examples.gemm_chain(1, 33, 16, 32, 24, batch=False)
+  assert pruning.tile_candidates(r, "m") == (64,)
+  assert not search._search(r, H100, search.build_space(r, H100), seed=0, measure=None,  # pylint: disable=protected-access
+                            population=96, top_n=8, eps=0.01, max_iters=12, min_iters=3).ranked
+  res = plan_region(r, "h100", use_cache=False)
+  assert res.best is not None and res.best.tile_map["m"] in (16, 32), res.why_not
+  assert res.space["rule3_widened"] is True
+  assert res.space["rejected"].get("Rule 5: a dot Triton miscompiles", 0) > 0
+  assert pruning.dot_hazard(r, res.best.tile_map) is None
+  k = generate(r, res.best, interpret=True)
+  xs = launch.random_inputs(r, 0)
+  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r)
+  # Where Rule 3's tiles do place a plan, the space is not widened.
+  assert "rule3_widened" not in plan_region(examples.gemm_chain(1, 64, 16, 32, 24, batch=False),
+                                            "h100", use_cache=False).space
+
+
 def test_search_deterministic():
   r = examples.gemm_chain(1, 512, 256, 64, 128)
   a = search.search(r, H100, seed=3)

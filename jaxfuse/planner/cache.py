@@ -64,8 +64,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # (cost_model._library_gemm_time, ir.xla_merged_dots), keep-or-drop bounds refitted;
 # 24: one-row plans priced as unpipelined streams (cost_model.is_unpipelined),
 # those that would sum a product every step dropped (pruning.deferred_sums),
-# narrow rows of weights over the L2 priced (cost_model.NARROW_RUN_FACTOR).
-FORMAT_VERSION = 24
+# narrow rows of weights over the L2 priced (cost_model.NARROW_RUN_FACTOR);
+# 25: a region with no legal plan over Rule 3's tiles is searched again over
+# padded ones (search.search), so a cached "no plan" may now have one.
+FORMAT_VERSION = 25
 
 
 def _version() -> str:

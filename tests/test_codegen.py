@@ -805,3 +805,30 @@ def test_products_sharing_a_loop_share_the_deferred_sum_cap(warps, deferred):
     kept = f"acc_{v} = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)" in src
     assert kept == (v in deferred), src
   run_and_check(r.region, plan)
+
+
+def test_mixed_contraction_reads_its_16bit_operand_rounded():
+  """``relu(x @ w.astype(bfloat16)) @ w2`` in float32: the kernel keeps the
+  convert's result in float32 registers (excess precision, as for every
+  elementwise op), but the dot that mixes it with the float32 ``x`` reads
+  it rounded to bfloat16, as the program does; and the self-check's
+  tolerance counts the bfloat16 intermediate (before, a correct kernel that
+  skipped the rounding read 2.1e-3 against float32's 2e-3 and fell back)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import examples, plan_region  # pylint: disable=g-import-not-at-top
+  S = lambda *s: jax.ShapeDtypeStruct(s, np.float32)
+  [cap] = capture.find_regions(jax.make_jaxpr(
+      lambda x, w1, w2: jax.nn.relu(x @ w1.astype("bfloat16")) @ w2)(S(4, 96), S(96, 96), S(96, 8)))
+  r = cap.region
+  assert any(isinstance(op, Elementwise) and op.fn == "convert" and
+             r.value_map[op.out].dtype == "bfloat16" for op in r.ops)
+  assert launch.tolerance(r) == launch.tolerance(T.gemm_chain(dtype="bfloat16")) > 2e-3
+  best = plan_region(r, "h100", use_cache=False).best
+  k = run_and_check(r, best)
+  assert ".to(tl.bfloat16).to(tl.float32)" in k.source
+  # A 16-bit product of 16-bit operands keeps its float32 intermediates.
+  r16 = examples.gemm_chain(1, 1, 64, 64, 64, dtype="float16")
+  p16 = plan_region(r16, "h100", use_cache=False).best
+  assert p16.tile_map["m"] == 1
+  assert ".to(tl.float16).to(tl.float32)" not in run_and_check(r16, p16).source

@@ -1,14 +1,16 @@
 """Differential fuzzing of ``jaxfuse.jit`` end to end: random MBCI programs
 (GEMM chains with activations and biases, attention in both layouts with
 grouped heads, causal, window and bias masks, ``jax.nn.dot_product_attention``,
-3-GEMM MLPs, gated MLPs, sibling projections) at odd sizes and in float16,
+3-GEMM MLPs, gated MLPs, sibling projections, packed-QKV attention blocks,
+transposed weights, masks passed in, hand-written softmax, LayerNorm FFNs,
+stacked and vmapped attention, mixed-precision weights) at odd sizes and in float16,
 bfloat16 and float32, each captured, planned for the H100, printed and run in
 Triton's interpreter, then compared with ``jax.jit`` and a float32 reference.
 
 The keep-or-drop verdict is forced to keep, so that the kernels run even
 where the model would leave a tiny region to XLA: the point is correctness.
 
-``JAXFUSE_FUZZ_SEEDS`` (default 32) sets how many programs run; on a GPU
+``JAXFUSE_FUZZ_SEEDS`` (default 40) sets how many programs run; on a GPU
 machine (``JAXFUSE_FUZZ_GPU=1``, outside the interpreter) the same programs
 run through the real Triton backend::
 
@@ -35,7 +37,7 @@ import jaxfuse
 from jaxfuse.config import config
 from jaxfuse.planner import cost_model
 
-SEEDS = int(os.environ.get("JAXFUSE_FUZZ_SEEDS", "32"))
+SEEDS = int(os.environ.get("JAXFUSE_FUZZ_SEEDS", "40"))
 ON_GPU = os.environ.get("JAXFUSE_FUZZ_GPU") == "1"
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -162,9 +164,118 @@ def _sibling_projections(rng, dtype):
                  dict(m=m, d=d, n=n), True)
 
 
+def _packed_qkv_block(rng, dtype):
+  """A self-attention block: one packed QKV projection, ``jnp.split``,
+  heads by reshape, optional causal mask, the output projection."""
+  m, heads, d = rng.choice([1, 16, 33, 64]), rng.choice([1, 2, 4]), rng.choice([16, 32, 64])
+  e, causal = heads * d, rng.random() < 0.5
+
+  def fn(x, wqkv, bqkv, wo):
+    q, k, v = jnp.split(x @ wqkv + bqkv, 3, axis=-1)
+    q, k, v = (t.reshape(m, heads, d).transpose(1, 0, 2) for t in (q, k, v))
+    s = jnp.einsum("hqd,hkd->hqk", q, k) / math.sqrt(d)
+    if causal:
+      s = jnp.where(jnp.tril(jnp.ones((m, m), bool)), s, -jnp.inf)
+    o = jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(s, -1), v)
+    return o.transpose(1, 0, 2).reshape(m, e) @ wo
+  return Program(fn, [(m, e), (e, 3 * e), (3 * e,), (e, e)], dtype,
+                 dict(m=m, heads=heads, d=d, causal=causal), True)
+
+
+def _transposed_weights(rng, dtype):
+  m, k, n, h = rng.choice([1, 8, 33, 64]), _dim(rng), _dim(rng), _dim(rng)
+  act, form = rng.choice(sorted(ACTIVATIONS)), rng.choice(["w.T", "einsum"])
+
+  def fn(x, w1, w2):
+    if form == "w.T":
+      return ACTIVATIONS[act](x @ w1.T) @ w2
+    return jnp.einsum("mn,hn->mh", ACTIVATIONS[act](jnp.einsum("mk,nk->mn", x, w1)), w2)
+  return Program(fn, [(m, k), (n, k), (n, h) if form == "w.T" else (h, n)], dtype,
+                 dict(m=m, k=k, n=n, h=h, act=act, form=form), True)
+
+
+def _mask_argument(rng, dtype):
+  """Attention masked by an input array (``where(mask > 0, s, fill)``)."""
+  b, heads = rng.choice([1, 2]), rng.choice([1, 2])
+  t, d = rng.choice([16, 33, 64]), rng.choice([16, 32, 64])
+  fill = rng.choice(["-inf", "min", "-1e4"])
+
+  def fn(q, k, v, mask):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    f = {"-inf": -jnp.inf, "min": jnp.finfo(s.dtype).min, "-1e4": -1e4}[fill]
+    s = jnp.where(mask > 0, s, f)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+  return Program(fn, [(b, heads, t, d)] * 3 + [(t, t)], dtype,
+                 dict(b=b, heads=heads, t=t, d=d, fill=fill))
+
+
+def _hand_written_softmax(rng, dtype):
+  b, t, s_, d = rng.choice([1, 3]), rng.choice([16, 64, 100]), rng.choice([16, 64, 200]), rng.choice([32, 64])
+  prescale = rng.random() < 0.5
+
+  def fn(q, k, v):
+    if prescale:
+      q = q * (1 / math.sqrt(d))
+    s = jnp.einsum("btd,bsd->bts", q, k)
+    if not prescale:
+      s = s / math.sqrt(d)
+    e = jnp.exp(s - jnp.max(s, -1, keepdims=True))
+    return jnp.einsum("bts,bsd->btd", e / jnp.sum(e, -1, keepdims=True), v)
+  return Program(fn, [(b, t, d), (b, s_, d), (b, s_, d)], dtype,
+                 dict(b=b, t=t, s=s_, d=d, prescale=prescale))
+
+
+def _layer_norm_ffn(rng, dtype):
+  """LayerNorm, an FFN with biases and GELU, a residual, a second output."""
+  m, d, f = rng.choice([1, 8, 64]), rng.choice([32, 64, 128]), rng.choice([64, 128, 256])
+
+  def fn(x, g, w1, b1, w2, b2):
+    mu, var = jnp.mean(x, -1, keepdims=True), jnp.var(x, -1, keepdims=True)
+    y = jax.nn.gelu(((x - mu) / jnp.sqrt(var + 1e-5) * g) @ w1 + b1) @ w2 + b2
+    return x + y, jnp.sum(y, -1)
+  return Program(fn, [(m, d), (d,), (d, f), (f,), (f, d), (d,)], dtype, dict(m=m, d=d, f=f), True)
+
+
+def _stacked_attention(rng, dtype):
+  """Two attentions, the second reading the first's output as queries and values."""
+  heads, t, d = rng.choice([1, 2]), rng.choice([16, 64]), rng.choice([16, 32])
+
+  def attn(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+
+  def fn(q, k, v):
+    o = attn(q, k, v)
+    return attn(o, k, o)
+  return Program(fn, [(1, heads, t, d)] * 3, dtype, dict(heads=heads, t=t, d=d))
+
+
+def _mixed_precision(rng, dtype):
+  """A weight cast to another float type before the dot (promotion)."""
+  m, k, n, h = rng.choice([4, 33, 64]), _dim(rng), _dim(rng), _dim(rng)
+  wdt = rng.choice(["float32", "bfloat16", "float16"])
+
+  def fn(x, w1, w2):
+    return jax.nn.relu(x @ w1.astype(wdt)) @ w2
+  return Program(fn, [(m, k), (k, n), (n, h)], dtype, dict(m=m, k=k, n=n, h=h, wdt=wdt), True)
+
+
+def _vmapped_attention(rng, dtype):
+  heads, t, d = rng.choice([2, 4]), rng.choice([16, 64]), rng.choice([16, 64])
+
+  def one(q, k, v):
+    return jax.nn.softmax(q @ k.T / math.sqrt(d), -1) @ v
+  return Program(jax.vmap(one), [(heads, t, d)] * 3, dtype, dict(heads=heads, t=t, d=d))
+
+
+# kind -> (generator, weight)
 KINDS = {"gemm_chain": (_gemm_chain, 2), "attention": (_attention, 3),
          "dot_product_attention": (_dot_product_attention, 1), "mlp3": (_mlp3, 1),
-         "gated_mlp": (_gated_mlp, 1), "sibling_projections": (_sibling_projections, 1)}
+         "gated_mlp": (_gated_mlp, 1), "sibling_projections": (_sibling_projections, 1),
+         "packed_qkv_block": (_packed_qkv_block, 2), "transposed_weights": (_transposed_weights, 1),
+         "mask_argument": (_mask_argument, 1), "hand_written_softmax": (_hand_written_softmax, 1),
+         "layer_norm_ffn": (_layer_norm_ffn, 1), "stacked_attention": (_stacked_attention, 1),
+         "mixed_precision": (_mixed_precision, 1), "vmapped_attention": (_vmapped_attention, 1)}
 
 
 def random_program(seed: int) -> Program:
@@ -273,4 +384,4 @@ def test_random_programs_match_jax(monkeypatch, caplog):
 def test_random_programs_are_reproducible():
   a, b = random_program(7), random_program(7)
   assert a.desc == b.desc and a.shapes == b.shapes and a.dtype == b.dtype
-  assert {random_program(s).desc["kind"] for s in range(40)} == set(KINDS)
+  assert {random_program(s).desc["kind"] for s in range(200)} == set(KINDS)

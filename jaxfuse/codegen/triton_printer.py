@@ -405,6 +405,22 @@ class _Printer:
       return None
     return " & ".join(self.expand(self.mask_var(l), (l,), dims) for l in ms)
 
+  def float32_operand(self, expr: str, t: _Tile, ir_dtype: str) -> str:
+    """``expr`` (tile ``t``, or a masked or permuted view of it) as a
+    contraction computed in float32 reads it. A value of 16-bit ``ir_dtype``
+    that the kernel computed in float32 registers is rounded to that dtype
+    first: elementwise intermediates keep float32 (excess precision, as
+    XLA's fusions do), but a contraction that mixes such a value with a
+    float32 one reads what the program rounded, as a 16-bit ``tl.dot``
+    reads its rounded operands. Why: a float32 program's
+    ``relu(x @ w.astype(bfloat16)) @ w2`` ran with unrounded weights, 2.1e-3
+    off the program (XLA on the H100 rounds them in this chain) and over
+    the self-check's tolerance (sixty-third session's fuzzing). Triton's
+    interpreter truncates to bfloat16 where the GPU rounds to nearest."""
+    if t.dtype == "float32" and ir_dtype in ("float16", "bfloat16"):
+      return f"{expr}.to({_TL_DTYPE[ir_dtype]}).to(tl.float32)"
+    return expr if t.dtype == "float32" else f"{expr}.to(tl.float32)"
+
   def f32(self, t: _Tile) -> str:
     if t.dtype in ("float16", "bfloat16"):
       return f"{t.var}.to(tl.float32)"
@@ -888,13 +904,16 @@ class _Printer:
         xa, xb = self.masked_operand(ta, red_in), self.masked_operand(tb, red_in)
         ea = self.permute(xa, ta.order, tuple(bat + M + K))
         eb = self.permute(xb, tb.order, tuple(bat + K + N))
-        ea = f"{ea}.to({ddt})" if not (ta.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != ta.var else ea
-        eb = f"{eb}.to({ddt})" if not (tb.dtype == dtB and _TL_DTYPE[dtB] == ddt) or xb != tb.var else eb
+        if ddt == "tl.float32":
+          ea, eb = self.float32_operand(ea, ta, dtA), self.float32_operand(eb, tb, dtB)
+        else:
+          ea = f"{ea}.to({ddt})" if not (ta.dtype == dtA and _TL_DTYPE[dtA] == ddt) or xa != ta.var else ea
+          eb = f"{eb}.to({ddt})" if not (tb.dtype == dtB and _TL_DTYPE[dtB] == ddt) or xb != tb.var else eb
         if prec and op.precision == "default":
-          # float16 operands are exact in TF32; only float32 ones need rounding.
+          # 16-bit operands (rounded above) are exact in TF32; only float32 ones need rounding.
           self.helpers.add("tf32")
-          ea = f"tf32_({ea})" if "float32" in (dtA, ta.dtype) else ea
-          eb = f"tf32_({eb})" if "float32" in (dtB, tb.dtype) else eb
+          ea = f"tf32_({ea})" if dtA == "float32" else ea
+          eb = f"tf32_({eb})" if dtB == "float32" else eb
         return ea, eb
       order = tuple(bat + M + N)
       expr = acc
@@ -916,8 +935,11 @@ class _Printer:
       # Refused here, before a compile that can only fail.
       raise CodegenError(f"contraction {op.out}: a broadcast product of {numel} elements "
                          f"exceeds Triton's tensor limit ({MAX_TENSOR_NUMEL})")
-    fa = f"{xa}.to(tl.float32)" if a.dtype != "float32" else xa
-    fb = f"{xb}.to(tl.float32)" if b.dtype != "float32" else xb
+    # Rounded only against a float32 operand: a 16-bit product keeps its
+    # float32 intermediates, as its elementwise ops do.
+    mixed = "float32" in (self.vm[op.lhs].dtype, self.vm[op.rhs].dtype)
+    fa = self.float32_operand(xa, a, self.vm[op.lhs].dtype if mixed else "float32")
+    fb = self.float32_operand(xb, b, self.vm[op.rhs].dtype if mixed else "float32")
     expr = f"{self.expand(fa, a.order, U)} * {self.expand(fb, b.order, U)}"
     cur = list(U)
     for l in red_in:

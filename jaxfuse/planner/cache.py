@@ -66,7 +66,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # those that would sum a product every step dropped (pruning.deferred_sums),
 # narrow rows of weights over the L2 priced (cost_model.NARROW_RUN_FACTOR);
 # 25: a region with no legal plan over Rule 3's tiles is searched again over
-# padded ones (search.search), so a cached "no plan" may now have one.
+# padded ones (search.search), so a cached "no plan" may now have one; a
+# float32 contraction's 16-bit computed operand is rounded (the printer's
+# float32_operand) and the self-check's tolerance counts intermediates.
 FORMAT_VERSION = 25
 
 

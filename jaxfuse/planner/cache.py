@@ -68,7 +68,8 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # 25: a region with no legal plan over Rule 3's tiles is searched again over
 # padded ones (search.search), so a cached "no plan" may now have one; a
 # float32 contraction's 16-bit computed operand is rounded (the printer's
-# float32_operand) and the self-check's tolerance counts intermediates.
+# float32_operand) and the self-check's tolerance counts intermediates and
+# exponentials of large rounded arguments (launch.tolerance).
 FORMAT_VERSION = 25
 
 

@@ -129,11 +129,18 @@ def _dot_product_attention(rng, dtype):
   d = rng.choice([16, 32, 64, 80, 128])
   causal = tq == tk and rng.random() < 0.5
   window = rng.choice([None, None, (8, 0), (16, 16)]) if tq == tk else None
+  extra = rng.choice(["none", "none", "bias", "mask"])
+  scale = rng.choice([None, 0.2])
 
-  def fn(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
-  return Program(fn, [(b, tq, heads, d), (b, tk, kv, d), (b, tk, kv, d)], dtype,
-                 dict(b=b, heads=heads, kv=kv, tq=tq, tk=tk, d=d, causal=causal, window=window))
+  def fn(q, k, v, *arg):
+    kw = {} if not arg else ({"bias": arg[0]} if extra == "bias" else {"mask": arg[0] > 0})
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                        local_window_size=window, **kw)
+  shapes = [(b, tq, heads, d), (b, tk, kv, d), (b, tk, kv, d)]
+  if extra != "none":
+    shapes.append((1, 1, tq, tk))   # broadcast over batch and heads
+  return Program(fn, shapes, dtype, dict(b=b, heads=heads, kv=kv, tq=tq, tk=tk, d=d, causal=causal,
+                                         window=window, extra=extra, scale=scale))
 
 
 def _mlp3(rng, dtype):

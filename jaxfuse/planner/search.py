@@ -158,10 +158,7 @@ def _feeds_contraction(region: ir.Region, op, within: Optional[str] = None) -> b
 
 
 def build_space(region: ir.Region, device: DeviceSpec, *,
-                streamable: Optional[frozenset[str]] = None, rule3: bool = True) -> Space:
-  """The search space (MCFuser's, pruned by Rules 1-3; see ``pruning``).
-  ``rule3=False`` keeps every power-of-two tile however much it pads
-  (``search`` widens to it when Rule 3's tiles place no legal plan)."""
+                streamable: Optional[frozenset[str]] = None) -> Space:
   stream = tiling.streamable_loops(region) if streamable is None else frozenset(streamable)
   base = tiling.default_grid(region)
   extra = [l for l in region.spatial_loops() if l not in base]
@@ -183,8 +180,7 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
         keep.append(members[0])
     skeletons[g] = keep
     counts[f"grid({','.join(g)})"] = {"rule1": len(classes), "rule2": len(keep)}
-  tile_cands = {l.name: pruning.tile_candidates(region, l.name, rule3=rule3)
-                for l in region.loops}
+  tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
   splits: list[Optional[tuple[str, int]]] = [None]
   from jaxfuse.config import config  # pylint: disable=import-outside-toplevel
   # Split reductions (config.allow_split, on by default): since the combine
@@ -197,9 +193,7 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
     for p in (2, 4, 8, 16):
       if math.ceil(region.extent(l) / 16) >= p:
         splits.append((l, p))
-  n_tiles = math.prod(len(c) for c in tile_cands.values())
-  counts["tile_combinations"] = n_tiles
-  counts["candidates"] = sum(len(v) for v in skeletons.values()) * n_tiles * len(splits)
+  counts.update(_size_counts(skeletons, tile_cands, splits))
   return Space(region, device, grids, skeletons, tile_cands, splits, stream,
                tiling.masked_tile_relations(region), counts)
 
@@ -423,6 +417,13 @@ def _mutate(space: Space, c: Candidate, rng: random.Random) -> Candidate:
   return dataclasses.replace(c, grid=g, skeleton=str(rng.choice(space.skeletons[g])))
 
 
+def _size_counts(skeletons, tile_cands, splits) -> dict[str, int]:
+  """A space's tile combinations and candidates, for its ``counts``."""
+  n_tiles = math.prod(len(c) for c in tile_cands.values())
+  return {"tile_combinations": n_tiles,
+          "candidates": sum(len(v) for v in skeletons.values()) * n_tiles * len(splits)}
+
+
 def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
            measure: Optional[Callable[[Sequence[Plan]], Sequence[float]]] = None,
            population: int = 96, top_n: int = 8, eps: float = 0.01,
@@ -432,7 +433,8 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   """MCFuser Alg. 1 over ``build_space`` (see the module docstring).
 
   Where no plan over Rule 3's tiles is legal, the search runs again over
-  every power-of-two tile (``build_space(rule3=False)``): Rule 3 only
+  every power-of-two tile (``pruning.tile_candidates(rule3=False)``), in
+  the same space otherwise: Rule 3 only
   steers the search away from padded work, which the model prices. Why: a
   GEMM chain of 33 rows keeps only the padded 64-row tile, and every plan
   at 64 rows and a 16-wide middle is a dot Triton miscompiles (Rule 5), so
@@ -445,17 +447,18 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   res = _search(region, device, space, **kw)
   if res.ranked or given:
     return res
-  wide = build_space(region, device, streamable=space.streamable, rule3=False)
-  if wide.tile_cands == space.tile_cands:
+  tiles = {l.name: pruning.tile_candidates(region, l.name, rule3=False) for l in region.loops}
+  if tiles == space.tile_cands:
     return res
-  again = _search(region, device, wide, **kw)
+  counts = dict(space.counts, rule3_widened=True,
+                **_size_counts(space.skeletons, tiles, space.splits))
+  again = _search(region, device, dataclasses.replace(space, tile_cands=tiles, counts=counts),
+                  **kw)
   rejected = dict(res.rejected)
   for k, v in again.rejected.items():
     rejected[k] = rejected.get(k, 0) + v
-  counts = dict(again.space)
-  counts["rule3_widened"] = True
   return SearchResult(again.ranked, res.evaluated + again.evaluated,
-                      res.iterations + again.iterations, rejected, counts)
+                      res.iterations + again.iterations, rejected, again.space)
 
 
 def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,

@@ -25,7 +25,11 @@ decoding steps (one query token against a key/value cache,
 sliding-window attention (each query sees itself and the ``w`` keys before
 it, as in Mistral and Gemma: ``SWA-T<seq>-w<w>-h<heads>-kv<kv>``; group
 ``window``; ``jax.nn.dot_product_attention(local_window_size=(w, 0))`` for
-the library baselines). The
+the library baselines), and Gemma-2's attention: causal, grouped heads,
+scores soft-capped as ``cap * tanh(s / cap)`` (``GEMMA2-<size>-T<seq>``,
+group ``softcap``; no library call takes the cap, so ``jax.jit`` is the one
+baseline), and head dimension 256 without the cap (``D256-T<seq>-h<heads>-
+kv<kv>`` and its causal variant, group ``d256``). The
 plain function of a grouped case folds each key/value head's query heads
 into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
 ``jax.nn.dot_product_attention``'s XLA path does. Causal masks are top-left
@@ -109,6 +113,18 @@ DECODE = {"DEC-B1-S4096-h32-kv8": (1, 32, 8, 4096, 128),
           "DEC-B4-S4096-h32-kv32": (4, 32, 32, 4096, 128)}
 
 
+# (batch, heads, kv heads, T, d, query scale, score cap): Gemma-2 2B, 9B and
+# 27B at prefill (Gemma 2 report, Table 1: 8/16/32 query heads over 4/8/16,
+# head dimension 256/256/128, attention logits soft-capped at 50.0; queries
+# scaled by 256^-0.5, and by 144^-0.5 on 27B).
+GEMMA2 = {"GEMMA2-2B-T4096": (1, 8, 4, 4096, 256, 256 ** -0.5, 50.0),
+          "GEMMA2-9B-T4096": (1, 16, 8, 4096, 256, 256 ** -0.5, 50.0),
+          "GEMMA2-27B-T4096": (1, 32, 16, 4096, 128, 144 ** -0.5, 50.0)}
+# (batch, heads, kv heads, T, d): head dimension 256 without the cap, where
+# cuDNN competes.
+D256 = {"D256-T4096-h16-kv8": (1, 16, 8, 4096, 256)}
+
+
 def unpack_qkv(qkv, heads: int):
   """[B, T, 3*heads*D] -> q, k, v of [B, T, heads, D] (jnp.split: views of
   the packed array that jaxfuse reads in place)."""
@@ -117,14 +133,16 @@ def unpack_qkv(qkv, heads: int):
 
 
 def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
-                   kv_heads: int = 0, window: int = 0) -> Callable:
+                   kv_heads: int = 0, window: int = 0, softcap: float = 0.0) -> Callable:
   """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile).
 
   ``kv_heads`` below ``heads``: grouped-query attention; k and v have
   ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads.
-  ``window`` (with ``causal``): query i sees keys i - window .. i."""
+  ``window`` (with ``causal``): query i sees keys i - window .. i.
+  ``softcap``: scaled scores become ``softcap * tanh(s / softcap)`` before
+  the mask (Gemma 2)."""
   if layout == "packed":
-    inner = make_attention(causal, scale, "bthd", window=window)
+    inner = make_attention(causal, scale, "bthd", window=window, softcap=softcap)
     return lambda qkv: inner(*unpack_qkv(qkv, heads))
   grouped = bool(kv_heads) and kv_heads != heads
   if grouped:
@@ -142,6 +160,8 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
       q = (q.reshape(b, kv_heads, heads // kv_heads, *shape[2:]) if layout == "bhtd"
            else q.reshape(b, shape[1], kv_heads, heads // kv_heads, shape[3]))
     s = jnp.einsum(qk, q, k) * scale
+    if softcap:
+      s = softcap * jnp.tanh(s / softcap)
     if causal:
       m, n = s.shape[-2], s.shape[-1]
       qi = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
@@ -163,8 +183,9 @@ def causal_pairs(m: int, n: int, window: int = 0) -> int:
 
 def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
               causal: bool, layout: str, group: str, dtype: str, kv_heads: int = 0,
-              window: int = 0, extra: dict | None = None) -> harness.Case:
-  scale = 1.0 / math.sqrt(dk)
+              window: int = 0, softcap: float = 0.0, scale: float = 0.0,
+              extra: dict | None = None) -> harness.Case:
+  scale = scale or 1.0 / math.sqrt(dk)
   kv = kv_heads or h
   if h % kv:
     raise ValueError(f"--kv_heads: {kv} key/value heads do not divide {h} heads "
@@ -175,7 +196,7 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
                      f"N={n}, K={dk}, H={dv}, {kv} of {h} heads")
   if window and not causal:
     raise ValueError(f"case {name}: a sliding window is measured with a causal mask")
-  fn = make_attention(causal, scale, layout, h, kv, window)
+  fn = make_attention(causal, scale, layout, h, kv, window, softcap)
 
   def shape(heads, t, d):
     return (b, heads, t, d) if layout == "bhtd" else (b, t, heads, d)
@@ -192,7 +213,8 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
   flops = 2.0 * b * h * pairs * (dk + dv)
   nbytes = float(item * b * (h * m * dk + kv * n * dk + kv * n * dv + h * m * dv))
   params = {"batch": b, "heads": h, "kv_heads": kv, "M": m, "N": n, "K": dk, "H": dv,
-            "causal": causal, "window": window, "layout": layout, "scale": scale}
+            "causal": causal, "window": window, "layout": layout, "scale": scale,
+            "softcap": softcap}
   params.update(extra or {})
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
@@ -203,7 +225,8 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
   the ``shapes`` cases."""
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
-            "gqa": [], "gqa-causal": [], "decode": [], "window": [], "shapes": []}
+            "gqa": [], "gqa-causal": [], "decode": [], "window": [], "softcap": [],
+            "d256": [], "shapes": []}
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
@@ -237,6 +260,17 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                     window=w, group="sliding window", dtype=dtype)
       cases[c.name] = c
       groups["window"].append(c.name)
+    for s, (b, h, kv, t, d, scale, cap) in GEMMA2.items():
+      c = make_case(s, b, h, t, t, d, d, causal=True, layout=layout, kv_heads=kv,
+                    softcap=cap, scale=scale, group="soft-capped (Gemma 2)", dtype=dtype)
+      cases[c.name] = c
+      groups["softcap"].append(c.name)
+    for causal in (False, True):
+      for s, (b, h, kv, t, d) in D256.items():
+        c = make_case(s + ("-causal" if causal else ""), b, h, t, t, d, d, causal=causal,
+                      layout=layout, kv_heads=kv, group="head dimension 256", dtype=dtype)
+        cases[c.name] = c
+        groups["d256"].append(c.name)
   for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
     causal = sfx == "c"
     kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""
@@ -305,6 +339,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   p = case.params
   causal, scale, layout = p["causal"], p["scale"], p["layout"]
   window = p.get("window", 0)
+  capped = "no library attention takes a score cap" if p.get("softcap") else None
   # Everything below but the plain function wants [B, T, N, H] (jax) or
   # [B, N, T, H] (torch); convert outside timing (for 'packed': q, k and v
   # split into their own arrays, each baseline's best case).
@@ -345,25 +380,26 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
       harness.jaxfuse_impl(case.fn),
       harness.xla_impl(case.fn),
       harness.JaxImpl("dpa-cudnn", dpa("cudnn"), prepare=to_btnh, restore=from_btnh,
-                      needs_gpu=True,
+                      needs_gpu=True, check=lambda: capped,
                       note="jax.nn.dot_product_attention(implementation='cudnn')"),
       harness.JaxImpl("dpa-xla", dpa("xla"), prepare=to_btnh, restore=from_btnh,
-                      check=_dpa_xla_check,
+                      check=lambda: capped or _dpa_xla_check(),
                       note="jax.nn.dot_product_attention(implementation='xla')"),
       # The library call as users write it, fused by jaxfuse: its causal mask
       # is a select of a tril with a finite fill, not the plain function's
       # iota compare with -inf.
       harness.JaxImpl("jaxfuse-dpa", dpa("xla"), compiler="jaxfuse", prepare=to_btnh,
-                      restore=from_btnh, check=_dpa_xla_check,
+                      restore=from_btnh, check=lambda: capped or _dpa_xla_check(),
                       note="jaxfuse.jit of jax.nn.dot_product_attention(implementation='xla')"),
       harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
-                      needs_gpu=True, check=lambda: _pallas_check(grouped, window),
+                      needs_gpu=True, check=lambda: capped or _pallas_check(grouped, window),
                       note="jax.experimental.pallas.ops.gpu.attention.mha"),
   ]
   for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
     impls.append(harness.TorchImpl(
         name, torch_sdpa, prepare=torch_prep, restore=torch_restore,
-        check=_torch_backend_check(backend, window), context=_torch_context(backend),
+        check=lambda b=backend: capped or _torch_backend_check(b, window)(),
+        context=_torch_context(backend),
         note=f"torch SDPA {backend} (eager)"))
   return impls
 

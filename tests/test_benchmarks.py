@@ -341,6 +341,45 @@ def test_attention_window_cases_match_dot_product_attention(kv_heads):
   assert "window" in attention._torch_backend_check("FLASH_ATTENTION", 5)()  # pylint: disable=protected-access
 
 
+def test_attention_softcap_and_d256_cases():
+  """The softcap group: Gemma 2's causal grouped attention with scores
+  capped as ``cap * tanh(s / cap)`` (the plain function computes what
+  ``dot_product_attention`` does on capped scores; every library baseline
+  is skipped with a reason, since none takes the cap); jaxfuse fuses it
+  into one region, which runs in Triton's interpreter and matches
+  ``jax.jit``. The d256 group: head dimension 256, causal and not."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases("bthd", "float32")
+  assert groups["softcap"] == list(attention.GEMMA2)
+  assert groups["d256"] == ["D256-T4096-h16-kv8", "D256-T4096-h16-kv8-causal"]
+  p = cases["GEMMA2-27B-T4096"].params
+  assert (p["softcap"], p["kv_heads"], p["K"], p["causal"]) == (50.0, 16, 128, True)
+  assert p["scale"] == pytest.approx(144 ** -0.5)
+  assert cases["D256-T4096-h16-kv8"].params["softcap"] == 0.0
+  case = attention.make_case("cap", 1, 4, 40, 40, 32, 32, causal=True, layout="bthd",
+                             group="softcap", dtype="float32", kv_heads=2, softcap=2.0)
+  q, k, v = case.make_inputs(jax.random.key(3), "float32")
+  kk, vv = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, kk) * case.params["scale"]
+  s = jnp.where(jnp.tril(jnp.ones((40, 40), bool)), 2.0 * jnp.tanh(s / 2.0), -jnp.inf)
+  want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), vv)
+  np.testing.assert_allclose(np.asarray(jax.jit(case.fn)(q, k, v)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+  impls = {i.name: i for i in attention.impls_for(case)}
+  for name in ("dpa-cudnn", "dpa-xla", "jaxfuse-dpa", "pallas", "torch-flash", "torch-cudnn"):
+    assert "score cap" in impls[name]._check(), name   # pylint: disable=protected-access
+  assert impls["xla"].unavailable() is None and impls["jaxfuse"].unavailable() is None
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(case.fn)(q, k, v).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  with config.override(backend="interpret", device="h100", tune="model"):
+    got = jaxfuse.jit(case.fn)(q, k, v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-3, atol=2e-3)
+
+
 def test_mlp_chain_cpu(tmp_path):
   prefix = tmp_path / "mlp"
   out = _run(["-m", "benchmarks.mlp_chain", "--shapes=4x32x64x32x16", "--reps=1",

@@ -3,7 +3,11 @@
 grouped heads, causal, window and bias masks, ``jax.nn.dot_product_attention``,
 3-GEMM MLPs, gated MLPs, sibling projections, packed-QKV attention blocks,
 transposed weights, masks passed in, hand-written softmax, LayerNorm FFNs,
-stacked and vmapped attention, mixed-precision weights) at odd sizes and in float16,
+stacked and vmapped attention, mixed-precision weights; and, from current
+LLM code, soft-capped scores up to head dimension 256, ALiBi biases, rotary
+embeddings, padding masks from sequence lengths, probabilities returned,
+whole attention blocks with their projections, LoRA adapters, RMSNorm gated
+MLPs, float32 scores of 16-bit inputs, batched GEMM chains) at odd sizes and in float16,
 bfloat16 and float32, each captured, planned for the H100, printed and run in
 Triton's interpreter, then compared with ``jax.jit`` and a float32 reference.
 
@@ -275,6 +279,136 @@ def _vmapped_attention(rng, dtype):
   return Program(jax.vmap(one), [(heads, t, d)] * 3, dtype, dict(heads=heads, t=t, d=d))
 
 
+def _softcap_attention(rng, dtype):
+  """Scores soft-capped as ``cap * tanh(s / cap)`` (Gemma 2)."""
+  b, h, t = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([7, 16, 64, 100])
+  d = rng.choice([16, 32, 64, 128, 256])
+  cap, causal = rng.choice([5.0, 30.0, 50.0]), rng.random() < 0.5
+
+  def fn(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    s = cap * jnp.tanh(s / cap)
+    if causal:
+      s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+  return Program(fn, [(b, h, t, d)] * 3, dtype, dict(b=b, h=h, t=t, d=d, cap=cap, causal=causal))
+
+
+def _alibi_attention(rng, dtype):
+  """Causal attention with ALiBi's per-head linear bias, built from iotas."""
+  b, h = rng.choice([1, 2]), rng.choice([2, 4, 8])
+  t, d = rng.choice([16, 33, 64]), rng.choice([32, 64])
+
+  def fn(q, k, v):
+    slopes = 2.0 ** (-8.0 * (jnp.arange(h) + 1) / h)
+    rel = jnp.arange(t)[None, :] - jnp.arange(t)[:, None]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    s = s + (slopes[:, None, None] * rel).astype(s.dtype)
+    s = jnp.where(rel <= 0, s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+  return Program(fn, [(b, t, h, d)] * 3, dtype, dict(b=b, h=h, t=t, d=d))
+
+
+def _lora(rng, dtype):
+  """A projection plus its low-rank adapter, ``x @ w + (x @ a) @ b * alpha``."""
+  m, k, n, r = rng.choice([1, 5, 16, 64, 100]), _dim(rng), _dim(rng), rng.choice([4, 8, 16])
+  alpha = rng.choice([0.5, 2.0])
+
+  def fn(x, w, a, bb):
+    return x @ w + (x @ a) @ bb * alpha
+  return Program(fn, [(m, k), (k, n), (k, r), (r, n)], dtype, dict(m=m, k=k, n=n, r=r), True)
+
+
+def _rope_attention(rng, dtype):
+  """Rotary embeddings on q and k (split halves, concatenate), then causal attention."""
+  b, h = rng.choice([1, 2]), rng.choice([1, 2, 4])
+  t, d = rng.choice([16, 64, 100]), rng.choice([32, 64, 128])
+
+  def rot(x, cos, sin):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+  def fn(q, k, v, ang):
+    cos, sin = jnp.cos(ang).astype(q.dtype), jnp.sin(ang).astype(q.dtype)
+    q, k = rot(q, cos, sin), rot(k, cos, sin)
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+  return Program(fn, [(b, h, t, d)] * 3 + [(t, d)], dtype, dict(b=b, h=h, t=t, d=d))
+
+
+def _padding_mask(rng, dtype):
+  """Keys past each sequence's length (an input) masked with the finite minimum."""
+  b, h, d = rng.choice([2, 3]), rng.choice([1, 4]), rng.choice([32, 64])
+  tq, tk = rng.choice([1, 16, 64]), rng.choice([16, 33, 128])
+
+  def fn(q, k, v, lens):
+    lengths = (jnp.abs(lens[:, 0]) * tk).astype(jnp.int32) % tk + 1
+    keep = jnp.arange(tk)[None, :] < lengths[:, None]
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d)
+    s = jnp.where(keep[:, None, None, :], s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+  return Program(fn, [(b, h, tq, d), (b, h, tk, d), (b, h, tk, d), (b, 1)], dtype, dict(b=b, h=h, tq=tq, tk=tk, d=d))
+
+
+def _attention_with_probs(rng, dtype):
+  """Attention that also returns its probabilities."""
+  b, h, t, d = 1, rng.choice([1, 2]), rng.choice([16, 64]), rng.choice([32, 64])
+
+  def fn(q, k, v):
+    p = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(d), -1)
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v), p
+  return Program(fn, [(b, h, t, d)] * 3, dtype, dict(b=b, h=h, t=t, d=d))
+
+
+def _attention_block(rng, dtype):
+  """x -> q/k/v projections per head -> attention -> output projection."""
+  b, t = rng.choice([1, 2]), rng.choice([8, 16, 64])
+  h, d = rng.choice([1, 2, 4]), rng.choice([16, 32, 64])
+  D = h * d
+
+  def fn(x, wq, wk, wv, wo):
+    q, k, v = ((x @ w).reshape(b, t, h, d) for w in (wq, wk, wv))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+    return o.reshape(b, t, D) @ wo
+  return Program(fn, [(b, t, D)] + [(D, D)] * 4, dtype, dict(b=b, t=t, h=h, d=d), True)
+
+
+def _llama_mlp(rng, dtype):
+  """RMSNorm, then a gated SiLU MLP and a residual (LLaMA)."""
+  m, D, f = rng.choice([1, 4, 16, 64]), rng.choice([32, 64, 128]), rng.choice([64, 96, 256])
+
+  def fn(x, g, wg, wu, wd):
+    xf = x.astype(jnp.float32)
+    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)).astype(x.dtype) * g
+    return x + (jax.nn.silu(y @ wg) * (y @ wu)) @ wd
+  return Program(fn, [(m, D), (D,), (D, f), (D, f), (f, D)], dtype, dict(m=m, D=D, f=f), True)
+
+
+def _f32_softmax(rng, dtype):
+  """Scores accumulated in float32 (``preferred_element_type``), the softmax cast back."""
+  b, h = rng.choice([1, 2]), rng.choice([2, 4])
+  t, d = rng.choice([16, 64, 128]), rng.choice([32, 64])
+
+  def fn(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    p = jax.nn.softmax(s, -1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  return Program(fn, [(b, t, h, d)] * 3, dtype, dict(b=b, h=h, t=t, d=d))
+
+
+def _batched_gemm_chain(rng, dtype):
+  """A GEMM chain with batched weights (``einsum`` over a leading batch)."""
+  b, m = rng.choice([2, 3]), rng.choice([5, 16, 64])
+  k, n, hh = _dim(rng), _dim(rng), _dim(rng)
+  act = rng.choice(sorted(ACTIVATIONS))
+
+  def fn(x, w1, w2):
+    return jnp.einsum("bmn,bnh->bmh", ACTIVATIONS[act](jnp.einsum("bmk,bkn->bmn", x, w1)), w2)
+  return Program(fn, [(b, m, k), (b, k, n), (b, n, hh)], dtype, dict(b=b, m=m, k=k, n=n, h=hh, act=act), True)
+
+
 # kind -> (generator, weight)
 KINDS = {"gemm_chain": (_gemm_chain, 2), "attention": (_attention, 3),
          "dot_product_attention": (_dot_product_attention, 1), "mlp3": (_mlp3, 1),
@@ -282,7 +416,12 @@ KINDS = {"gemm_chain": (_gemm_chain, 2), "attention": (_attention, 3),
          "packed_qkv_block": (_packed_qkv_block, 2), "transposed_weights": (_transposed_weights, 1),
          "mask_argument": (_mask_argument, 1), "hand_written_softmax": (_hand_written_softmax, 1),
          "layer_norm_ffn": (_layer_norm_ffn, 1), "stacked_attention": (_stacked_attention, 1),
-         "mixed_precision": (_mixed_precision, 1), "vmapped_attention": (_vmapped_attention, 1)}
+         "mixed_precision": (_mixed_precision, 1), "vmapped_attention": (_vmapped_attention, 1),
+         "softcap_attention": (_softcap_attention, 1), "alibi_attention": (_alibi_attention, 1),
+         "lora": (_lora, 1), "rope_attention": (_rope_attention, 1),
+         "padding_mask": (_padding_mask, 1), "attention_with_probs": (_attention_with_probs, 1),
+         "attention_block": (_attention_block, 1), "llama_mlp": (_llama_mlp, 1),
+         "f32_softmax": (_f32_softmax, 1), "batched_gemm_chain": (_batched_gemm_chain, 1)}
 
 
 def random_program(seed: int) -> Program:

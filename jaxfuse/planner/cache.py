@@ -70,7 +70,7 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # float32 contraction's 16-bit computed operand is rounded (the printer's
 # float32_operand) and the self-check's tolerance counts intermediates and
 # exponentials of large rounded arguments (launch.tolerance).
-FORMAT_VERSION = 25
+FORMAT_VERSION = 26
 
 
 def _version() -> str:

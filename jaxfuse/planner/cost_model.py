@@ -105,7 +105,8 @@ from jaxfuse.planner.plan import Prediction
 __all__ = ["predict", "elementwise_cost", "ELEMENTWISE_COST", "num_programs", "choose_warps",
            "choose_warps_stages", "programs_per_sm",
            "accumulator_bytes", "epilogue_live_tiles", "is_gemm_epilogue",
-           "register_tile_bytes", "register_budget_bytes", "tile_rows",
+           "register_tile_bytes", "register_budget_bytes", "unsplit_floor_regs",
+           "unsplit_floor_tiles", "tile_rows",
            "floor_time", "unfused_time", "dot_efficiency", "slower_than_unfused",
            "verdict_uncertain", "UNCERTAIN_BELOW", "STREAMED_SPLIT_UNCERTAIN_BELOW",
            "masked_trip_fractions", "MASKED_MIN_WAVES",
@@ -647,16 +648,90 @@ def programs_per_sm(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
                     2048 // threads, int(device.regs_per_sm // (threads * regs))))
 
 
-def register_budget_bytes(num_warps: int, rows: int = 128, masked: bool = False) -> int:
+def register_budget_bytes(num_warps: int, rows: int = 128, masked: bool = False,
+                          floor_regs: int = 0) -> int:
   """Bytes of fp32 accumulators a program of ``num_warps`` warps, on tiles
   of ``rows`` rows, may hold in registers (see ``ACC_REGS_PER_THREAD``);
   ``masked``: the region's key tiles are masked
-  (``MASKED_ACC_REGS_PER_THREAD``)."""
+  (``MASKED_ACC_REGS_PER_THREAD``); ``floor_regs``: per-thread registers
+  the budget does not go below (``unsplit_floor_regs``)."""
   if masked:
     per_thread = MASKED_ACC_REGS_PER_THREAD
   else:
     per_thread = ACC_REGS_PER_THREAD if rows >= 128 else NARROW_ACC_REGS_PER_THREAD
-  return num_warps * 32 * per_thread * 4
+  return num_warps * 32 * max(per_thread, floor_regs) * 4
+
+
+def unsplit_floor_regs(region: ir.Region) -> int:
+  """fp32 accumulator registers per thread of the narrowest plan that keeps
+  each output row whole: one warpgroup (4 warps) on 64 rows, every
+  contraction that feeds no other one over its whole columns (attention's
+  head dimension), the others 64 wide along the loop their consumer reduces
+  (the key tile). At most ``ACC_REGS_PER_THREAD``.
+
+  Why: ``NARROW_ACC_REGS_PER_THREAD`` and ``MASKED_ACC_REGS_PER_THREAD``
+  were set where head dimensions of 64-128 leave whole-row plans under
+  them. At d=256 (Gemma) the output tile alone holds 128 registers per
+  thread at 64 rows, so every whole-row plan was rejected and the planner
+  split the head dimension over programs, computing the scores and their
+  softmax once per part. Measured on an H100 (Triton 3.6, 2026-11-25,
+  sixty-fourth session; 1x16 heads over 8 key/value heads, 4096 tokens,
+  float16): the split picks ran 1181 us (causal, soft-capped scores), 640
+  us (causal) and 2490 us (no mask: the 192-register 128x128 plan, which
+  spills) against 399, 340 and 621 us for 64x64 score tiles over whole
+  rows at 4 warps, which hold this floor (160 registers), the fastest of
+  88 plans measured in each case."""
+  regs = accumulator_bytes(region, unsplit_floor_tiles(region)) // (4 * 32 * 4)
+  return min(regs, ACC_REGS_PER_THREAD)
+
+
+def unsplit_floor_tiles(region: ir.Region) -> dict[str, int]:
+  """The tiles of ``unsplit_floor_regs``'s plan (loops it does not name: 1).
+
+  Example::
+
+      unsplit_floor_tiles(examples.attention(1, 16, 4096, 4096, 256))
+      # rows 64, keys 64, head dimension 256
+  """
+  vm = region.value_map
+  ext = region.loop_extents
+  tiles = {l: 1 for l in ext}
+  for op in region.contractions:
+    cols = ir.contraction_loops(region, op)[1]
+    consumers = [c for c in region.contractions if c is not op and _reads(region, c, op.out)]
+    if consumers:
+      for c in consumers:
+        for l in set(c.reduce) & set(vm[op.out].loops):
+          tiles[l] = min(64, ext[l])
+    else:
+      for l in cols:
+        tiles[l] = ext[l]
+  for op in region.contractions:
+    rows = ir.contraction_loops(region, op)[0]
+    left = 64
+    for l in sorted(rows, key=lambda l: -ext[l]):
+      if tiles[l] == 1 and left > 1:
+        tiles[l] = min(left, ext[l])
+        left //= tiles[l]
+  return tiles
+
+
+def _reads(region: ir.Region, consumer: "ir.Contraction", value: str) -> bool:
+  """Whether ``consumer`` reads ``value`` through elementwise ops and
+  reductions (not through another contraction)."""
+  stack, seen = [consumer.lhs, consumer.rhs], set()
+  while stack:
+    v = stack.pop()
+    if v == value:
+      return True
+    if v in seen:
+      continue
+    seen.add(v)
+    op = region.producer(v)
+    if op is None or isinstance(op, ir.Contraction):
+      continue
+    stack.extend(op.inputs)
+  return False
 
 
 # Masked tiles are priced as skipped only where the grid runs at least this

@@ -222,7 +222,8 @@ def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.register_tile_bytes(region, tiles, warps)
   budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles),
-                                            masked=bool(masked))
+                                            masked=bool(masked),
+                                            floor_regs=cost_model.unsplit_floor_regs(region))
   if acc > budget:
     held = "fp32 accumulators"
     if acc > cost_model.accumulator_bytes(region, tiles):
@@ -374,6 +375,19 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
     c = space.tile_cands[l]
     big[l] = c[-1] if (l in region.reduced_loops() and l not in space.streamable) else balanced[l]
   seeds_tiles.append(big)
+  # Whole output rows at the narrowest tiles (``unsplit_floor_tiles``):
+  # at d=256 the plan the register floor admits differs from ``big`` in
+  # three loops and the skeleton at once, and the descent did not reach
+  # it from the model's other plans (2490 against 621 us measured, H100,
+  # sixty-fourth session).
+  floor = cost_model.unsplit_floor_tiles(region)
+  if any(floor[l] > balanced[l] for l in loops):
+    whole = {}
+    for l in loops:
+      c = space.tile_cands[l]
+      whole[l] = (big[l] if floor[l] == 1 and big[l] != balanced[l]
+                  else min([t for t in c if t >= floor[l]] or [c[-1]]))
+    seeds_tiles.append(whole)
   try:
     deep = [s for g in space.grids for s in space.skeletons[g] if s.is_deep()]
     if deep:

@@ -1176,6 +1176,9 @@ def test_whole_rows_of_a_wide_head_dimension_get_the_register_floor():
   best = plan_region(wide, H100, use_cache=False).best
   assert best.tile("e") == 256 and "e" not in best.grid, best
   assert best.tile("d") == 256, best     # q loaded once, outside the key loop
+  # A head dimension of 160 is tiled as 256 (padded), so its floor is d=256's.
+  assert cost_model.unsplit_floor_regs(
+      testing.attention(1024, 1024, 160, B=1, heads=4, dtype="float16", causal=True)) == 160
   # GEMM chains and narrower heads: the floor is under their budgets.
   for d, regs in ((64, 64), (128, 96)):
     r = testing.attention(1024, 1024, d, B=1, heads=4, dtype="float16", causal=True)

@@ -69,8 +69,11 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # padded ones (search.search), so a cached "no plan" may now have one; a
 # float32 contraction's 16-bit computed operand is rounded (the printer's
 # float32_operand) and the self-check's tolerance counts intermediates and
-# exponentials of large rounded arguments (launch.tolerance).
-FORMAT_VERSION = 26
+# exponentials of large rounded arguments (launch.tolerance); 26-27: the
+# register budget does not go below the narrowest whole-row plan
+# (cost_model.unsplit_floor_regs, padded head dimensions from 27), and the
+# search seeds that plan: head dimensions of 160-256 no longer split.
+FORMAT_VERSION = 27
 
 
 def _version() -> str:

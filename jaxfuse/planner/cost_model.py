@@ -666,8 +666,9 @@ def unsplit_floor_regs(region: ir.Region) -> int:
   """fp32 accumulator registers per thread of the narrowest plan that keeps
   each output row whole: one warpgroup (4 warps) on 64 rows, every
   contraction that feeds no other one over its whole columns (attention's
-  head dimension), the others 64 wide along the loop their consumer reduces
-  (the key tile). At most ``ACC_REGS_PER_THREAD``.
+  head dimension, padded to a power of two as tiles are), the others 64
+  wide along the loop their consumer reduces (the key tile). At most
+  ``ACC_REGS_PER_THREAD``.
 
   Why: ``NARROW_ACC_REGS_PER_THREAD`` and ``MASKED_ACC_REGS_PER_THREAD``
   were set where head dimensions of 64-128 leave whole-row plans under
@@ -702,16 +703,16 @@ def unsplit_floor_tiles(region: ir.Region) -> dict[str, int]:
     if consumers:
       for c in consumers:
         for l in set(c.reduce) & set(vm[op.out].loops):
-          tiles[l] = min(64, ext[l])
+          tiles[l] = min(64, tiling.next_pow2(ext[l]))
     else:
       for l in cols:
-        tiles[l] = ext[l]
+        tiles[l] = tiling.next_pow2(ext[l])   # the padded tile the budget check sees
   for op in region.contractions:
     rows = ir.contraction_loops(region, op)[0]
     left = 64
     for l in sorted(rows, key=lambda l: -ext[l]):
       if tiles[l] == 1 and left > 1:
-        tiles[l] = min(left, ext[l])
+        tiles[l] = min(left, tiling.next_pow2(ext[l]))
         left //= tiles[l]
   return tiles
 

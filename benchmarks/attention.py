@@ -113,13 +113,15 @@ DECODE = {"DEC-B1-S4096-h32-kv8": (1, 32, 8, 4096, 128),
           "DEC-B4-S4096-h32-kv32": (4, 32, 32, 4096, 128)}
 
 
-# (batch, heads, kv heads, T, d, query scale, score cap): Gemma-2 2B, 9B and
-# 27B at prefill (Gemma 2 report, Table 1: 8/16/32 query heads over 4/8/16,
-# head dimension 256/256/128, attention logits soft-capped at 50.0; queries
-# scaled by 256^-0.5, and by 144^-0.5 on 27B).
-GEMMA2 = {"GEMMA2-2B-T4096": (1, 8, 4, 4096, 256, 256 ** -0.5, 50.0),
-          "GEMMA2-9B-T4096": (1, 16, 8, 4096, 256, 256 ** -0.5, 50.0),
-          "GEMMA2-27B-T4096": (1, 32, 16, 4096, 128, 144 ** -0.5, 50.0)}
+# (batch, heads, kv heads, T, d, query scale, score cap, window): Gemma-2 2B,
+# 9B and 27B at prefill (Gemma 2 report, Table 1: 8/16/32 query heads over
+# 4/8/16, head dimension 256/256/128, attention logits soft-capped at 50.0;
+# queries scaled by 256^-0.5, and by 144^-0.5 on 27B), global layers, and
+# 9B's local layers (a 4096-token sliding window) over 8192 tokens.
+GEMMA2 = {"GEMMA2-2B-T4096": (1, 8, 4, 4096, 256, 256 ** -0.5, 50.0, 0),
+          "GEMMA2-9B-T4096": (1, 16, 8, 4096, 256, 256 ** -0.5, 50.0, 0),
+          "GEMMA2-27B-T4096": (1, 32, 16, 4096, 128, 144 ** -0.5, 50.0, 0),
+          "GEMMA2-9B-T8192-local": (1, 16, 8, 8192, 256, 256 ** -0.5, 50.0, 4096)}
 # (batch, heads, kv heads, T, d): head dimension 256 without the cap, where
 # cuDNN competes.
 D256 = {"D256-T4096-h16-kv8": (1, 16, 8, 4096, 256)}
@@ -260,8 +262,8 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                     window=w, group="sliding window", dtype=dtype)
       cases[c.name] = c
       groups["window"].append(c.name)
-    for s, (b, h, kv, t, d, scale, cap) in GEMMA2.items():
-      c = make_case(s, b, h, t, t, d, d, causal=True, layout=layout, kv_heads=kv,
+    for s, (b, h, kv, t, d, scale, cap, w) in GEMMA2.items():
+      c = make_case(s, b, h, t, t, d, d, causal=True, layout=layout, kv_heads=kv, window=w,
                     softcap=cap, scale=scale, group="soft-capped (Gemma 2)", dtype=dtype)
       cases[c.name] = c
       groups["softcap"].append(c.name)

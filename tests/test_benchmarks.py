@@ -359,6 +359,8 @@ def test_attention_softcap_and_d256_cases():
   p = cases["GEMMA2-27B-T4096"].params
   assert (p["softcap"], p["kv_heads"], p["K"], p["causal"]) == (50.0, 16, 128, True)
   assert p["scale"] == pytest.approx(144 ** -0.5)
+  local = cases["GEMMA2-9B-T8192-local"].params
+  assert (local["window"], local["softcap"], local["K"]) == (4096, 50.0, 256)
   assert cases["D256-T4096-h16-kv8"].params["softcap"] == 0.0
   case = attention.make_case("cap", 1, 4, 40, 40, 32, 32, causal=True, layout="bthd",
                              group="softcap", dtype="float32", kv_heads=2, softcap=2.0)

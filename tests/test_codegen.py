@@ -864,3 +864,38 @@ def test_tolerance_allows_for_exp_of_rounded_large_scores(scale, loose):
   assert max(errs) <= tol
   if loose:
     assert max(errs) > 2e-3   # over float16's own tolerance: the case this is for
+
+
+def test_self_check_accepts_a_kernel_closer_to_exact_than_its_reference():
+  """bfloat16 one-query attention over 200 keys, unscaled scores plus a bias
+  (from the fuzzing): the reference rounds the scores to bfloat16 (its own
+  error against float64 0.02), the kernel keeps them in float32, and the
+  two differ by more than bfloat16's tolerance, so the correct kernel fell
+  back. The self-check now also measures both against float64 and passes a
+  kernel within tolerance of it; a wrong kernel (its output scaled by 1.1)
+  still fails."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  S = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+
+  def fn(q, k, v, bias):
+    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(v.dtype), v)
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(S(1, 1, 2, 16), S(1, 200, 1, 16),
+                                                 S(1, 200, 1, 16), S(1, 200)))
+  r = cap.region
+  k = generate(r, plan_region(r, "h100", use_cache=False).best, interpret=True)
+  xs = launch.shared_inputs(r, launch.MEASURE_SEED)
+  outs = launch.run_interpreted(k, xs)
+  exact = ir.evaluate(r, xs, precision="float64")
+  native = ir.evaluate(r, xs, precision="native")
+  tol = launch.tolerance(r)
+  assert launch.compare(r, outs, native) > tol          # the case this is for
+  assert launch.compare(r, outs, exact) <= tol < launch.compare(r, native, exact)
+  launch.self_check(k, launch.run_interpreted)          # passes
+  wrong = lambda kern, inputs: [o * 1.1 for o in launch.run_interpreted(kern, inputs)]
+  with pytest.raises(CodegenError, match="against float64"):
+    launch.self_check(k, wrong)

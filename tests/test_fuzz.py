@@ -282,7 +282,7 @@ def _vmapped_attention(rng, dtype):
 def _softcap_attention(rng, dtype):
   """Scores soft-capped as ``cap * tanh(s / cap)`` (Gemma 2)."""
   b, h, t = rng.choice([1, 2]), rng.choice([1, 2, 4]), rng.choice([7, 16, 64, 100])
-  d = rng.choice([16, 32, 64, 128, 256])
+  d = rng.choice([16, 32, 64, 128, 160, 192, 256])   # 160-256: the register floor
   cap, causal = rng.choice([5.0, 30.0, 50.0]), rng.random() < 0.5
 
   def fn(q, k, v):

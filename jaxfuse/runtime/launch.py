@@ -494,7 +494,10 @@ def self_check(kernel: GeneratedKernel, runner: Callable[[GeneratedKernel, list]
                seed: Optional[int] = None) -> None:
   """Runs the kernel on random inputs against the IR evaluator (each value
   rounded to its IR dtype, as XLA computes it; ``reference.evaluate`` on
-  the GPU); raises CodegenError. The default seed is measured tuning's, so that on the GPU
+  the GPU); raises CodegenError. A kernel outside ``tolerance`` of that
+  reference still passes when it is within tolerance of the region
+  evaluated in float64, or no farther from it than the reference is (see
+  the body). The default seed is measured tuning's, so that on the GPU
   the chosen kernel is checked against the reference tuning computed."""
   seed = MEASURE_SEED if seed is None else seed
   xs = shared_inputs(kernel.region, seed)

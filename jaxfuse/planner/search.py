@@ -78,6 +78,7 @@ class Space:
   streamable: frozenset[str]
   masked: dict   # loop -> streaming.Band, tiling.masked_tile_relations, once per search
   counts: dict
+  floor_regs: int = 0   # cost_model.unsplit_floor_regs, once per search
 
 
 @dataclasses.dataclass
@@ -195,16 +196,18 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
         splits.append((l, p))
   counts.update(_size_counts(skeletons, tile_cands, splits))
   return Space(region, device, grids, skeletons, tile_cands, splits, stream,
-               tiling.masked_tile_relations(region), counts)
+               tiling.masked_tile_relations(region), counts,
+               cost_model.unsplit_floor_regs(region))
 
 
 def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
-                masked: Optional[dict] = None) -> None:
+                masked: Optional[dict] = None, floor_regs: Optional[int] = None) -> None:
   """Raises PlacementError where tiles alone rule a plan out: shared memory
   (Rule 4), a dot Triton mishandles (Rule 5), or fp32 accumulators over the
   register budget of ``choose_warps``' warps (smaller where the region's
   key tiles are masked: ``masked``, ``tiling.masked_tile_relations``,
-  derived when None).
+  derived when None; never below ``floor_regs`` per thread,
+  ``cost_model.unsplit_floor_regs``, derived when None).
 
   Example: ``check_tiles(region, dict(plan.tiles), H100)`` tells whether
   the current planner still accepts a plan saved earlier."""
@@ -221,9 +224,10 @@ def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
     masked = tiling.masked_tile_relations(region)
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.register_tile_bytes(region, tiles, warps)
+  if floor_regs is None:
+    floor_regs = cost_model.unsplit_floor_regs(region)
   budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles),
-                                            masked=bool(masked),
-                                            floor_regs=cost_model.unsplit_floor_regs(region))
+                                            masked=bool(masked), floor_regs=floor_regs)
   if acc > budget:
     held = "fp32 accumulators"
     if acc > cost_model.accumulator_bytes(region, tiles):
@@ -257,18 +261,20 @@ def rejection_kind(reason: str) -> str:
 def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
               streamable: frozenset[str],
               placements: Optional[dict] = None,
-              masked: Optional[dict] = None) -> Plan:
+              masked: Optional[dict] = None,
+              floor_regs: Optional[int] = None) -> Plan:
   """Places a candidate and predicts it; raises PlacementError or ValueError.
 
   ``placements``: a memo of ``tiling.place`` for this region and
   ``streamable`` (one search's candidates share a few placements: place
   reads the tiles only through the loops they cover in one tile).
-  ``masked``: ``tiling.masked_tile_relations(region)`` (derived when None;
-  a search passes its space's, so the streaming analysis runs once)."""
+  ``masked``: ``tiling.masked_tile_relations(region)``, ``floor_regs``:
+  ``cost_model.unsplit_floor_regs(region)`` (each derived when None; a
+  search passes its space's, so each runs once per search)."""
   tiles = dict(cand.tiles)
   if masked is None:
     masked = tiling.masked_tile_relations(region)
-  check_tiles(region, tiles, device, masked)
+  check_tiles(region, tiles, device, masked, floor_regs)
   warps = cost_model.choose_warps(region, tiles)
   acc = cost_model.accumulator_bytes(region, tiles)
   if cand.split:
@@ -370,10 +376,10 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
     under = [t for t in c if t <= 64]
     balanced[l] = under[-1] if under else c[0]
   seeds_tiles = [balanced]
-  big = {}
-  for l in loops:
-    c = space.tile_cands[l]
-    big[l] = c[-1] if (l in region.reduced_loops() and l not in space.streamable) else balanced[l]
+  # Reduction loops that do not stream (a GEMM's k, attention's head
+  # dimension of q.k) whole: their operand is loaded once.
+  whole_red = {l for l in loops if l in region.reduced_loops() and l not in space.streamable}
+  big = {l: space.tile_cands[l][-1] if l in whole_red else balanced[l] for l in loops}
   seeds_tiles.append(big)
   # Whole output rows at the narrowest tiles (``unsplit_floor_tiles``):
   # at d=256 the plan the register floor admits differs from ``big`` in
@@ -382,11 +388,9 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
   # sixty-fourth session).
   floor = cost_model.unsplit_floor_tiles(region)
   if any(floor[l] > balanced[l] for l in loops):
-    whole = {}
-    for l in loops:
-      c = space.tile_cands[l]
-      whole[l] = (big[l] if floor[l] == 1 and big[l] != balanced[l]
-                  else min([t for t in c if t >= floor[l]] or [c[-1]]))
+    whole = {l: big[l] if l in whole_red else
+             min([t for t in space.tile_cands[l] if t >= floor[l]] or [space.tile_cands[l][-1]])
+             for l in loops}
     seeds_tiles.append(whole)
   try:
     deep = [s for g in space.grids for s in space.skeletons[g] if s.is_deep()]
@@ -490,7 +494,8 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
     if c in memo:
       return memo[c]
     try:
-      p = make_plan(region, device, c, space.streamable, placements, space.masked)
+      p = make_plan(region, device, c, space.streamable, placements, space.masked,
+                    space.floor_regs)
     except (tiling.PlacementError, ValueError) as e:
       key = rejection_kind(str(e))
       rejected[key] = rejected.get(key, 0) + 1

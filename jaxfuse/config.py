@@ -97,6 +97,11 @@ class Config:
     cut the device time per call of the papers' GEMM chains by 2-12%
     (6% geomean) and BERT-Base's by about 3% (benchmarks/RESULTS.md,
     fifty-fifth session). Off: every launch is captured.
+  kernel_forms: let the GPU run kernel forms other than the Triton
+    printer's where the planner ranks them first (``Plan.form``; today
+    the warp-specialized Gluon attention kernel on Hopper,
+    ``jaxfuse.codegen.gluon_printer``). Off: the Triton form runs
+    everywhere.
   """
   disable: bool = False
   backend: str = "auto"
@@ -110,6 +115,7 @@ class Config:
   allow_split: bool = True
   launch: str = "direct"
   record: bool = True
+  kernel_forms: bool = True
 
   @classmethod
   def from_env(cls) -> "Config":
@@ -126,6 +132,7 @@ class Config:
     c.allow_split = _env_bool("JAXFUSE_ALLOW_SPLIT", c.allow_split)
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch
     c.record = _env_bool("JAXFUSE_RECORD", c.record)
+    c.kernel_forms = _env_bool("JAXFUSE_KERNEL_FORMS", c.kernel_forms)
     c._check()
     return c
 

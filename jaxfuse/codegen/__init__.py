@@ -48,6 +48,9 @@ class GeneratedKernel:
   combine_grid: Optional[tuple[int, ...]] = None
   scratch: tuple[ScratchSpec, ...] = ()
   combine_constexprs: Optional[dict] = None
+  # Bytes of global scratch each program of ``fn`` needs (the Gluon form's
+  # TMA descriptors); 0: none.
+  global_scratch: int = 0
 
   @property
   def launch_options(self) -> dict:
@@ -60,8 +63,38 @@ class GeneratedKernel:
 
 
 def source(region: ir.Region, plan: Plan) -> str:
-  """The kernel's Triton source, without compiling or importing it."""
+  """The kernel's Triton (or, for ``plan.form``, Gluon) source, without
+  compiling or importing it."""
+  if plan.form:
+    return _print_form(region, plan).source
   return print_kernel(region, plan).source
+
+
+def _print_form(region: ir.Region, plan: Plan):
+  from jaxfuse.codegen import gluon_printer  # pylint: disable=g-import-not-at-top
+  from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
+  if plan.form != gluon_printer.GLUON_ATTENTION:
+    raise CodegenError(f"unknown kernel form {plan.form!r}")
+  return gluon_printer.print_kernel(region, plan, sm_count=get_device().sm_count)
+
+
+def _generate_form(region: ir.Region, plan: Plan, *, interpret: bool,
+                   cache_dir: Optional[str]) -> GeneratedKernel:
+  """``generate`` for a plan of another kernel form than Triton's."""
+  from jaxfuse.codegen import compile as _compile  # pylint: disable=g-import-not-at-top
+  if interpret:
+    raise CodegenError(f"kernel form {plan.form} runs on Hopper GPUs only, not in Triton's "
+                       "interpreter")
+  pk = _print_form(region, plan)
+  try:
+    mod, path = _compile.load_module(pk.source, interpret=False, cache_dir=cache_dir)
+  except Exception as e:  # pylint: disable=broad-except   (no Gluon in this Triton, ...)
+    raise CodegenError(f"generated kernel failed to import: {type(e).__name__}: {e}") from e
+  return GeneratedKernel(
+      region=region, plan=plan, source=pk.source, module_path=path,
+      fn=getattr(mod, pk.kernel_name), grid=pk.grid, num_warps=pk.num_warps,
+      num_stages=pk.num_stages, constexprs=dict(pk.constexprs), interpret=False,
+      global_scratch=pk.scratch_per_program)
 
 
 def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
@@ -84,6 +117,8 @@ def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,
   from jaxfuse.codegen import compile as _compile  # pylint: disable=g-import-not-at-top
   if interpret is None:
     interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+  if plan.form:
+    return _generate_form(region, plan, interpret=interpret, cache_dir=cache_dir)
   pk: PrintedKernel = print_kernel(region, plan)
   try:
     mod, path = _compile.load_module(pk.source, interpret=interpret, cache_dir=cache_dir)

@@ -130,6 +130,9 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   space.update({"evaluated": res.evaluated, "iterations": res.iterations,
                 "rejected": dict(res.rejected)})
   ranked = tuple(res.ranked[:top])
+  if ranked:
+    from jaxfuse.planner import kernel_forms  # pylint: disable=import-outside-toplevel
+    ranked = kernel_forms.with_kernel_forms(region, dev, ranked)
   why = None if ranked else _why_not(region, res.rejected)
   best = ranked[0] if ranked else None
   if best is not None and best.predicted.programs < dev.sm_count:

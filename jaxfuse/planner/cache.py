@@ -72,8 +72,10 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # exponentials of large rounded arguments (launch.tolerance); 26-27: the
 # register budget does not go below the narrowest whole-row plan
 # (cost_model.unsplit_floor_regs, padded head dimensions from 27), and the
-# search seeds that plan: head dimensions of 160-256 no longer split.
-FORMAT_VERSION = 27
+# search seeds that plan: head dimensions of 160-256 no longer split;
+# 28: plans carry their kernel form (Plan.form): softmax attention on Hopper
+# may rank the warp-specialized Gluon kernel (planner.kernel_forms) first.
+FORMAT_VERSION = 28
 
 
 def _version() -> str:
@@ -114,7 +116,7 @@ def _plan_to_json(p: Plan) -> dict:
   return {
       "expr": str(p.expr), "grid": list(p.grid), "tiles": [list(t) for t in p.tiles],
       "skeleton": p.skeleton, "num_warps": p.num_warps, "num_stages": p.num_stages,
-      "split": list(p.split) if p.split else None,
+      "split": list(p.split) if p.split else None, "form": p.form,
       "predicted": None if p.predicted is None else {
           f: getattr(p.predicted, f) for f in Prediction.__dataclass_fields__},
   }
@@ -129,7 +131,8 @@ def _plan_from_json(d: dict, region: ir.Region) -> Plan:
   pred = Prediction(**d["predicted"]) if d.get("predicted") else None
   return Plan(expr=expr, grid=tuple(d["grid"]), tiles=tiles, skeleton=d.get("skeleton", ""),
               num_warps=int(d["num_warps"]), num_stages=int(d["num_stages"]),
-              split=tuple(d["split"]) if d.get("split") else None, predicted=pred)
+              split=tuple(d["split"]) if d.get("split") else None, predicted=pred,
+              form=str(d.get("form") or ""))
 
 
 def _read_current(path: str, what: str) -> Optional[dict]:

@@ -75,6 +75,10 @@ class Plan:
   num_stages: int = 2
   split: Optional[tuple[str, int]] = None
   predicted: Optional[Prediction] = None
+  # Which kernel form prints the plan: "" the Triton printer
+  # (codegen.triton_printer); GLUON_ATTENTION the warp-specialized Hopper
+  # attention kernel (codegen.gluon_printer).
+  form: str = ""
 
   @property
   def tile_map(self) -> dict[str, int]:
@@ -93,13 +97,16 @@ class Plan:
            f"stages={self.num_stages}")
       if self.split:
         s += f"  split={self.split[0]}x{self.split[1]}"
+      if self.form:
+        s += f"  form={self.form}"
       object.__setattr__(self, "_text", s)
     return s
 
 
 _PLAN_RE = re.compile(r"grid\((?P<grid>[^)]*)\) (?P<expr>.+?)  tiles\((?P<tiles>[^)]*)\)  "
                       r"warps=(?P<warps>\d+) stages=(?P<stages>\d+)"
-                      r"(?:  split=(?P<sl>\w+)x(?P<sp>\d+))?$")
+                      r"(?:  split=(?P<sl>\w+)x(?P<sp>\d+))?"
+                      r"(?:  form=(?P<form>[\w-]+))?$")
 
 
 def parse_plan(text: str, loops: Optional[Iterable[str]] = None) -> Plan:
@@ -125,4 +132,5 @@ def parse_plan(text: str, loops: Optional[Iterable[str]] = None) -> Plan:
     tiles.append((name, int(size)))
   split = (m["sl"], int(m["sp"])) if m["sl"] else None
   return Plan(expr=tiling.parse(m["expr"], loops), grid=grid, tiles=tuple(tiles),
-              num_warps=int(m["warps"]), num_stages=int(m["stages"]), split=split)
+              num_warps=int(m["warps"]), num_stages=int(m["stages"]), split=split,
+              form=m["form"] or "")

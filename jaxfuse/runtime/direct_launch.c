@@ -24,8 +24,12 @@
  *                dependency (griddepcontrol.wait) before it touches memory.
  *                XLA reads it too: with it, its command buffers may start
  *                the kernel while the previous kernel finishes.
+ *   scratch i64  optional; the index of a buffer (operands, then results)
+ *                passed as the kernel's global scratch instead of as a
+ *                parameter (kernels that make TMA descriptors on the device
+ *                write them there). Absent or -1: null.
  * Triton kernels take two hidden pointers after their parameters (global
- * and profile scratch); jaxfuse's kernels use neither, so both are null.
+ * and profile scratch); the profile scratch is always null.
  *
  * Built with JAXFUSE_RECORD (against a jaxlib whose FFI has the record
  * extension), jaxfuse_direct_record is the handler's record stage: inside
@@ -179,7 +183,7 @@ static void open_driver_once(void) { g_driver_error = open_driver(); }
 /* ------------------------------------------------------------ attributes */
 
 typedef struct {
-  int64_t kid, image_kind, block, smem, uses_pdl;
+  int64_t kid, image_kind, block, smem, uses_pdl, scratch;
   const int64_t* grid;
   const int64_t* kinds;
   const int64_t* values;
@@ -196,6 +200,7 @@ static int name_is(const XLA_FFI_ByteSpan* n, const char* s) {
 /* 0 on success; otherwise writes a message into err. */
 static int decode_attrs(const XLA_FFI_Attrs* attrs, Attrs* out, char* err, size_t err_len) {
   memset(out, 0, sizeof(*out));
+  out->scratch = -1;
   for (int64_t i = 0; i < attrs->size; ++i) {
     const XLA_FFI_ByteSpan* n = attrs->names[i];
     XLA_FFI_AttrType t = attrs->types[i];
@@ -214,6 +219,7 @@ static int decode_attrs(const XLA_FFI_Attrs* attrs, Attrs* out, char* err, size_
       else if (name_is(n, "image_kind")) { out->image_kind = v; out->seen |= 2; }
       else if (name_is(n, "block")) { out->block = v; out->seen |= 4; }
       else if (name_is(n, "smem")) { out->smem = v; out->seen |= 8; }
+      else if (name_is(n, "scratch")) out->scratch = v;
     } else if (t == XLA_FFI_AttrType_ARRAY) {
       const XLA_FFI_Array* a = (const XLA_FFI_Array*)attrs->attrs[i];
       if (a->dtype != XLA_FFI_DataType_S64) {
@@ -402,29 +408,38 @@ static XLA_FFI_Error* decode_call(const XLA_FFI_CallFrame* frame, Attrs* at) {
   return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT, msg);
 }
 
+static uint64_t buffer_address(const XLA_FFI_CallFrame* frame, int64_t b) {
+  XLA_FFI_Buffer* buf = (XLA_FFI_Buffer*)(b < frame->args.size
+                                              ? frame->args.args[b]
+                                              : frame->rets.rets[b - frame->args.size]);
+  return (uint64_t)(uintptr_t)buf->data;
+}
+
 /* The kernel's parameter values: a buffer's device address, a scalar's
- * bits; then the two null scratch pointers. NULL on success. */
+ * bits; then the global scratch (the "scratch" buffer, or null) and the
+ * null profile scratch. NULL on success. */
 static XLA_FFI_Error* fill_slots(const XLA_FFI_CallFrame* frame, const Attrs* at,
                                  uint64_t* slots) {
   int64_t n_buffers = frame->args.size + frame->rets.size, b = 0;
+  if (at->scratch >= n_buffers)
+    return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
+                      "jaxfuse direct launch: scratch names no buffer");
   for (int64_t i = 0; i < at->n_kinds; ++i) {
     if (at->kinds[i] != 0) {
       slots[i] = (uint64_t)at->values[i];
       continue;
     }
+    if (b == at->scratch) ++b;
     if (b >= n_buffers)
       return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                         "jaxfuse direct launch: more buffer parameters than buffers");
-    XLA_FFI_Buffer* buf = (XLA_FFI_Buffer*)(b < frame->args.size
-                                                ? frame->args.args[b]
-                                                : frame->rets.rets[b - frame->args.size]);
-    ++b;
-    slots[i] = (uint64_t)(uintptr_t)buf->data;
+    slots[i] = buffer_address(frame, b++);
   }
+  if (b == at->scratch) ++b;
   if (b != n_buffers)
     return make_error(frame->api, XLA_FFI_Error_Code_INVALID_ARGUMENT,
                       "jaxfuse direct launch: fewer buffer parameters than buffers");
-  slots[at->n_kinds] = 0;
+  slots[at->n_kinds] = at->scratch >= 0 ? buffer_address(frame, at->scratch) : 0;
   slots[at->n_kinds + 1] = 0;
   return NULL;
 }

@@ -606,6 +606,9 @@ def triton_launch(kernel: GeneratedKernel, args: Sequence[Any],
                   offsets: Optional[Sequence[int]] = None) -> list[Any]:
   """``jax_triton.triton_call`` of a generated kernel (plus its combine pass).
   ``offsets``: as in ``run_interpreted``."""
+  if kernel.plan.form:
+    from jaxfuse.runtime import gluon_launch  # pylint: disable=g-import-not-at-top
+    return gluon_launch.launch(kernel, args)
   values: dict = {("in", i): a for i, a in enumerate(args)}
   values.update({("off", i): o for i, o in enumerate(_launch_offsets(kernel, offsets))})
   specs = _launch_buffers(kernel)
@@ -682,6 +685,19 @@ def _sandbox_program(kernel: GeneratedKernel, xs: Sequence[np.ndarray]):
   import jax  # pylint: disable=g-import-not-at-top
   from jaxfuse.runtime import kernel_sandbox  # pylint: disable=g-import-not-at-top
   structs = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in xs]
+  if kernel.plan.form:
+    # One launch of attributes made without jax-triton: the region's
+    # inputs, its outputs, then the kernel's global scratch.
+    from jaxfuse.runtime import gluon_launch  # pylint: disable=g-import-not-at-top
+    attrs = gluon_launch.attributes(kernel)
+    outs = _out_shapes(kernel.region)
+    programs = int(np.prod(attrs["grid"]))
+    buffers = [(tuple(s.shape), np.dtype(s.dtype)) for s in (*structs, *outs)]
+    buffers.append(((max(1, programs * kernel.global_scratch),), np.dtype(np.uint8)))
+    n_in = len(structs)
+    return kernel_sandbox.Program(
+        buffers=buffers, steps=[(attrs, list(range(len(buffers))))],
+        inputs=list(range(n_in)), outputs=list(range(n_in, n_in + len(outs))))
   with triton_call.collect_calls() as calls:
     jax.jit(lambda *a: triton_launch(kernel, a), keep_unused=True).lower(*structs)
   steps = _launch_steps(kernel)
@@ -777,6 +793,10 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
   if measured is None:
     measured = backend == "triton" and config.tune == "measure"
   ranked, res = _planned(region, measured)
+  if backend != "triton" or not config.kernel_forms:
+    # Other kernel forms (Plan.form) run on the GPU only, and only where
+    # config.kernel_forms lets them.
+    ranked = [p for p in ranked if not p.form] or ranked
   if backend == "triton":
     # MCFuser fuses chains that are memory-bound (intensity below the ridge
     # point); a compute-bound chain is left to XLA's library GEMMs. Under

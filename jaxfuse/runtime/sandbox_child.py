@@ -121,11 +121,17 @@ class Runner:
 
   def launch(self, attrs: dict, pointers: list[int]) -> None:
     """One launch of ``attrs``' kernel, its pointer parameters bound to
-    ``pointers`` in order, then Triton's two hidden scratch pointers (null:
-    jaxfuse's kernels use neither), as ``direct_launch.c`` does."""
+    ``pointers`` in order, then Triton's two hidden scratch pointers, as
+    ``direct_launch.c`` does: the global scratch is the pointer at
+    ``attrs['scratch']`` (taken out of the parameters' order) or null, the
+    profile scratch null."""
     kinds, values = attrs["kinds"], attrs["values"]
     n = len(kinds)
     slots = (ctypes.c_uint64 * (n + 2))()
+    pointers = list(pointers)
+    scratch = int(attrs.get("scratch", -1))
+    if scratch >= 0:
+      slots[n] = pointers.pop(scratch)
     ptrs = iter(pointers)
     for i, (kind, value) in enumerate(zip(kinds, values)):
       if kind == BUFFER:

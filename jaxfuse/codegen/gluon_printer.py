@@ -1,0 +1,485 @@
+"""The warp-specialized attention kernel for Hopper, printed in Gluon.
+
+Why a second printer: Triton's compiler runs softmax attention's two
+``tl.dot`` s in one warpgroup, one after the other, with the softmax between
+them; at head dimensions of 64-128 that form reached 0.82-0.95x cuDNN's
+speed on an H100 whatever its tiles (benchmarks/RESULTS.md, sessions 22, 28
+and 65). Gluon, Triton's lower-level dialect, lets the kernel say what
+FlashAttention-3 does:
+
+* two consumer warpgroups, each its own partition with 64 query rows, so
+  one's softmax runs while the other's tensor-core work does;
+* inside each, the next key block's ``Q.K^T`` is issued before this block's
+  ``P.V``, and the softmax of the next block runs while ``P.V`` is in flight
+  (``warpgroup_mma(..., is_async=True)`` and explicit waits);
+* a one-warp loader partition moves K and V through a ring of shared-memory
+  stages with TMA, signalled by mbarriers;
+* persistent programs (one per SM) walk the (batch, head, query tile)
+  tiles, so each program makes its four tensor descriptors once.
+
+Measured on an H100 (session 65): 0.94-1.0x cuDNN at d=128, 0.95-0.98x at
+d=64, 1.06-1.22x the Triton form's speed.
+
+The form is printed only for what it computes exactly: softmax attention
+``softmax(c * q.k^T) . v`` (``attention_form`` recognises it from the IR and
+says why not otherwise): no mask, bias or cap, 16-bit q/k/v/out of one
+dtype, head dimensions of 64 or 128, query and key lengths multiples of its
+tiles, each operand's head a [rows, dim] block of a 2-D view with unit inner
+stride. It runs on the GPU only: Triton's interpreter has no Gluon, so CPU
+runs use the Triton form of the same region.
+
+Example::
+
+    form = attention_form(region)          # an AttentionForm, or why not (str)
+    pk = print_kernel(region, plan, sm_count=132)
+    print(pk.source)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import string
+from typing import Union
+
+from jaxfuse import ir
+from jaxfuse.codegen import streaming
+from jaxfuse.codegen.triton_printer import CodegenError
+
+__all__ = ["GLUON_ATTENTION", "AttentionForm", "GluonKernel", "attention_form", "print_kernel",
+           "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
+
+# Plan.form of this kernel.
+GLUON_ATTENTION = "gluon-ws"
+# Query rows of each of the two consumer warpgroups (one wgmma M atom).
+ROWS_PER_WARPGROUP = 64
+BLOCK_M = 2 * ROWS_PER_WARPGROUP
+# Global scratch of one program: four 128-byte TMA descriptors.
+SCRATCH_PER_PROGRAM = 4 * 128
+_HEAD_DIMS = (64, 128)
+_DTYPES = {"float16": "gl.float16", "bfloat16": "gl.bfloat16"}
+_MAX_BATCH_TILES = 1 << 16    # batch index combinations checked one by one
+# Registers per thread of the second consumer warpgroup (the first gets what
+# is left of 64K after it and the loader's 24): 240 measured 3-4% faster
+# than 232 at d=64 and no faster at d=128 (H100, session 65).
+_CONSUMER_REGS = {64: 240, 128: 232}
+_SMEM_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """One operand's 2-D view: ``rows`` x ``row_stride`` elements, unit inner
+  stride; a head starts at ``sum(index * batch_strides)`` elements."""
+  index: int                     # position among the kernel's buffers
+  batch_strides: tuple[int, ...]
+  row_stride: int
+  rows: int
+  width: int                     # head dimension (columns of one head)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+  batch: tuple[tuple[str, int], ...]    # batch loops (outermost first), extents
+  m: str
+  n: str
+  d: str                                # the q.k^T contraction's loop
+  e: str                                # the output's head dimension
+  extents: tuple[int, int, int, int]    # M, N, D, E
+  scale: float                          # c of softmax(c * q.k^T)
+  dtype: str
+  q: Operand
+  k: Operand
+  v: Operand
+  out: Operand
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonKernel:
+  source: str
+  kernel_name: str
+  grid: tuple[int, ...]
+  constexprs: tuple[tuple[str, int], ...]
+  num_warps: int                  # of the default partition; the kernel runs 12
+  num_stages: int
+  scratch_per_program: int
+
+
+def _literal(a) -> Union[float, None]:
+  return float(a.value) if isinstance(a, ir.Literal) else None
+
+
+def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
+  """The region as softmax attention this kernel computes, or why it is not."""
+  if len(region.contractions) != 2 or len(region.inputs) != 3 or len(region.outputs) != 1:
+    return "not two contractions over three inputs and one output"
+  if any(b.window or b.part_loop or b.offset for b in (*region.inputs, *region.outputs)):
+    return "an operand is a window or a part buffer"
+  vm = region.value_map
+  ins = {b.value: b for b in region.inputs}
+  c0, c1 = region.contractions
+  if c0.lhs not in ins or c0.rhs not in ins or len(c0.reduce) != 1:
+    return "the first contraction does not read two inputs over one loop"
+  if len(c1.reduce) != 1:
+    return "the second contraction reduces more than one loop"
+  n = c1.reduce[0]
+  d = c0.reduce[0]
+  vname = c1.rhs if c1.rhs in ins else (c1.lhs if c1.lhs in ins else None)
+  if vname is None or vname in (c0.lhs, c0.rhs):
+    return "the second contraction does not read the third input"
+  pname = c1.lhs if vname == c1.rhs else c1.rhs
+  info = streaming.analyze(region)
+  if info.single_tile or n not in info.streamed:
+    return "its softmax does not stream over the key loop"
+  if streaming.masked_tile_relations(region):
+    return "a mask hides key tiles"
+  # Every op between the contractions must be one of softmax's; anything
+  # else (a bias, a cap, a mask) is printed by the Triton form.
+  scale = 1.0
+  saw = set()
+  for op in region.ops:
+    if isinstance(op, ir.Contraction):
+      continue
+    if isinstance(op, ir.Iota):
+      return "it reads an index (a mask)"
+    if isinstance(op, ir.Reduction):
+      if op.loop != n or op.kind not in ("max", "sum"):
+        return f"a reduction {op.kind} over {op.loop}"
+      saw.add(op.kind)
+      continue
+    fn, args = op.fn, op.args
+    lits = [_literal(a) for a in args]
+    if fn == "convert":
+      continue
+    if fn in ("mul", "div") and any(l is not None for l in lits):
+      c = next(l for l in lits if l is not None)
+      if c <= 0 or (fn == "div" and _literal(args[1]) is None):
+        return f"a {fn} by {c}"
+      # A positive literal on the scores is the softmax scale; on the
+      # output it would be one too many factors, which the kernel lacks.
+      src = next(a for a in args if isinstance(a, str))
+      if not _reaches(region, src, c0.out) or _after_reduction(region, src):
+        return f"a {fn} by a literal off the scores"
+      scale *= c if fn == "mul" else 1.0 / c
+      continue
+    if fn == "sub" and all(isinstance(a, str) for a in args):
+      saw.add("sub")
+      continue
+    if fn == "exp" and len(args) == 1:
+      saw.add("exp")
+      continue
+    if fn == "div" and all(isinstance(a, str) for a in args):
+      saw.add("div")
+      continue
+    return f"an op {fn} the kernel does not compute"
+  if saw != {"max", "sum", "sub", "exp", "div"}:
+    return "not a softmax (max, sub, exp, sum, div)"
+  dtypes = {vm[b.value].dtype for b in (*region.inputs, *region.outputs)}
+  if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+    return f"operand dtypes {sorted(dtypes)}: one 16-bit float type is needed"
+  # The key is the first contraction's operand indexed by the key loop
+  # (capture may write the scores as k.q^T).
+  if (n in vm[c0.lhs].loops) == (n in vm[c0.rhs].loops):
+    return "the first contraction's operands are not a query and a key"
+  kname, qname = (c0.lhs, c0.rhs) if n in vm[c0.lhs].loops else (c0.rhs, c0.lhs)
+  out = region.outputs[0]
+  ext = region.loop_extents
+  # The query's own loops are its rows and, under grouped-query attention,
+  # the heads that share a key (a loop the key does not have): the longest
+  # is the rows, the others are heads.
+  qloops = [l for l in vm[qname].loops if l != d and l not in vm[kname].loops]
+  if not qloops:
+    return "the query has no row loop"
+  m = max(qloops, key=lambda l: (ext[l], l))
+  # The value's head dimension: its loop the query lacks and the output has.
+  e_loops = [l for l in vm[vname].loops
+             if l != n and l not in vm[qname].loops and l in vm[out.value].loops and ext[l] > 1]
+  if len(e_loops) != 1:
+    return "the value has no single head-dimension loop"
+  e = e_loops[0]
+  batch = [l.name for l in region.loops if l.name not in (m, n, d, e)]
+  M, N, D, E = ext[m], ext[n], ext[d], ext[e]
+  if D != E or D not in _HEAD_DIMS:
+    return f"head dimensions {D}, {E}: the kernel takes one of {_HEAD_DIMS} for both"
+  if M % BLOCK_M or N % 64:
+    return f"lengths {M} x {N}: queries must be a multiple of {BLOCK_M}, keys of 64"
+  order = [b.value for b in (*region.inputs, *region.outputs)]
+  ops = {}
+  for role, name, row, col in (("q", qname, m, d), ("k", kname, n, d), ("v", vname, n, e),
+                               ("out", out.value, m, e)):
+    buf = next(b for b in (*region.inputs, *region.outputs) if b.value == name)
+    if set(buf.loops) - set(batch) - {row, col}:
+      return f"{role} is indexed by another loop"
+    if buf.stride(col) != 1:
+      return f"{role}'s head dimension is not contiguous"
+    r = buf.stride(row)
+    width = ext[col]
+    size = buf.size
+    if r < width or size % r or (r * 2) % 16:
+      return f"{role} has no 2-D view of unit inner stride"
+    strides = tuple(buf.stride(l) for l in batch)
+    if math.prod(ext[l] for l in batch) > _MAX_BATCH_TILES:
+      return "too many heads to check"
+    for idx in itertools.product(*(range(ext[l]) for l in batch)):
+      base = sum(i * s for i, s in zip(idx, strides))
+      if base % r + width > r or base // r + ext[row] > size // r:
+        return f"{role}'s heads do not lie in rows of one 2-D view"
+    ops[role] = Operand(order.index(name), strides, r, size // r, width)
+  # The softmax's own ops between c0 and c1 are checked above; the score
+  # must reach the value's contraction through them.
+  if not _reaches(region, pname, c0.out):
+    return "the second contraction does not read the softmax of the first"
+  return AttentionForm(tuple((l, ext[l]) for l in batch), m, n, d, e, (M, N, D, E), scale,
+                       next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"])
+
+
+def _reaches(region: ir.Region, name: str, target: str) -> bool:
+  """Whether value ``name`` is computed from ``target``."""
+  todo, seen = [name], set()
+  while todo:
+    v = todo.pop()
+    if v == target:
+      return True
+    if v in seen:
+      continue
+    seen.add(v)
+    op = region.producer(v)
+    if op is not None:
+      todo.extend(op.inputs)
+  return False
+
+
+def _after_reduction(region: ir.Region, name: str) -> bool:
+  """Whether value ``name`` is computed from a reduction's result."""
+  return any(isinstance(op, ir.Reduction) and _reaches(region, name, op.out) for op in region.ops)
+
+
+def tile_sizes(form: AttentionForm) -> tuple[int, int]:
+  """(key tile, pipeline stages): the widest key tile and the deepest ring
+  of K/V stages that fit shared memory (measured best at d=64-128)."""
+  M, N, D, E = form.extents
+  bn = 128 if N % 128 == 0 else 64
+  item = 2
+  fixed = BLOCK_M * max(D, E) * item + 1024
+  stages = 3
+  while stages > 2 and fixed + stages * bn * (D + E) * item > _SMEM_BYTES:
+    stages -= 1
+  return bn, stages
+
+
+_TEMPLATE = string.Template('''\
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_wait)
+
+# Triton 3.9 renamed the TMA copies; 3.6 has only the old names.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+
+@gluon.jit
+def _${name}_coords(t, X_ROWS: gl.constexpr, Y_ROWS: gl.constexpr):
+    # Tile t: query tile t % M_TILES of head t // M_TILES. Returns each
+    # operand's first row and column in its 2-D view.
+    mt = t % ${m_tiles}
+    bi = t // ${m_tiles}
+${batch_code}
+    q_base = ${q_base}
+    k_base = ${k_base}
+    v_base = ${v_base}
+    o_base = ${o_base}
+    return (q_base // ${q_r} + mt * X_ROWS, q_base % ${q_r}, k_base // ${k_r}, k_base % ${k_r},
+            v_base // ${v_r}, v_base % ${v_r}, o_base // ${o_r} + mt * X_ROWS, o_base % ${o_r})
+
+
+@gluon.jit
+def _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), ${n_tiles}, gl.num_programs(0)):
+        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col = _${name}_coords(t, BM, BN)
+        # Q's buffer also stages the output: wait until both warpgroups
+        # have stored the previous tile's.
+        mbarrier.wait(q_empty, (tc & 1) ^ 1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        for j in range(${n_blocks}):
+            idx = it % STAGES
+            mbarrier.wait(empty_bar.index(idx), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_bar.index(idx), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [k_row + j * BN, k_col], k_bar.index(idx), k_smem.index(idx))
+            mbarrier.expect(v_bar.index(idx), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [v_row + j * BN, v_col], v_bar.index(idx), v_smem.index(idx))
+            it += 1
+        tc += 1
+
+
+@gluon.jit
+def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+                     WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                     E: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = ${dtype}
+    RM: gl.constexpr = ${rows_per_wg}
+    qk_scale: gl.constexpr = ${qk_scale}
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, E, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_part = q_smem.slice(WG * RM, RM, dim=0)
+    o_part = q_part      # the output tile is staged where this warpgroup's queries were
+    zero_s = gl.zeros([RM, BN], gl.float32, s_layout)
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), ${n_tiles}, gl.num_programs(0)):
+        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col = _${name}_coords(t, BM, BN)
+        acc = gl.zeros([RM, E], gl.float32, o_layout)
+        mbarrier.wait(q_bar, tc & 1)
+        idx = it % STAGES
+        mbarrier.wait(k_bar.index(idx), (it // STAGES) & 1)
+        s_tok = warpgroup_mma(q_part, k_smem.index(idx).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        # The row max of the unscaled scores: the scale is positive.
+        m_i = gl.max(sc, 1) * qk_scale
+        p = gl.exp2(sc * qk_scale - m_i[:, None])
+        l_i = gl.sum(p, 1)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, ${n_blocks}):
+            cur = (it + j) % STAGES
+            prev = (it + j - 1) % STAGES
+            mbarrier.wait(k_bar.index(cur), ((it + j) // STAGES) & 1)
+            s_tok = warpgroup_mma(q_part, k_smem.index(cur).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
+            o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            # Block j's scores are ready while the previous block's P.V runs.
+            sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+            m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sc * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+            mbarrier.arrive(empty_bar.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+        last = (it + ${n_blocks} - 1) % STAGES
+        mbarrier.wait(v_bar.index(last), ((it + ${n_blocks} - 1) // STAGES) & 1)
+        o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+        mbarrier.arrive(empty_bar.index(last), count=1)
+        acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+        o_part.store(acc.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [o_row + WG * RM, o_col], o_part)
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty, count=1)
+        it += ${n_blocks}
+        tc += 1
+
+
+@gluon.jit
+def _${name}_part(ROLE: gl.constexpr, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar,
+                  q_empty, k_bar, v_bar, empty_bar, BM: gl.constexpr, BN: gl.constexpr,
+                  D: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr):
+    if ROLE == 2:
+        _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
+                        empty_bar, BM, BN, STAGES)
+    else:
+        _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+                         ROLE, BM, BN, D, E, STAGES)
+
+
+@gluon.jit
+def ${name}(${params}, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
+            STAGES: gl.constexpr, REGS: gl.constexpr):
+    dtype: gl.constexpr = ${dtype}
+    lq: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+    lk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
+    lv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, E], dtype)
+    lo: gl.constexpr = gl.NVMMASharedLayout.get_default_for([${rows_per_wg}, E], dtype)
+    q_desc = tma.make_tensor_descriptor(${q_ptr}, [${q_rows}, ${q_r}], [${q_r}, 1], [BM, D], lq)
+    k_desc = tma.make_tensor_descriptor(${k_ptr}, [${k_rows}, ${k_r}], [${k_r}, 1], [BN, D], lk)
+    v_desc = tma.make_tensor_descriptor(${v_ptr}, [${v_rows}, ${v_r}], [${v_r}, 1], [BN, E], lv)
+    o_desc = tma.make_tensor_descriptor(${o_ptr}, [${o_rows}, ${o_r}], [${o_r}, 1],
+                                        [${rows_per_wg}, E], lo)
+    q_smem = gl.allocate_shared_memory(dtype, [BM, D], lq)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D], lk)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, E], lv)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(s), count=1)
+        mbarrier.init(v_bar.index(s), count=1)
+        mbarrier.init(empty_bar.index(s), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_${name}_part, (0, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
+                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+        (_${name}_part, (1, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
+                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+        (_${name}_part, (2, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
+                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+    ], [4, 1], [REGS, 24])
+''')
+
+
+def _base_expr(op: Operand, batch: tuple[tuple[str, int], ...]) -> str:
+  terms = [f"i_{l} * {s}" for (l, _), s in zip(batch, op.batch_strides) if s]
+  return " + ".join(terms) if terms else "0"
+
+
+def print_kernel(region: ir.Region, plan, *, sm_count: int) -> GluonKernel:
+  """The Gluon source of ``plan`` (``plan.form == GLUON_ATTENTION``) for
+  ``region``; ``sm_count``: programs to run (one per SM, at most one per
+  tile). Raises CodegenError where the region is not this kernel's."""
+  form = attention_form(region)
+  if isinstance(form, str):
+    raise CodegenError(f"the Gluon attention kernel does not fit: {form}")
+  if plan.form != GLUON_ATTENTION:
+    raise CodegenError(f"plan form {plan.form!r} is not {GLUON_ATTENTION!r}")
+  M, N, D, E = form.extents
+  bn, stages = plan.tile(form.n), plan.num_stages
+  if plan.tile(form.m) != BLOCK_M or N % bn or bn not in (64, 128):
+    raise CodegenError(f"tiles m={plan.tile(form.m)}, n={bn}: the kernel takes m={BLOCK_M}, "
+                       f"n=64 or 128 dividing {N}")
+  smem = BLOCK_M * max(D, E) * 2 + stages * bn * (D + E) * 2 + 1024
+  if smem > _SMEM_BYTES:
+    raise CodegenError(f"{stages} stages of {bn}-key tiles need {smem} bytes of shared memory")
+  name = "jaxfuse_gluon_attention_" + region.signature()[:12].replace("-", "_")
+  name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+  n_tiles = (M // BLOCK_M) * math.prod(x for _, x in form.batch)
+  batch_code = []
+  for l, x in reversed(form.batch):
+    batch_code.append(f"    i_{l} = bi % {x}")
+    batch_code.append(f"    bi = bi // {x}")
+  roles = {"q": form.q, "k": form.k, "v": form.v, "out": form.out}
+  params = [None] * 4
+  for role, op in roles.items():
+    params[op.index] = f"{role}_ptr"
+  scale = form.scale * math.log2(math.e)
+  src = _TEMPLATE.substitute(
+      name=name, m_tiles=M // BLOCK_M, n_blocks=N // bn, n_tiles=n_tiles,
+      batch_code="\n".join(batch_code) or "    pass",
+      q_base=_base_expr(form.q, form.batch), k_base=_base_expr(form.k, form.batch),
+      v_base=_base_expr(form.v, form.batch), o_base=_base_expr(form.out, form.batch),
+      q_r=form.q.row_stride, k_r=form.k.row_stride, v_r=form.v.row_stride, o_r=form.out.row_stride,
+      q_rows=form.q.rows, k_rows=form.k.rows, v_rows=form.v.rows, o_rows=form.out.rows,
+      q_ptr="q_ptr", k_ptr="k_ptr", v_ptr="v_ptr", o_ptr="out_ptr",
+      params=", ".join(params), dtype=_DTYPES[form.dtype], rows_per_wg=ROWS_PER_WARPGROUP,
+      qk_scale=repr(float(scale)))
+  constexprs = (("BM", BLOCK_M), ("BN", bn), ("D", D), ("E", E), ("STAGES", stages),
+                ("REGS", _CONSUMER_REGS[D]))
+  return GluonKernel(source=src, kernel_name=name, grid=(max(1, min(sm_count, n_tiles)),),
+                     constexprs=constexprs, num_warps=4, num_stages=stages,
+                     scratch_per_program=SCRATCH_PER_PROGRAM)

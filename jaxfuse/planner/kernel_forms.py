@@ -1,0 +1,81 @@
+"""Kernel forms beyond the Triton printer's, offered where they are faster.
+
+The search (``search.search``) plans the Triton form: tiling expressions,
+tiles, warps and stages. Some regions have a hand-structured kernel that
+the Triton compiler cannot express; this module puts its plan in front of
+the search's ranking where the region is that kernel's and the device runs
+it:
+
+* ``gluon_printer.GLUON_ATTENTION``: softmax attention on Hopper, with two
+  consumer warpgroups, a TMA loader warp and FlashAttention-3's overlap of
+  one block's softmax with the next block's Q.K^T (see
+  ``codegen.gluon_printer``). Its time is priced as the Triton form's best
+  plan times ``GLUON_ATTENTION_SPEED``, the ratio measured on an H100
+  (benchmarks/RESULTS.md, sixty-fifth session); the form is offered only
+  where its persistent programs have at least ``MIN_TILES_PER_SM`` tiles
+  each, as in every case measured.
+
+Example::
+
+    ranked = with_kernel_forms(region, get_device("h100"), ranked)
+    ranked[0].form     # 'gluon-ws' for large softmax attention
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from jaxfuse import ir
+from jaxfuse.devices import DeviceSpec
+from jaxfuse.planner.plan import Plan
+
+__all__ = ["GLUON_ATTENTION_SPEED", "HOPPER", "MIN_TILES_PER_SM", "gluon_attention_plan",
+           "with_kernel_forms"]
+
+# The Gluon kernel's time over the Triton form's pick, by head dimension
+# (H100, B8 x 16 heads x 2048-4096 tokens, CUDA-graph µs per launch:
+# d=128 0.823 and 0.890, d=64 0.946 and 0.976; session 65).
+GLUON_ATTENTION_SPEED = {64: 0.96, 128: 0.86}
+# Devices with wgmma and TMA (the kernel is compiled for sm_90a).
+HOPPER = ("h100", "h200")
+# Tiles per persistent program below which the form is not offered: the
+# smallest measured case had 15.5 (2048 tiles on 132 SMs).
+MIN_TILES_PER_SM = 2
+
+
+def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
+  """The Gluon attention plan of ``region``, priced from ``base`` (the
+  Triton form's best plan), or a string saying why there is none."""
+  from jaxfuse.codegen import gluon_printer  # pylint: disable=g-import-not-at-top
+  if dev.name not in HOPPER:
+    return f"device {dev.name} is not a Hopper GPU"
+  form = gluon_printer.attention_form(region)
+  if isinstance(form, str):
+    return form
+  m_ext, _, d_ext, _ = form.extents
+  tiles = (m_ext // gluon_printer.BLOCK_M) * math.prod(x for _, x in form.batch)
+  if tiles < MIN_TILES_PER_SM * dev.sm_count:
+    return f"{tiles} tiles: fewer than {MIN_TILES_PER_SM} per SM"
+  if base.predicted is None:
+    return "the Triton form's plan has no prediction"
+  bn, stages = gluon_printer.tile_sizes(form)
+  sizes = {form.m: gluon_printer.BLOCK_M, form.n: bn, form.d: d_ext, form.e: form.extents[3]}
+  plan_tiles = tuple((l.name, sizes.get(l.name, 1)) for l in region.loops)
+  pred = dataclasses.replace(base.predicted,
+                             time_s=base.predicted.time_s * GLUON_ATTENTION_SPEED[d_ext])
+  return dataclasses.replace(base, tiles=plan_tiles, num_warps=8, num_stages=stages, split=None,
+                             form=gluon_printer.GLUON_ATTENTION, predicted=pred)
+
+
+def with_kernel_forms(region: ir.Region, dev: DeviceSpec, ranked: Sequence[Plan]) -> tuple:
+  """``ranked`` with the plans of other kernel forms put in front where
+  they fit and are priced faster than its first plan."""
+  ranked = tuple(ranked)
+  if not ranked or ranked[0].form:
+    return ranked
+  plan = gluon_attention_plan(region, dev, ranked[0])
+  if isinstance(plan, str) or plan.predicted.time_s >= ranked[0].predicted.time_s:
+    return ranked
+  return (plan,) + ranked

@@ -1,0 +1,114 @@
+"""Launching a Gluon kernel (``codegen.gluon_printer``) as an XLA custom call.
+
+jax-triton compiles Triton kernels from their TTIR; a Gluon kernel starts
+one stage later (its source is TTGIR), so jax-triton cannot compile it.
+This module compiles it with Triton itself (``triton.compile`` of a
+``GluonASTSource`` for the GPU's compute capability) and calls it through
+jaxfuse's own FFI target (``direct_launch``) with the same attributes a
+Triton kernel gets, plus ``scratch``: the kernel makes its TMA descriptors
+on the device, in a global scratch buffer of ``kernel.global_scratch``
+bytes per program, which the call allocates as an extra result.
+
+Example (what ``launch.triton_launch`` does for ``kernel.plan.form``)::
+
+    outs = launch(kernel, args)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxfuse import ir
+from jaxfuse.codegen import CodegenError, GeneratedKernel
+
+__all__ = ["attributes", "launch"]
+
+_POINTER = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+_lock = threading.Lock()
+_compiled: dict[tuple, dict] = {}
+
+
+def _capability() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  if not gpus:
+    raise CodegenError("a Gluon kernel needs a CUDA GPU")
+  major, _, minor = str(getattr(gpus[0], "compute_capability", "0.0")).partition(".")
+  return int(major) * 10 + int(minor or 0)
+
+
+def attributes(kernel: GeneratedKernel) -> dict:
+  """The ``direct_launch`` attributes of ``kernel`` (compiled once per
+  source and constants); raises CodegenError where it does not compile or
+  the GPU is not a Hopper (compute capability 9.x)."""
+  cc = _capability()
+  if cc // 10 != 9:
+    raise CodegenError(f"the Gluon kernel needs a Hopper GPU; this one is sm_{cc}")
+  key = (hashlib.sha256(kernel.source.encode()).hexdigest(), tuple(sorted(kernel.constexprs.items())),
+         cc, kernel.grid)
+  with _lock:
+    hit = _compiled.get(key)
+  if hit is not None:
+    return dict(hit)
+  import triton  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  try:
+    from triton.experimental.gluon._runtime import GluonASTSource  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise CodegenError(f"this Triton has no Gluon: {e}") from e
+  from jaxfuse.runtime import launch as _launch  # pylint: disable=g-import-not-at-top
+  _launch._ensure_triton_cache_dir()  # pylint: disable=protected-access  (triton.compile needs one)
+  vm = kernel.region.value_map
+  buffers = list(kernel.region.inputs) + list(kernel.region.outputs)
+  pointers = [_POINTER[vm[b.value].dtype] for b in buffers]
+  names = list(kernel.fn.arg_names)
+  signature = {n: (pointers[i] if i < len(pointers) else "constexpr") for i, n in enumerate(names)}
+  try:
+    compiled = triton.compile(GluonASTSource(kernel.fn, signature, dict(kernel.constexprs)),
+                              target=GPUTarget("cuda", cc, 32),
+                              options=dict(num_warps=kernel.num_warps))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CodegenError(f"Gluon kernel failed to compile: {type(e).__name__}: {str(e)[:400]}") from e
+  md = compiled.metadata
+  scratch = int(getattr(md, "global_scratch_size", 0) or 0)
+  if scratch > kernel.global_scratch:
+    raise CodegenError(f"the kernel asks for {scratch} bytes of global scratch per program, "
+                       f"{kernel.global_scratch} were planned")
+  image = base64.b64encode(compiled.asm["cubin"]).decode("ascii")
+  kid = hashlib.blake2b(f"{md.name}\0{md.shared}\0{1}\0".encode() + image.encode(), digest_size=8)
+  n = len(buffers)
+  attrs = {
+      "kid": int.from_bytes(kid.digest(), "little") & ((1 << 63) - 1),
+      "image": image, "image_kind": 1, "name": md.name,
+      "grid": [int(g) for g in (tuple(kernel.grid) + (1, 1, 1))[:3]],
+      "block": 32 * int(md.num_warps), "smem": int(md.shared),
+      "kinds": [0] * n, "values": [0] * n,
+      # The scratch buffer is the call's last result.
+      "scratch": n,
+  }
+  with _lock:
+    _compiled[key] = attrs
+  return dict(attrs)
+
+
+def launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
+  """The kernel's outputs for ``args`` (the region's inputs, in order), as
+  a custom call of ``direct_launch.TARGET``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  if not direct_launch.available():
+    raise CodegenError("a Gluon kernel needs jaxfuse's direct launch (a C compiler)")
+  attrs = attributes(kernel)
+  vm = kernel.region.value_map
+  outs = [jax.ShapeDtypeStruct(b.operand_shape, ir.np_dtype(vm[b.value].dtype))
+          for b in kernel.region.outputs]
+  programs = int(np.prod(attrs["grid"]))
+  scratch = jax.ShapeDtypeStruct((max(1, programs * kernel.global_scratch),), np.uint8)
+  call_attrs = {k: (np.asarray(v, np.int64) if isinstance(v, list) else v) for k, v in attrs.items()}
+  res = jax.ffi.ffi_call(direct_launch.TARGET, outs + [scratch])(*args, **call_attrs)
+  return list(res[:-1])

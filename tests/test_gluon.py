@@ -1,0 +1,253 @@
+"""The Gluon attention form (codegen.gluon_printer, planner.kernel_forms,
+runtime.gluon_launch): which regions it takes, its plans, and that its
+printed source compiles for sm_90. Its numerics are checked on the GPU only
+(Triton's interpreter has no Gluon): the runtime self-check guards every
+kernel before it runs, and benchmarks/RESULTS.md records the GPU sweep."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxfuse import capture, codegen
+from jaxfuse.codegen import gluon_printer as gp
+from jaxfuse.devices import get_device
+from jaxfuse.planner import examples, kernel_forms, plan_region
+from jaxfuse.planner.plan import parse_plan
+
+
+def _attention(layout="bhtd", heads=16, kv=16, scale=None, causal=False, cap=0.0, bias=False):
+  def f(q, k, v):
+    d = q.shape[-1]
+    c = (d ** -0.5) if scale is None else scale
+    if layout == "bhtd":
+      b, _, t, _ = q.shape
+      q5 = q.reshape(b, kv, heads // kv, t, d)
+      s = jnp.einsum("bkgqd,bksd->bkgqs", q5, k) * c
+    else:
+      b, t, _, _ = q.shape
+      q5 = q.reshape(b, t, kv, heads // kv, d)
+      s = jnp.einsum("bqkgd,bskd->bkgqs", q5, k) * c
+    if cap:
+      s = cap * jnp.tanh(s / cap)
+    if bias:
+      s = s + 1.0
+    if causal:
+      m, n = s.shape[-2:]
+      s = jnp.where(jnp.tril(jnp.ones((m, n), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    if layout == "bhtd":
+      return jnp.einsum("bkgqs,bksd->bkgqd", p, v).reshape(b, heads, t, v.shape[-1])
+    return jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, t, heads, v.shape[-1])
+  return f
+
+
+def _region(fn, layout, b, heads, kv, m, n, d, dtype=jnp.float16):
+  qs = (b, heads, m, d) if layout == "bhtd" else (b, m, heads, d)
+  ks = (b, kv, n, d) if layout == "bhtd" else (b, n, kv, d)
+  q, k = jnp.zeros(qs, dtype), jnp.zeros(ks, dtype)
+  [found] = capture.find_regions(jax.make_jaxpr(fn)(q, k, k))
+  return found.region
+
+
+@pytest.mark.parametrize("layout,heads,kv", [("bhtd", 16, 16), ("bthd", 16, 16), ("bhtd", 32, 8),
+                                             ("bthd", 32, 4), ("bthd", 16, 1)])
+def test_softmax_attention_is_the_forms(layout, heads, kv):
+  region = _region(_attention(layout, heads, kv), layout, 2, heads, kv, 1024, 2048, 128)
+  form = gp.attention_form(region)
+  assert isinstance(form, gp.AttentionForm), form
+  assert form.extents[1:] == (2048, 128, 128)
+  assert form.scale == pytest.approx(128 ** -0.5, rel=1e-3)
+  # Every head of every operand lies inside its 2-D view.
+  for op in (form.q, form.k, form.v, form.out):
+    assert op.row_stride >= op.width and op.rows * op.row_stride >= op.width
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(causal=True), "mask"),
+    (dict(cap=30.0), "tanh"),
+    (dict(bias=True), "add"),
+])
+def test_other_attention_is_left_to_the_triton_form(kw, why):
+  region = _region(_attention(**kw), "bhtd", 2, 16, 16, 1024, 1024, 64)
+  reason = gp.attention_form(region)
+  assert isinstance(reason, str) and why in reason, reason
+
+
+def test_shapes_the_kernel_does_not_take():
+  wide = _region(_attention(), "bhtd", 2, 16, 16, 1024, 1024, 256)
+  assert "head dimensions" in gp.attention_form(wide)
+  ragged = _region(_attention(), "bhtd", 2, 16, 16, 1000, 1024, 64)
+  assert "multiple" in gp.attention_form(ragged)
+  bf16 = _region(_attention("bthd"), "bthd", 2, 16, 16, 1024, 1024, 64, jnp.bfloat16)
+  assert gp.attention_form(bf16).dtype == "bfloat16"
+  f32 = _region(_attention(), "bhtd", 2, 16, 16, 1024, 1024, 64, jnp.float32)
+  assert "16-bit" in gp.attention_form(f32)
+  gemms = examples.gemm_chain(1, 512, 512, 256, 256, batch=False)
+  assert isinstance(gp.attention_form(gemms), str)
+
+
+def test_hopper_ranks_the_gluon_plan_first_for_large_attention():
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  res = plan_region(region, "h100", use_cache=False)
+  best = res.best
+  assert best.form == gp.GLUON_ATTENTION
+  assert best.tile_map["m"] == gp.BLOCK_M and best.tile_map["n"] == 128
+  assert best.tile_map["d"] == best.tile_map["e"] == 128
+  # Priced as the Triton form's best times the measured speed ratio.
+  triton = res.ranked[1]
+  assert not triton.form
+  assert best.predicted.time_s == pytest.approx(
+      triton.predicted.time_s * kernel_forms.GLUON_ATTENTION_SPEED[128])
+  # Its text round-trips (plan cache, benchmark JSON).
+  assert str(parse_plan(str(best))) == str(best)
+  assert parse_plan(str(best)).form == gp.GLUON_ATTENTION
+
+
+def test_no_gluon_plan_off_hopper_or_for_few_tiles():
+  big = examples.attention(8, 16, 2048, 2048, 128)
+  assert not plan_region(big, "a100", use_cache=False).best.form
+  # MCFuser S1: 16 heads x 512 tokens = 64 tiles for 132 SMs.
+  small = examples.attention(1, 16, 512, 512, 64)
+  assert not plan_region(small, "h100", use_cache=False).best.form
+  why = kernel_forms.gluon_attention_plan(small, get_device("h100"),
+                                          plan_region(small, "h100", use_cache=False).best)
+  assert "tiles" in why
+
+
+def test_plan_cache_keeps_the_form(tmp_path, monkeypatch):
+  from jaxfuse.config import config
+  monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+  region = examples.attention(8, 16, 2048, 2048, 64)
+  first = plan_region(region, "h100")
+  again = plan_region(region, "h100")
+  assert again.from_cache and again.best.form == first.best.form == gp.GLUON_ATTENTION
+  assert str(again.best) == str(first.best)
+
+
+def test_the_interpreter_never_runs_the_gluon_form():
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  plan = plan_region(region, "h100", use_cache=False).best
+  with pytest.raises(codegen.CodegenError, match="interpreter"):
+    codegen.generate(region, plan, interpret=True)
+  from jaxfuse.runtime import launch
+  ranked = launch._candidate_plans(region, None, backend="interpret")   # pylint: disable=protected-access
+  assert ranked and not any(p.form for p in ranked)
+
+
+_COMPILE = """
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+job = json.load(open(sys.argv[1]))
+spec = importlib.util.spec_from_file_location("gluon_k", job["path"])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+fn = getattr(mod, job["name"])
+sig = {n: (job["pointer"] if n.endswith("_ptr") else "constexpr") for n in fn.arg_names}
+try:
+  md = triton.compile(GluonASTSource(fn, sig, job["constexprs"]), target=GPUTarget("cuda", 90, 32),
+                      options=dict(num_warps=4)).metadata
+except RuntimeError as e:
+  if "ptxas" in str(e).lower():
+    print(json.dumps({"skip": str(e)[:300]}))
+    sys.exit(0)
+  raise
+print(json.dumps({"num_warps": md.num_warps, "shared": md.shared,
+                  "global_scratch_size": md.global_scratch_size}))
+"""
+
+
+def _compile_for_sm90(region, plan, tmp_path):
+  """Compiles the printed kernel for sm_90 in a child process: this test
+  process runs Triton under its interpreter (TRITON_INTERPRET=1 since
+  Triton's import), where Gluon does not compile."""
+  import json
+  import os
+  import subprocess
+  import sys
+  pytest.importorskip("triton.experimental.gluon")
+  pk = gp.print_kernel(region, plan, sm_count=132)
+  path = tmp_path / "gluon_kernel.py"
+  path.write_text(pk.source)
+  job = tmp_path / "job.json"
+  job.write_text(json.dumps({
+      "path": str(path), "name": pk.kernel_name, "constexprs": dict(pk.constexprs),
+      "pointer": {"float16": "*fp16", "bfloat16": "*bf16"}[gp.attention_form(region).dtype]}))
+  env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+  env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+  proc = subprocess.run([sys.executable, "-c", _COMPILE, str(job)], capture_output=True,
+                        text=True, env=env, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  md = json.loads(proc.stdout.strip().splitlines()[-1])
+  if "skip" in md:
+    pytest.skip(f"cannot assemble for sm_90 here: {md['skip']}")
+  return pk, md
+
+
+@pytest.mark.parametrize("layout,heads,kv,d,dtype", [("bhtd", 16, 16, 128, jnp.float16),
+                                                     ("bthd", 32, 8, 64, jnp.bfloat16)])
+def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, tmp_path):
+  region = _region(_attention(layout, heads, kv), layout, 4, heads, kv, 2048, 2048, d, dtype)
+  plan = plan_region(region, "h100", use_cache=False).best
+  assert plan.form == gp.GLUON_ATTENTION
+  pk, md = _compile_for_sm90(region, plan, tmp_path)
+  # Two consumer warpgroups and a loader warp: 12 warps; one program per SM
+  # whose TMA descriptors fit the planned scratch.
+  assert md["num_warps"] == 12
+  assert pk.grid == (132,)
+  assert 0 < md["global_scratch_size"] <= pk.scratch_per_program
+  assert md["shared"] <= 227 * 1024
+  m_tiles = 2048 // gp.BLOCK_M
+  assert f"range(gl.program_id(0), {m_tiles * 4 * heads}" in pk.source
+
+
+def test_print_refuses_a_plan_of_other_tiles():
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  plan = plan_region(region, "h100", use_cache=False).best
+  bad = dataclasses.replace(plan, tiles=tuple((l, 64 if l == "m" else t) for l, t in plan.tiles))
+  with pytest.raises(codegen.CodegenError, match="tiles"):
+    gp.print_kernel(region, bad, sm_count=132)
+  assert math.isclose(gp.attention_form(region).scale, 128 ** -0.5)
+
+
+def test_kernel_forms_can_be_switched_off(monkeypatch):
+  from jaxfuse.config import config
+  from jaxfuse.runtime import launch
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  monkeypatch.setattr(config, "tune", "model")
+  assert launch._candidate_plans(region, None, backend="triton")[0].form   # pylint: disable=protected-access
+  monkeypatch.setattr(config, "kernel_forms", False)
+  ranked = launch._candidate_plans(region, None, backend="triton")   # pylint: disable=protected-access
+  assert ranked and not any(p.form for p in ranked)
+
+
+def test_sandbox_binds_the_global_scratch():
+  """The checking process passes a kernel's global scratch as direct_launch.c
+  does: the buffer ``attrs['scratch']`` names, out of the parameters' order."""
+  from jaxfuse.runtime import sandbox_child
+  import ctypes
+  calls = []
+
+  class FakeDriver:
+    def __call__(self, name, *args):
+      if name == "cuLaunchKernel":   # the parameter values, read while they live
+        params = args[-2]
+        calls.append([ctypes.c_uint64.from_address(params[i]).value for i in range(5)])
+
+  runner = sandbox_child.Runner.__new__(sandbox_child.Runner)
+  runner.cu = FakeDriver()
+  runner.functions = {7: "fn"}
+  attrs = {"kid": 7, "kinds": [0, 0, 0], "values": [0, 0, 0], "grid": [132, 1, 1],
+           "block": 384, "smem": 1000, "scratch": 3}
+  runner.launch(attrs, [11, 22, 33, 44])
+  assert calls == [[11, 22, 33, 44, 0]]
+  attrs["scratch"] = 1   # a scratch buffer in the middle of the order
+  runner.launch(attrs, [11, 22, 33, 44])
+  assert calls[-1] == [11, 33, 44, 22, 0]
+  del attrs["scratch"]   # a Triton kernel's attributes: both scratch pointers null
+  runner.launch(attrs, [11, 22, 33])
+  assert calls[-1] == [11, 22, 33, 0, 0]

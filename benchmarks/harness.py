@@ -1079,6 +1079,12 @@ def jaxfuse_details(fn: Callable, args: tuple, settings: Settings) -> dict:
       for r in getattr(rep, "regions", []) or []:
         g = lambda a, r=r: getattr(r, a, None)
         plan = g("plan")
+        # What this process's compile ran, where it differs from the
+        # planner's first plan (a plan whose self-check failed, a kernel
+        # form switched off by JAXFUSE_KERNEL_FORMS=0).
+        lowered = str(g("lowered") or "")
+        if lowered.startswith("fused") and ": " in lowered:
+          plan = lowered.split(": ", 1)[1]
         regs.append({
             "einsum": str(g("einsum")), "source": str(g("source")),
             "loops": dict(g("loops") or {}), "flops": g("flops"),

@@ -251,3 +251,16 @@ def test_sandbox_binds_the_global_scratch():
   del attrs["scratch"]   # a Triton kernel's attributes: both scratch pointers null
   runner.launch(attrs, [11, 22, 33])
   assert calls[-1] == [11, 22, 33, 0, 0]
+
+
+def test_short_rows_keep_the_triton_form():
+  h100 = get_device("h100")
+  for args, offered in (((16, 16, 512, 512, 64), False), ((8, 16, 1024, 1024, 64), False),
+                        ((8, 16, 2048, 2048, 64), True), ((8, 16, 512, 512, 128), False),
+                        ((8, 16, 1024, 1024, 128), True)):
+    region = examples.attention(*args)
+    best = plan_region(region, h100, use_cache=False).best
+    assert bool(best.form) == offered, (args, best)
+    if not offered:
+      why = kernel_forms.gluon_attention_plan(region, h100, best)
+      assert isinstance(why, str) and "keys" in why

@@ -11,9 +11,13 @@ it:
   one block's softmax with the next block's Q.K^T (see
   ``codegen.gluon_printer``). Its time is priced as the Triton form's best
   plan times ``GLUON_ATTENTION_SPEED``, the ratio measured on an H100
-  (benchmarks/RESULTS.md, sixty-fifth session); the form is offered only
-  where its persistent programs have at least ``MIN_TILES_PER_SM`` tiles
-  each, as in every case measured.
+  (benchmarks/RESULTS.md, sixty-fifth session). It is offered only where
+  it was measured to win: its persistent programs have at least
+  ``MIN_TILES_PER_SM`` tiles each, and each tile at least
+  ``MIN_KEY_BLOCKS`` key blocks. On shorter rows its per-tile prologue and
+  epilogue (the next tile's queries load only once this tile's output has
+  left their buffer) cost more than its overlap saves: 1.04-1.13x the
+  Triton form's time at 512-1024 keys and d=64, 512 keys and d=128.
 
 Example::
 
@@ -31,13 +35,15 @@ from jaxfuse import ir
 from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner.plan import Plan
 
-__all__ = ["GLUON_ATTENTION_SPEED", "HOPPER", "MIN_TILES_PER_SM", "gluon_attention_plan",
+__all__ = ["GLUON_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS", "MIN_TILES_PER_SM", "gluon_attention_plan",
            "with_kernel_forms"]
 
 # The Gluon kernel's time over the Triton form's pick, by head dimension
-# (H100, B8 x 16 heads x 2048-4096 tokens, CUDA-graph µs per launch:
-# d=128 0.823 and 0.890, d=64 0.946 and 0.976; session 65).
-GLUON_ATTENTION_SPEED = {64: 0.96, 128: 0.86}
+# (H100, CUDA-graph µs per launch of the printed kernels, session 65:
+# d=128 0.88 at 1024 keys, 0.86 at 2048; d=64 0.97 at 2048).
+GLUON_ATTENTION_SPEED = {64: 0.97, 128: 0.87}
+# Key blocks (of 128) per tile below which the form lost (see above).
+MIN_KEY_BLOCKS = {64: 16, 128: 8}
 # Devices with wgmma and TMA (the kernel is compiled for sm_90a).
 HOPPER = ("h100", "h200")
 # Tiles per persistent program below which the form is not offered: the
@@ -61,6 +67,10 @@ def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
   if base.predicted is None:
     return "the Triton form's plan has no prediction"
   bn, stages = gluon_printer.tile_sizes(form)
+  blocks = form.extents[1] // 128
+  if blocks < MIN_KEY_BLOCKS[d_ext]:
+    return (f"{form.extents[1]} keys: fewer than {MIN_KEY_BLOCKS[d_ext] * 128} at d={d_ext}, "
+            "where the form was measured slower")
   sizes = {form.m: gluon_printer.BLOCK_M, form.n: bn, form.d: d_ext, form.e: form.extents[3]}
   plan_tiles = tuple((l.name, sizes.get(l.name, 1)) for l in region.loops)
   pred = dataclasses.replace(base.predicted,

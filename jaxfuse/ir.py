@@ -361,6 +361,25 @@ class Region:
   def consumers(self, name: str) -> list:
     return [op for op in self.ops if name in op.inputs]
 
+  def computed_from(self, names, target: str, *, through_contractions: bool = True) -> bool:
+    """Whether any of ``names`` (a value name or several) is ``target`` or
+    is computed from it by the region's ops; ``through_contractions``:
+    False stops at a contraction's result (it is not followed back)."""
+    todo = [names] if isinstance(names, str) else list(names)
+    seen = set()
+    while todo:
+      v = todo.pop()
+      if v == target:
+        return True
+      if v in seen:
+        continue
+      seen.add(v)
+      op = self.producer(v)
+      if op is None or (not through_contractions and isinstance(op, Contraction)):
+        continue
+      todo.extend(op.inputs)
+    return False
+
   @property
   def contractions(self) -> list[Contraction]:
     return [op for op in self.ops if isinstance(op, Contraction)]

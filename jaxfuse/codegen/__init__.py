@@ -94,7 +94,7 @@ def _generate_form(region: ir.Region, plan: Plan, *, interpret: bool,
       region=region, plan=plan, source=pk.source, module_path=path,
       fn=getattr(mod, pk.kernel_name), grid=pk.grid, num_warps=pk.num_warps,
       num_stages=pk.num_stages, constexprs=dict(pk.constexprs), interpret=False,
-      global_scratch=pk.scratch_per_program)
+      global_scratch=pk.global_scratch)
 
 
 def generate(region: ir.Region, plan: Plan, *, interpret: Optional[bool] = None,

@@ -45,9 +45,9 @@ from typing import Union
 
 from jaxfuse import ir
 from jaxfuse.codegen import streaming
-from jaxfuse.codegen.triton_printer import CodegenError
+from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel
 
-__all__ = ["GLUON_ATTENTION", "AttentionForm", "GluonKernel", "attention_form", "print_kernel",
+__all__ = ["GLUON_ATTENTION", "AttentionForm", "attention_form", "print_kernel",
            "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
 
 # Plan.form of this kernel.
@@ -92,17 +92,6 @@ class AttentionForm:
   k: Operand
   v: Operand
   out: Operand
-
-
-@dataclasses.dataclass(frozen=True)
-class GluonKernel:
-  source: str
-  kernel_name: str
-  grid: tuple[int, ...]
-  constexprs: tuple[tuple[str, int], ...]
-  num_warps: int                  # of the default partition; the kernel runs 12
-  num_stages: int
-  scratch_per_program: int
 
 
 def _literal(a) -> Union[float, None]:
@@ -169,6 +158,9 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
       saw.add("exp")
       continue
     if fn == "div" and all(isinstance(a, str) for a in args):
+      # Only by the softmax's denominator (a row sum), never by the scores.
+      if not _is_row_sum(region, args[1], n) or _reaches(region, args[1], c1.out):
+        return "a division by something other than the softmax's sum"
       saw.add("div")
       continue
     return f"an op {fn} the kernel does not compute"
@@ -235,18 +227,15 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
 
 def _reaches(region: ir.Region, name: str, target: str) -> bool:
   """Whether value ``name`` is computed from ``target``."""
-  todo, seen = [name], set()
-  while todo:
-    v = todo.pop()
-    if v == target:
-      return True
-    if v in seen:
-      continue
-    seen.add(v)
-    op = region.producer(v)
-    if op is not None:
-      todo.extend(op.inputs)
-  return False
+  return region.computed_from(name, target)
+
+
+def _is_row_sum(region: ir.Region, name: str, loop: str) -> bool:
+  """Whether ``name`` is a sum over ``loop``, possibly converted."""
+  op = region.producer(name)
+  while isinstance(op, ir.Elementwise) and op.fn == "convert":
+    op = region.producer(op.args[0])
+  return isinstance(op, ir.Reduction) and op.kind == "sum" and op.loop == loop
 
 
 def _after_reduction(region: ir.Region, name: str) -> bool:
@@ -439,7 +428,7 @@ def _base_expr(op: Operand, batch: tuple[tuple[str, int], ...]) -> str:
   return " + ".join(terms) if terms else "0"
 
 
-def print_kernel(region: ir.Region, plan, *, sm_count: int) -> GluonKernel:
+def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
   """The Gluon source of ``plan`` (``plan.form == GLUON_ATTENTION``) for
   ``region``; ``sm_count``: programs to run (one per SM, at most one per
   tile). Raises CodegenError where the region is not this kernel's."""
@@ -480,6 +469,8 @@ def print_kernel(region: ir.Region, plan, *, sm_count: int) -> GluonKernel:
       qk_scale=repr(float(scale)))
   constexprs = (("BM", BLOCK_M), ("BN", bn), ("D", D), ("E", E), ("STAGES", stages),
                 ("REGS", _CONSUMER_REGS[D]))
-  return GluonKernel(source=src, kernel_name=name, grid=(max(1, min(sm_count, n_tiles)),),
-                     constexprs=constexprs, num_warps=4, num_stages=stages,
-                     scratch_per_program=SCRATCH_PER_PROGRAM)
+  # num_warps: the default partition's (the kernel runs 12: two consumer
+  # warpgroups and the loader's, rounded up to a warpgroup).
+  return PrintedKernel(source=src, kernel_name=name, grid=(max(1, min(sm_count, n_tiles)),),
+                       constexprs=constexprs, num_warps=4, num_stages=stages,
+                       global_scratch=SCRATCH_PER_PROGRAM)

@@ -62,6 +62,9 @@ class PrintedKernel:
   combine_grid: Optional[tuple[int, ...]] = None
   scratch: tuple[ScratchSpec, ...] = ()
   combine_constexprs: tuple[tuple[str, int], ...] = ()
+  # Bytes of Triton's global scratch per program (the Gluon printer's
+  # device-made TMA descriptors); 0: none.
+  global_scratch: int = 0
 
 
 # The combine pass of a split plan re-tiles the outputs until it has this many

@@ -720,19 +720,7 @@ def unsplit_floor_tiles(region: ir.Region) -> dict[str, int]:
 def _reads(region: ir.Region, consumer: "ir.Contraction", value: str) -> bool:
   """Whether ``consumer`` reads ``value`` through elementwise ops and
   reductions (not through another contraction)."""
-  stack, seen = [consumer.lhs, consumer.rhs], set()
-  while stack:
-    v = stack.pop()
-    if v == value:
-      return True
-    if v in seen:
-      continue
-    seen.add(v)
-    op = region.producer(v)
-    if op is None or isinstance(op, ir.Contraction):
-      continue
-    stack.extend(op.inputs)
-  return False
+  return region.computed_from((consumer.lhs, consumer.rhs), value, through_contractions=False)
 
 
 # Masked tiles are priced as skipped only where the grid runs at least this

@@ -67,7 +67,7 @@ def test_softmax_attention_is_the_forms(layout, heads, kv):
 
 @pytest.mark.parametrize("kw,why", [
     (dict(causal=True), "mask"),
-    (dict(cap=30.0), "tanh"),
+    (dict(cap=30.0), "div by 30"),   # the cap's s / 30 is a second scale
     (dict(bias=True), "add"),
 ])
 def test_other_attention_is_left_to_the_triton_form(kw, why):
@@ -272,6 +272,20 @@ def test_a_division_by_the_row_max_is_not_softmax():
     mx = s.max(-1, keepdims=True)
     p = jnp.exp(s - mx)
     p = p / mx   # not the normalisation softmax does
+    return jnp.einsum("bhqk,bhkd->bhqd", p.astype(q.dtype), v)
+  region = _region(f, "bhtd", 2, 16, 16, 1024, 1024, 64)
+  reason = gp.attention_form(region)
+  assert isinstance(reason, str), reason
+
+
+def test_a_scale_on_the_max_alone_is_not_the_softmax_scale():
+  """softmax(s) written with a max of 0.5 * s: the max cancels, the scores
+  are unscaled; the kernel would scale them by 0.5 (a wrong answer)."""
+  def f(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    mx = (s * 0.5).max(-1, keepdims=True)
+    p = jnp.exp(s - mx)
+    p = p / p.sum(-1, keepdims=True)
     return jnp.einsum("bhqk,bhkd->bhqd", p.astype(q.dtype), v)
   region = _region(f, "bhtd", 2, 16, 16, 1024, 1024, 64)
   reason = gp.attention_form(region)

@@ -122,19 +122,19 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
     return "its softmax does not stream over the key loop"
   if streaming.masked_tile_relations(region):
     return "a mask hides key tiles"
-  # Every op between the contractions must be one of softmax's; anything
-  # else (a bias, a cap, a mask) is printed by the Triton form.
+  # Every op between the contractions must be one of softmax's, each once;
+  # anything else (a bias, a cap, a mask) is printed by the Triton form.
   scale = 1.0
-  saw = set()
+  saw: dict[str, ir.Op] = {}
   for op in region.ops:
     if isinstance(op, ir.Contraction):
       continue
     if isinstance(op, ir.Iota):
       return "it reads an index (a mask)"
     if isinstance(op, ir.Reduction):
-      if op.loop != n or op.kind not in ("max", "sum"):
+      if op.loop != n or op.kind not in ("max", "sum") or op.kind in saw:
         return f"a reduction {op.kind} over {op.loop}"
-      saw.add(op.kind)
+      saw[op.kind] = op
       continue
     fn, args = op.fn, op.args
     lits = [_literal(a) for a in args]
@@ -142,30 +142,43 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
       continue
     if fn in ("mul", "div") and any(l is not None for l in lits):
       c = next(l for l in lits if l is not None)
-      if c <= 0 or (fn == "div" and _literal(args[1]) is None):
+      if c <= 0 or (fn == "div" and _literal(args[1]) is None) or "scale" in saw:
         return f"a {fn} by {c}"
       # A positive literal on the scores is the softmax scale; on the
       # output it would be one too many factors, which the kernel lacks.
       src = next(a for a in args if isinstance(a, str))
-      if not _reaches(region, src, c0.out) or _after_reduction(region, src):
+      if not region.computed_from(src, c0.out) or _after_reduction(region, src):
         return f"a {fn} by a literal off the scores"
-      scale *= c if fn == "mul" else 1.0 / c
+      scale = c if fn == "mul" else 1.0 / c
+      saw["scale"] = op
       continue
+    if fn in ("sub", "exp", "div") and fn in saw:
+      return f"a second {fn}"
     if fn == "sub" and all(isinstance(a, str) for a in args):
-      saw.add("sub")
+      saw["sub"] = op
       continue
     if fn == "exp" and len(args) == 1:
-      saw.add("exp")
+      saw["exp"] = op
       continue
     if fn == "div" and all(isinstance(a, str) for a in args):
       # Only by the softmax's denominator (a row sum), never by the scores.
-      if not _is_row_sum(region, args[1], n) or _reaches(region, args[1], c1.out):
+      if not _is_row_sum(region, args[1], n) or region.computed_from(args[1], c1.out):
         return "a division by something other than the softmax's sum"
-      saw.add("div")
+      saw["div"] = op
       continue
     return f"an op {fn} the kernel does not compute"
-  if saw != {"max", "sum", "sub", "exp", "div"}:
+  if set(saw) - {"scale"} != {"max", "sum", "sub", "exp", "div"}:
     return "not a softmax (max, sub, exp, sum, div)"
+  # One softmax of one scaled score: the shift's scores carry the scale
+  # (the row max it subtracts cancels in the division whatever it is),
+  # and the sum and the second contraction read the one exponential.
+  sub, exp = saw["sub"], saw["exp"]
+  scores = saw["scale"].out if "scale" in saw else c0.out
+  if not region.computed_from(sub.args[0], scores):
+    return "the shift does not read the (scaled) scores"
+  if not all(region.computed_from(v, exp.out) for v in (saw["sum"].arg, pname)) or \
+      not region.computed_from(exp.args[0], sub.out):
+    return "the sum or the second contraction does not read the softmax's exponential"
   dtypes = {vm[b.value].dtype for b in (*region.inputs, *region.outputs)}
   if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
     return f"operand dtypes {sorted(dtypes)}: one 16-bit float type is needed"
@@ -217,17 +230,8 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
       if base % r + width > r or base // r + ext[row] > size // r:
         return f"{role}'s heads do not lie in rows of one 2-D view"
     ops[role] = Operand(order.index(name), strides, r, size // r, width)
-  # The softmax's own ops between c0 and c1 are checked above; the score
-  # must reach the value's contraction through them.
-  if not _reaches(region, pname, c0.out):
-    return "the second contraction does not read the softmax of the first"
   return AttentionForm(tuple((l, ext[l]) for l in batch), m, n, d, e, (M, N, D, E), scale,
                        next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"])
-
-
-def _reaches(region: ir.Region, name: str, target: str) -> bool:
-  """Whether value ``name`` is computed from ``target``."""
-  return region.computed_from(name, target)
 
 
 def _is_row_sum(region: ir.Region, name: str, loop: str) -> bool:
@@ -240,7 +244,7 @@ def _is_row_sum(region: ir.Region, name: str, loop: str) -> bool:
 
 def _after_reduction(region: ir.Region, name: str) -> bool:
   """Whether value ``name`` is computed from a reduction's result."""
-  return any(isinstance(op, ir.Reduction) and _reaches(region, name, op.out) for op in region.ops)
+  return any(isinstance(op, ir.Reduction) and region.computed_from(name, op.out) for op in region.ops)
 
 
 def tile_sizes(form: AttentionForm) -> tuple[int, int]:

@@ -48,7 +48,7 @@ from absl import logging
 
 from jaxfuse.runtime import triton_call as _wire
 
-__all__ = ["TARGET", "SOURCE", "available", "records", "build", "kernel_attributes",
+__all__ = ["TARGET", "SOURCE", "available", "records", "build", "kernel_attributes", "kernel_id",
            "waits_before_memory", "rewrite_call",
            "apply_attributes", "load_attributes", "store_attributes", "UnsupportedCall",
            "grid_waits"]
@@ -311,10 +311,8 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
       image, image_kind = base64.b64encode(cubin(ptx, cc, num_warps)).decode("ascii"), 1
     except Exception as e:  # pylint: disable=broad-except
       logging.info("jaxfuse: ahead-of-time cubin failed (%s); the driver compiles the PTX", e)
-  kid = hashlib.blake2b(f"{name}\0{smem}\0{image_kind}\0".encode() + image.encode(),
-                        digest_size=8).digest()
   return {
-      "kid": int.from_bytes(kid, "little") & ((1 << 63) - 1),
+      "kid": kernel_id(name, smem, image_kind, image),
       "image": image,
       "image_kind": image_kind,
       "name": name,
@@ -325,6 +323,13 @@ def kernel_attributes(opaque: bytes, n_buffers: int,
       "values": [v for _, v in params],
       "uses_pdl": waits_before_memory(ptx),
   }
+
+
+def kernel_id(name: str, smem: int, image_kind: int, image: str) -> int:
+  """The handler's table key of a kernel image (the ``kid`` attribute)."""
+  kid = hashlib.blake2b(f"{name}\0{smem}\0{image_kind}\0".encode() + image.encode(),
+                        digest_size=8).digest()
+  return int.from_bytes(kid, "little") & ((1 << 63) - 1)
 
 
 def triton_cubin(ptx: str, compute_capability: int, num_warps: int) -> bytes:

@@ -26,7 +26,7 @@ import numpy as np
 from jaxfuse import ir
 from jaxfuse.codegen import CodegenError, GeneratedKernel
 
-__all__ = ["attributes", "launch"]
+__all__ = ["attributes", "launch", "scratch_bytes"]
 
 _POINTER = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
 _lock = threading.Lock()
@@ -79,11 +79,11 @@ def attributes(kernel: GeneratedKernel) -> dict:
   if scratch > kernel.global_scratch:
     raise CodegenError(f"the kernel asks for {scratch} bytes of global scratch per program, "
                        f"{kernel.global_scratch} were planned")
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
   image = base64.b64encode(compiled.asm["cubin"]).decode("ascii")
-  kid = hashlib.blake2b(f"{md.name}\0{md.shared}\0{1}\0".encode() + image.encode(), digest_size=8)
   n = len(buffers)
   attrs = {
-      "kid": int.from_bytes(kid.digest(), "little") & ((1 << 63) - 1),
+      "kid": direct_launch.kernel_id(md.name, int(md.shared), 1, image),
       "image": image, "image_kind": 1, "name": md.name,
       "grid": [int(g) for g in (tuple(kernel.grid) + (1, 1, 1))[:3]],
       "block": 32 * int(md.num_warps), "smem": int(md.shared),
@@ -94,6 +94,12 @@ def attributes(kernel: GeneratedKernel) -> dict:
   with _lock:
     _compiled[key] = attrs
   return dict(attrs)
+
+
+def scratch_bytes(kernel: GeneratedKernel, attrs: dict) -> int:
+  """Bytes of the global scratch buffer a launch of ``attrs`` takes (at
+  least one: XLA allocates no empty buffer)."""
+  return max(1, int(np.prod(attrs["grid"])) * kernel.global_scratch)
 
 
 def launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
@@ -107,8 +113,7 @@ def launch(kernel: GeneratedKernel, args: Sequence[Any]) -> list[Any]:
   vm = kernel.region.value_map
   outs = [jax.ShapeDtypeStruct(b.operand_shape, ir.np_dtype(vm[b.value].dtype))
           for b in kernel.region.outputs]
-  programs = int(np.prod(attrs["grid"]))
-  scratch = jax.ShapeDtypeStruct((max(1, programs * kernel.global_scratch),), np.uint8)
+  scratch = jax.ShapeDtypeStruct((scratch_bytes(kernel, attrs),), np.uint8)
   call_attrs = {k: (np.asarray(v, np.int64) if isinstance(v, list) else v) for k, v in attrs.items()}
   res = jax.ffi.ffi_call(direct_launch.TARGET, outs + [scratch])(*args, **call_attrs)
   return list(res[:-1])

@@ -691,9 +691,8 @@ def _sandbox_program(kernel: GeneratedKernel, xs: Sequence[np.ndarray]):
     from jaxfuse.runtime import gluon_launch  # pylint: disable=g-import-not-at-top
     attrs = gluon_launch.attributes(kernel)
     outs = _out_shapes(kernel.region)
-    programs = int(np.prod(attrs["grid"]))
     buffers = [(tuple(s.shape), np.dtype(s.dtype)) for s in (*structs, *outs)]
-    buffers.append(((max(1, programs * kernel.global_scratch),), np.dtype(np.uint8)))
+    buffers.append(((gluon_launch.scratch_bytes(kernel, attrs),), np.dtype(np.uint8)))
     n_in = len(structs)
     return kernel_sandbox.Program(
         buffers=buffers, steps=[(attrs, list(range(len(buffers))))],

@@ -41,13 +41,13 @@ import dataclasses
 import itertools
 import math
 import string
-from typing import Union
+from typing import Optional, Union
 
 from jaxfuse import ir
 from jaxfuse.codegen import streaming
 from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel
 
-__all__ = ["GLUON_ATTENTION", "AttentionForm", "attention_form", "print_kernel",
+__all__ = ["GLUON_ATTENTION", "AttentionForm", "attention_form", "key_blocks", "print_kernel",
            "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
 
 # Plan.form of this kernel.
@@ -65,6 +65,11 @@ _MAX_BATCH_TILES = 1 << 16    # batch index combinations checked one by one
 # than 232 at d=64 and no faster at d=128 (H100, session 65).
 _CONSUMER_REGS = {64: 240, 128: 232}
 _SMEM_BYTES = 227 * 1024
+# How a causal kernel's programs walk its tiles: "pairs" (each takes query
+# tiles i and last - i of a head together, so that every pair holds the same
+# number of key blocks) or "rows" (as without a mask: the query tiles of one
+# head after another).
+CAUSAL_TILE_ORDER = "pairs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +97,9 @@ class AttentionForm:
   k: Operand
   v: Operand
   out: Operand
+  # The keys each query row keeps (streaming.Band against the row loop m):
+  # key i of row o where o + lower <= i <= o + upper; None: every key.
+  band: Optional[streaming.Band] = None
 
 
 def _literal(a) -> Union[float, None]:
@@ -120,17 +128,34 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
   info = streaming.analyze(region)
   if info.single_tile or n not in info.streamed:
     return "its softmax does not stream over the key loop"
-  if streaming.masked_tile_relations(region):
-    return "a mask hides key tiles"
+  # A mask the kernel applies: a band of keys per query (causal, a sliding
+  # window) that the running max and the shift read, whose masked tiles
+  # contribute nothing (streaming.masked_tile_relation). Its predicate is
+  # computed from indices alone; the one op that applies it is the masked
+  # score. Any other use of an index is not this kernel's.
+  band = streaming.masked_tile_relations(region).get(n)
+  masked = None
+  if band is not None:
+    mx = next((op for op in region.ops if isinstance(op, ir.Reduction) and op.kind == "max"), None)
+    masked = mx and region.producer(mx.arg)
+    if masked is None or streaming.masked_value(region, mx.arg) is None:
+      return "a mask the kernel does not apply"
+  pure: set[str] = set()      # values of indices and literals only (the mask's predicate)
+  for op in region.ops:
+    if isinstance(op, ir.Iota) or (isinstance(op, ir.Elementwise) and op is not masked and all(
+        isinstance(a, ir.Literal) or a in pure for a in op.args)):
+      pure.add(op.out)
+  if pure and band is None:
+    return "it reads an index other than as a band mask"
   # Every op between the contractions must be one of softmax's, each once;
-  # anything else (a bias, a cap, a mask) is printed by the Triton form.
+  # anything else (a bias, a cap, another mask) is printed by the Triton form.
   scale = 1.0
   saw: dict[str, ir.Op] = {}
   for op in region.ops:
-    if isinstance(op, ir.Contraction):
+    if isinstance(op, ir.Contraction) or op.out in pure or op is masked:
       continue
-    if isinstance(op, ir.Iota):
-      return "it reads an index (a mask)"
+    if any(a in pure for a in getattr(op, "args", ())):
+      return f"an op {op.fn} reads an index"
     if isinstance(op, ir.Reduction):
       if op.loop != n or op.kind not in ("max", "sum") or op.kind in saw:
         return f"a reduction {op.kind} over {op.loop}"
@@ -176,6 +201,14 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
   scores = saw["scale"].out if "scale" in saw else c0.out
   if not region.computed_from(sub.args[0], scores):
     return "the shift does not read the (scaled) scores"
+  if masked is not None:
+    # The mask applies to the scaled scores themselves (a positive scale
+    # keeps -inf where the kernel applies it, before scaling), and the
+    # max and the shift both read the masked scores.
+    mv = streaming.masked_value(region, masked.out)
+    if (_through_converts(region, mv.kept) != scores or saw["max"].arg != masked.out
+        or sub.args[0] != masked.out):
+      return "the mask is not applied to the scores the softmax reads"
   if not all(region.computed_from(v, exp.out) for v in (saw["sum"].arg, pname)) or \
       not region.computed_from(exp.args[0], sub.out):
     return "the sum or the second contraction does not read the softmax's exponential"
@@ -196,6 +229,10 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
   if not qloops:
     return "the query has no row loop"
   m = max(qloops, key=lambda l: (ext[l], l))
+  if band is not None and band.other != m:
+    return f"the mask relates the keys to loop {band.other}, not the query rows"
+  if band is not None and not band.keeps_some(ext[n], ext[m]):
+    return "the mask leaves a query row no key"
   # The value's head dimension: its loop the query lacks and the output has.
   e_loops = [l for l in vm[vname].loops
              if l != n and l not in vm[qname].loops and l in vm[out.value].loops and ext[l] > 1]
@@ -231,7 +268,16 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
         return f"{role}'s heads do not lie in rows of one 2-D view"
     ops[role] = Operand(order.index(name), strides, r, size // r, width)
   return AttentionForm(tuple((l, ext[l]) for l in batch), m, n, d, e, (M, N, D, E), scale,
-                       next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"])
+                       next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"], band)
+
+
+def _through_converts(region: ir.Region, name: str) -> str:
+  """The value ``name`` converts, seen through any chain of converts."""
+  op = region.producer(name)
+  while isinstance(op, ir.Elementwise) and op.fn == "convert" and isinstance(op.args[0], str):
+    name = op.args[0]
+    op = region.producer(name)
+  return name
 
 
 def _is_row_sum(region: ir.Region, name: str, loop: str) -> bool:
@@ -274,17 +320,18 @@ _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_
 
 @gluon.jit
 def _${name}_coords(t, X_ROWS: gl.constexpr, Y_ROWS: gl.constexpr):
-    # Tile t: query tile t % M_TILES of head t // M_TILES. Returns each
-    # operand's first row and column in its 2-D view.
-    mt = t % ${m_tiles}
-    bi = t // ${m_tiles}
+    # Tile t: query tile mt of head bi (tile_order). Returns each operand's
+    # first row and column in its 2-D view, and the tile's first query.
+${tile_order}
 ${batch_code}
     q_base = ${q_base}
     k_base = ${k_base}
     v_base = ${v_base}
     o_base = ${o_base}
     return (q_base // ${q_r} + mt * X_ROWS, q_base % ${q_r}, k_base // ${k_r}, k_base % ${k_r},
-            v_base // ${v_r}, v_base % ${v_r}, o_base // ${o_r} + mt * X_ROWS, o_base % ${o_r})
+            v_base // ${v_r}, v_base % ${v_r}, o_base // ${o_r} + mt * X_ROWS, o_base % ${o_r},
+            mt * X_ROWS)
+${mask_helpers}
 
 
 @gluon.jit
@@ -292,14 +339,16 @@ def _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
                     BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     it = 0
     tc = 0
-    for t in range(gl.program_id(0), ${n_tiles}, gl.num_programs(0)):
-        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col = _${name}_coords(t, BM, BN)
+    for t in ${tile_loop}:
+        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col, m0 = _${name}_coords(t, BM, BN)
+        blk_lo = ${blk_lo}
+        blk_hi = ${blk_hi}
         # Q's buffer also stages the output: wait until both warpgroups
         # have stored the previous tile's.
         mbarrier.wait(q_empty, (tc & 1) ^ 1)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
-        for j in range(${n_blocks}):
+        for j in range(blk_lo, blk_hi):
             idx = it % STAGES
             mbarrier.wait(empty_bar.index(idx), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(idx), k_desc.block_type.nbytes)
@@ -328,8 +377,11 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
     zero_s = gl.zeros([RM, BN], gl.float32, s_layout)
     it = 0
     tc = 0
-    for t in range(gl.program_id(0), ${n_tiles}, gl.num_programs(0)):
-        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col = _${name}_coords(t, BM, BN)
+    for t in ${tile_loop}:
+        q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col, m0 = _${name}_coords(t, BM, BN)
+        blk_lo = ${blk_lo}
+        blk_hi = ${blk_hi}
+        r0 = m0 + WG * RM
         acc = gl.zeros([RM, E], gl.float32, o_layout)
         mbarrier.wait(q_bar, tc & 1)
         idx = it % STAGES
@@ -337,12 +389,14 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
         s_tok = warpgroup_mma(q_part, k_smem.index(idx).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+${mask_first}
         # The row max of the unscaled scores: the scale is positive.
         m_i = gl.max(sc, 1) * qk_scale
-        p = gl.exp2(sc * qk_scale - m_i[:, None])
+${shift_first}
+        p = gl.exp2(sc * qk_scale - m_s[:, None])
         l_i = gl.sum(p, 1)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, ${n_blocks}):
+        for j in range(1, blk_hi - blk_lo):
             cur = (it + j) % STAGES
             prev = (it + j - 1) % STAGES
             mbarrier.wait(k_bar.index(cur), ((it + j) // STAGES) & 1)
@@ -352,17 +406,19 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             # Block j's scores are ready while the previous block's P.V runs.
             sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+${mask_loop}
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc * qk_scale - m_new[:, None])
+${shift_loop}
+            alpha = gl.exp2(m_i - m_s)
+            p = gl.exp2(sc * qk_scale - m_s[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
             mbarrier.arrive(empty_bar.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p16 = gl.convert_layout(p.to(dtype), p_layout)
-        last = (it + ${n_blocks} - 1) % STAGES
-        mbarrier.wait(v_bar.index(last), ((it + ${n_blocks} - 1) // STAGES) & 1)
+        last = (it + blk_hi - blk_lo - 1) % STAGES
+        mbarrier.wait(v_bar.index(last), ((it + blk_hi - blk_lo - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(empty_bar.index(last), count=1)
@@ -372,7 +428,7 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
         _tma_store(o_desc, [o_row + WG * RM, o_col], o_part)
         tma.store_wait(pendings=0)
         mbarrier.arrive(q_empty, count=1)
-        it += ${n_blocks}
+        it += blk_hi - blk_lo
         tc += 1
 
 
@@ -432,6 +488,97 @@ def _base_expr(op: Operand, batch: tuple[tuple[str, int], ...]) -> str:
   return " + ".join(terms) if terms else "0"
 
 
+def key_blocks(form: AttentionForm, bn: int) -> list[tuple[int, int]]:
+  """[first, end) of the key blocks (of ``bn`` keys) each query tile runs:
+  all of them, or under ``form.band`` those holding a key some row keeps
+  (the printed ``blk_lo`` / ``blk_hi``)."""
+  M, N = form.extents[:2]
+  out = []
+  for m0 in range(0, M, BLOCK_M):
+    lo, hi = 0, N // bn
+    if form.band is not None and form.band.upper is not None:
+      hi = min(hi, (m0 + BLOCK_M - 1 + form.band.upper) // bn + 1)
+    if form.band is not None and form.band.lower is not None:
+      lo = max(lo, (m0 + form.band.lower) // bn)
+    out.append((lo, hi))
+  return out
+
+
+_MASK_HELPER = string.Template('''
+
+@gluon.jit
+def _${name}_mask(sc, kb, r0, RM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+    # Scores of keys outside row o's band (o + lower <= key <= o + upper)
+    # become -inf: exp2 makes them 0 and a row max never picks them.
+    rows = r0 + gl.arange(0, RM, layout=gl.SliceLayout(1, layout))
+    cols = kb + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    rel = cols[None, :] - rows[:, None]
+    return gl.where(${keep}, sc, float("-inf"))
+''')
+
+
+def _mask_code(form: AttentionForm, name: str, bn: int, n_blocks: int) -> dict[str, str]:
+  """The template's pieces that apply ``form.band``: each tile's range of
+  key blocks, the mask on the blocks where a row of a warpgroup drops a
+  key, and the shift's guard against rows whose first block keeps nothing
+  (a window: -inf - -inf would be NaN)."""
+  band = form.band
+  if band is None:
+    return dict(blk_lo="0", blk_hi=str(n_blocks), mask_helpers="", mask_first="", mask_loop="",
+                shift_first="        m_s = m_i", shift_loop="            m_s = m_new")
+  lo, hi = band.lower, band.upper
+  keep, need = [], []
+  blk_lo, blk_hi = "0", str(n_blocks)
+  if hi is not None:
+    # The tile's last row keeps keys up to m0 + BM - 1 + hi (>= 0: every
+    # row keeps some key, attention_form).
+    blk_hi = f"gl.minimum((m0 + {BLOCK_M - 1 + hi}) // BN + 1, {n_blocks})"
+    keep.append(f"(rel <= {hi})")
+    need.append(f"(kb + {bn - 1} - r0 > {hi})")
+  if lo is not None:
+    # Clamped: // truncates a negative start to a block <= 0.
+    blk_lo = f"gl.maximum((m0 + {lo}) // BN, 0)"
+    keep.append(f"(rel >= {lo})")
+    need.append(f"(kb - r0 - {ROWS_PER_WARPGROUP - 1} < {lo})")
+  helper = _MASK_HELPER.substitute(name=name, keep=" & ".join(keep))
+
+  def apply(indent: str, first: str) -> str:
+    return (f"{indent}kb = {first} * BN\n"
+            f"{indent}if {' | '.join(need)}:\n"
+            f"{indent}    sc = _{name}_mask(sc, kb, r0, RM, BN, s_layout)")
+
+  if lo is None:      # every row keeps key 0, in its first block
+    shift_first, shift_loop = "        m_s = m_i", "            m_s = m_new"
+  else:
+    shift_first = '        m_s = gl.where(m_i == float("-inf"), 0.0, m_i)'
+    shift_loop = '            m_s = gl.where(m_new == float("-inf"), 0.0, m_new)'
+  return dict(blk_lo=blk_lo, blk_hi=blk_hi, mask_helpers=helper,
+              mask_first=apply("        ", "blk_lo"), mask_loop=apply("            ", "(blk_lo + j)"),
+              shift_first=shift_first, shift_loop=shift_loop)
+
+
+def _tile_order(form: AttentionForm, n_tiles: int) -> tuple[str, str]:
+  """(the persistent loop's range, the code mapping its index ``t`` to
+  query tile ``mt`` of head ``bi``). Programs take tiles round-robin, the
+  query tiles of a head in a row, so that programs running together read
+  the same heads' keys and values (L2). Under a causal mask a tile's work
+  grows with its index: there each program takes tiles i and last - i of
+  one head in turn, the longer first, and every pair holds the same work."""
+  m_tiles = form.extents[0] // BLOCK_M
+  causal = form.band is not None and form.band.upper is not None and form.band.lower is None
+  if causal and CAUSAL_TILE_ORDER == "pairs" and m_tiles % 2 == 0:
+    units, half = n_tiles // 2, m_tiles // 2
+    loop = (f"range(0, 2 * (({units} - gl.program_id(0) + gl.num_programs(0) - 1) // "
+            f"gl.num_programs(0)))")
+    order = (f"    u = gl.program_id(0) + (t // 2) * gl.num_programs(0)\n"
+             f"    pi = u % {half}\n"
+             f"    mt = gl.where(t % 2 == 0, {m_tiles - 1} - pi, pi)\n"
+             f"    bi = u // {half}")
+    return loop, order
+  return (f"range(gl.program_id(0), {n_tiles}, gl.num_programs(0))",
+          f"    mt = t % {m_tiles}\n    bi = t // {m_tiles}")
+
+
 def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
   """The Gluon source of ``plan`` (``plan.form == GLUON_ATTENTION``) for
   ``region``; ``sm_count``: programs to run (one per SM, at most one per
@@ -461,8 +608,11 @@ def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
   for role, op in roles.items():
     params[op.index] = f"{role}_ptr"
   scale = form.scale * math.log2(math.e)
+  masks = _mask_code(form, name, bn, N // bn)
+  tile_loop, tile_order = _tile_order(form, n_tiles)
   src = _TEMPLATE.substitute(
-      name=name, m_tiles=M // BLOCK_M, n_blocks=N // bn, n_tiles=n_tiles,
+      **masks, tile_loop=tile_loop, tile_order=tile_order,
+      name=name, m_tiles=M // BLOCK_M, n_tiles=n_tiles,
       batch_code="\n".join(batch_code) or "    pass",
       q_base=_base_expr(form.q, form.batch), k_base=_base_expr(form.k, form.batch),
       v_base=_base_expr(form.v, form.batch), o_base=_base_expr(form.out, form.batch),

@@ -18,6 +18,11 @@ it:
   epilogue (the next tile's queries load only once this tile's output has
   left their buffer) cost more than its overlap saves: 1.04-1.13x the
   Triton form's time at 512-1024 keys and d=64, 512 keys and d=128.
+  Under a causal mask or a sliding window (the kernel skips the key blocks
+  the band hides) its price is ``GLUON_MASKED_ATTENTION_SPEED`` and its
+  tiles need ``MIN_MASKED_KEY_BLOCKS`` kept key blocks on average: causal
+  tiles are paired so that every program has the same work, where the
+  Triton form's last wave runs the longest rows alone.
 
 Example::
 
@@ -35,8 +40,8 @@ from jaxfuse import ir
 from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner.plan import Plan
 
-__all__ = ["GLUON_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS", "MIN_TILES_PER_SM", "gluon_attention_plan",
-           "with_kernel_forms"]
+__all__ = ["GLUON_ATTENTION_SPEED", "GLUON_MASKED_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS",
+           "MIN_MASKED_KEY_BLOCKS", "MIN_TILES_PER_SM", "gluon_attention_plan", "with_kernel_forms"]
 
 # The Gluon kernel's time over the Triton form's pick, by head dimension
 # (H100, CUDA-graph µs per launch of the printed kernels, session 65:
@@ -44,6 +49,12 @@ __all__ = ["GLUON_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS", "MIN_TILES_PER_S
 GLUON_ATTENTION_SPEED = {64: 0.97, 128: 0.87}
 # Key blocks (of 128) per tile below which the form lost (see above).
 MIN_KEY_BLOCKS = {64: 16, 128: 8}
+# The same under a band mask (H100, session 66, CUDA-graph µs of the
+# printed kernels, causal at 1024-4096 tokens: d=64 0.94-0.96, d=128
+# 0.74-0.79; a 512-key window at d=128 0.83). The smallest measured (and
+# won) average of kept key blocks per tile was 4.5 (causal, 1024 keys).
+GLUON_MASKED_ATTENTION_SPEED = {64: 0.96, 128: 0.83}
+MIN_MASKED_KEY_BLOCKS = 4
 # Devices with wgmma and TMA (the kernel is compiled for sm_90a).
 HOPPER = ("h100", "h200")
 # Tiles per persistent program below which the form is not offered: the
@@ -67,14 +78,22 @@ def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
   if base.predicted is None:
     return "the Triton form's plan has no prediction"
   bn, stages = gluon_printer.tile_sizes(form)
-  blocks = form.extents[1] // 128
-  if blocks < MIN_KEY_BLOCKS[d_ext]:
-    return (f"{form.extents[1]} keys: fewer than {MIN_KEY_BLOCKS[d_ext] * 128} at d={d_ext}, "
-            "where the form was measured slower")
+  if form.band is None:
+    blocks = form.extents[1] // 128
+    if blocks < MIN_KEY_BLOCKS[d_ext]:
+      return (f"{form.extents[1]} keys: fewer than {MIN_KEY_BLOCKS[d_ext] * 128} at d={d_ext}, "
+              "where the form was measured slower")
+    speed = GLUON_ATTENTION_SPEED[d_ext]
+  else:
+    spans = gluon_printer.key_blocks(form, 128)
+    kept = sum(hi - lo for lo, hi in spans) / len(spans)
+    if kept < MIN_MASKED_KEY_BLOCKS:
+      return (f"{kept:.1f} key blocks per query tile kept by the mask: fewer than "
+              f"{MIN_MASKED_KEY_BLOCKS}, where the form was not measured to win")
+    speed = GLUON_MASKED_ATTENTION_SPEED[d_ext]
   sizes = {form.m: gluon_printer.BLOCK_M, form.n: bn, form.d: d_ext, form.e: form.extents[3]}
   plan_tiles = tuple((l.name, sizes.get(l.name, 1)) for l in region.loops)
-  pred = dataclasses.replace(base.predicted,
-                             time_s=base.predicted.time_s * GLUON_ATTENTION_SPEED[d_ext])
+  pred = dataclasses.replace(base.predicted, time_s=base.predicted.time_s * speed)
   return dataclasses.replace(base, tiles=plan_tiles, num_warps=8, num_stages=stages, split=None,
                              form=gluon_printer.GLUON_ATTENTION, predicted=pred)
 

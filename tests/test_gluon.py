@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxfuse import capture, codegen
+from jaxfuse.codegen import streaming
 from jaxfuse.codegen import gluon_printer as gp
 from jaxfuse.devices import get_device
 from jaxfuse.planner import examples, kernel_forms, plan_region
@@ -44,6 +45,11 @@ def _attention(layout="bhtd", heads=16, kv=16, scale=None, causal=False, cap=0.0
   return f
 
 
+_OP = gp.Operand(0, (), 64, 1024, 64)
+_FORM = gp.AttentionForm((), "m", "n", "d", "e", (1024, 1024, 64, 64), 0.125, "float16",
+                         _OP, _OP, _OP, _OP)
+
+
 def _region(fn, layout, b, heads, kv, m, n, d, dtype=jnp.float16):
   qs = (b, heads, m, d) if layout == "bhtd" else (b, m, heads, d)
   ks = (b, kv, n, d) if layout == "bhtd" else (b, n, kv, d)
@@ -66,7 +72,6 @@ def test_softmax_attention_is_the_forms(layout, heads, kv):
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(causal=True), "mask"),
     (dict(cap=30.0), "div by 30"),   # the cap's s / 30 is a second scale
     (dict(bias=True), "add"),
 ])
@@ -188,10 +193,16 @@ def _compile_for_sm90(region, plan, tmp_path):
   return pk, md
 
 
-@pytest.mark.parametrize("layout,heads,kv,d,dtype", [("bhtd", 16, 16, 128, jnp.float16),
-                                                     ("bthd", 32, 8, 64, jnp.bfloat16)])
-def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, tmp_path):
-  region = _region(_attention(layout, heads, kv), layout, 4, heads, kv, 2048, 2048, d, dtype)
+@pytest.mark.parametrize("layout,heads,kv,d,dtype,mask", [
+    ("bhtd", 16, 16, 128, jnp.float16, None),
+    ("bthd", 32, 8, 64, jnp.bfloat16, None),
+    ("bhtd", 16, 16, 128, jnp.float16, "causal"),
+    ("bthd", 16, 16, 64, jnp.bfloat16, "window"),
+])
+def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, tmp_path):
+  fn = {None: _attention(layout, heads, kv), "causal": _attention(layout, heads, kv, causal=True),
+        "window": _dpa(window=(512, 0))}[mask]
+  region = _region(fn, layout, 4, heads, kv, 2048, 2048, d, dtype)
   plan = plan_region(region, "h100", use_cache=False).best
   assert plan.form == gp.GLUON_ATTENTION
   pk, md = _compile_for_sm90(region, plan, tmp_path)
@@ -202,7 +213,12 @@ def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, tmp_pat
   assert 0 < md["global_scratch_size"] <= pk.global_scratch
   assert md["shared"] <= 227 * 1024
   m_tiles = 2048 // gp.BLOCK_M
-  assert f"range(gl.program_id(0), {m_tiles * 4 * heads}" in pk.source
+  if mask == "causal":      # pairs of query tiles
+    assert f"range(0, 2 * (({m_tiles * 4 * heads // 2} - gl.program_id(0)" in pk.source
+  else:
+    assert f"range(gl.program_id(0), {m_tiles * 4 * heads}" in pk.source
+  assert ("_mask(sc, kb, r0" in pk.source) == bool(mask)
+  assert ('m_s = gl.where(m_new == float("-inf")' in pk.source) == (mask == "window")
 
 
 def test_print_refuses_a_plan_of_other_tiles():
@@ -290,3 +306,143 @@ def test_a_scale_on_the_max_alone_is_not_the_softmax_scale():
   region = _region(f, "bhtd", 2, 16, 16, 1024, 1024, 64)
   reason = gp.attention_form(region)
   assert isinstance(reason, str), reason
+
+
+def _dpa(causal=False, window=None):
+  def f(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window,
+                                        implementation="xla")
+  return f
+
+
+@pytest.mark.parametrize("fn,layout,heads,kv,band", [
+    (_attention("bhtd", 16, 16, causal=True), "bhtd", 16, 16, (None, 0)),
+    (_attention("bthd", 32, 8, causal=True), "bthd", 32, 8, (None, 0)),
+    (_dpa(causal=True), "bthd", 16, 16, (None, 0)),
+    (_dpa(window=(256, 0)), "bthd", 16, 16, (-256, 0)),
+    (_dpa(window=(300, 100)), "bthd", 16, 16, (-300, 100)),
+])
+def test_band_masked_attention_is_the_forms(fn, layout, heads, kv, band):
+  region = _region(fn, layout, 2, heads, kv, 1024, 1024, 64)
+  form = gp.attention_form(region)
+  assert isinstance(form, gp.AttentionForm), form
+  assert (form.band.lower, form.band.upper) == band and form.band.other == form.m
+
+
+def _masked(mask, fill=-jnp.inf, after_scale=True):
+  """Attention whose scores ``mask(s, i, j)`` fills with ``fill`` where it is False."""
+  def f(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k)
+    i = jnp.arange(s.shape[-2])[:, None]
+    j = jnp.arange(s.shape[-1])[None, :]
+    if after_scale:
+      s = s * 0.125
+    s = jnp.where(mask(i, j), s, fill)
+    if not after_scale:
+      s = s * 0.125
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+  return f
+
+
+@pytest.mark.parametrize("fn,why", [
+    # Row 0 keeps no key: -inf fills give NaN rows, left to the Triton form.
+    (_masked(lambda i, j: j < i), "no key"),
+    # A fill a score can reach is not a mask the kernel applies.
+    (_masked(lambda i, j: j <= i, fill=-1.0), "index"),
+    # The scale after the mask: the max does not read the masked scores.
+    (_masked(lambda i, j: j <= i, after_scale=False), "index"),
+    # Keys against a constant: not a band of keys per query.
+    (_masked(lambda i, j: j <= 500), "index"),
+])
+def test_other_masks_are_left_to_the_triton_form(fn, why):
+  region = _region(fn, "bhtd", 2, 16, 16, 1024, 1024, 64)
+  reason = gp.attention_form(region)
+  assert isinstance(reason, str) and why in reason, reason
+
+
+def test_an_index_read_as_a_bias_is_not_a_mask():
+  def f(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+    i = jnp.arange(s.shape[-2])[:, None]
+    j = jnp.arange(s.shape[-1])[None, :]
+    s = jnp.where(j <= i, s, -jnp.inf) + (j * 0.01).astype(s.dtype)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+  region = _region(f, "bhtd", 2, 16, 16, 1024, 1024, 64)
+  assert isinstance(gp.attention_form(region), str)
+
+
+@pytest.mark.parametrize("lower,upper,m,n,bn", [(None, 0, 1024, 1024, 128), (None, 0, 1024, 1024, 64),
+                                               (None, 0, 512, 1024, 128), (-256, 0, 1024, 1024, 128),
+                                               (-300, 100, 1024, 1024, 64), (-1000, 5, 512, 2048, 128),
+                                               (None, 200, 1024, 1024, 128)])
+def test_the_printed_band_keeps_exactly_the_band(lower, upper, m, n, bn):
+  """Evaluates the kernel's printed block ranges, per-block mask decision
+  and keep predicate over every (query, key) and compares them with the
+  band itself, and ``key_blocks`` with the blocks that hold a kept key."""
+  import types
+  import numpy as np
+  band = streaming.Band("m", lower, upper)
+  code = gp.band_code(band, bn, n // bn)
+  env = dict(gl=types.SimpleNamespace(maximum=max, minimum=min), BN=bn)
+  o = np.arange(m)[:, None]
+  i = np.arange(n)[None, :]
+  want = np.ones((m, n), bool)
+  if lower is not None:
+    want &= i >= o + lower
+  if upper is not None:
+    want &= i <= o + upper
+  got = np.zeros((m, n), bool)
+  form = dataclasses.replace(_FORM, extents=(m, n, 64, 64), band=band)
+  spans = gp.key_blocks(form, bn)
+  for t, m0 in enumerate(range(0, m, gp.BLOCK_M)):
+    lo = eval(code.blk_lo, dict(env, m0=m0))   # pylint: disable=eval-used
+    hi = eval(code.blk_hi, dict(env, m0=m0))   # pylint: disable=eval-used
+    assert spans[t] == (lo, hi)
+    rows = want[m0:m0 + gp.BLOCK_M]
+    held = {c // bn for c in np.nonzero(rows.any(0))[0]}
+    assert held == set(range(lo, hi)), (m0, lo, hi)
+    for wg in (0, 1):
+      r0 = m0 + wg * gp.ROWS_PER_WARPGROUP
+      for blk in range(lo, hi):
+        kb = blk * bn
+        sl = (slice(r0, r0 + gp.ROWS_PER_WARPGROUP), slice(kb, kb + bn))
+        if eval(code.need, dict(env, kb=kb, r0=r0)):   # pylint: disable=eval-used
+          rel = i[:, sl[1]] - o[sl[0]]
+          got[sl] = eval(code.keep, dict(rel=rel))   # pylint: disable=eval-used
+        else:
+          got[sl] = True
+  np.testing.assert_array_equal(got, want)
+
+
+def test_causal_tiles_run_in_pairs_of_equal_work():
+  region = _region(_attention(causal=True), "bhtd", 8, 16, 16, 2048, 2048, 128)
+  form = gp.attention_form(region)
+  spans = gp.key_blocks(form, 128)
+  m_tiles = len(spans)
+  work = [hi - lo for lo, hi in spans]
+  assert {work[i] + work[m_tiles - 1 - i] for i in range(m_tiles // 2)} == {m_tiles + 1}
+  plan = plan_region(region, "h100", use_cache=False).best
+  assert plan.form == gp.GLUON_ATTENTION
+  src = gp.print_kernel(region, plan, sm_count=132).source
+  assert f"mt = gl.where(t % 2 == 0, {m_tiles - 1} - pi, pi)" in src
+  assert "_mask(sc, kb, r0" in src and 'float("-inf"), 0.0' not in src   # no window guard
+  # Without a mask: query tiles in a row, no mask code.
+  plain = examples.attention(8, 16, 2048, 2048, 128)
+  src = gp.print_kernel(plain, plan_region(plain, "h100", use_cache=False).best, sm_count=132).source
+  assert "_mask" not in src and "mt = t % 16" in src
+
+
+def test_masked_plans_are_priced_and_offered_by_kept_blocks():
+  h100 = get_device("h100")
+  causal = _region(_attention(causal=True), "bhtd", 8, 16, 16, 2048, 2048, 128)
+  res = plan_region(causal, h100, use_cache=False)
+  assert res.best.form == gp.GLUON_ATTENTION
+  triton = next(p for p in res.ranked if not p.form)
+  assert res.best.predicted.time_s == pytest.approx(
+      triton.predicted.time_s * kernel_forms.GLUON_MASKED_ATTENTION_SPEED[128])
+  # A 256-key window keeps about 3 blocks of 128 per query tile.
+  narrow = _region(_dpa(window=(256, 0)), "bthd", 8, 16, 16, 4096, 4096, 128)
+  best = plan_region(narrow, h100, use_cache=False).best
+  assert not best.form
+  why = kernel_forms.gluon_attention_plan(narrow, h100, best)
+  assert isinstance(why, str) and "key blocks" in why

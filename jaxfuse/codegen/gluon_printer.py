@@ -17,12 +17,19 @@ FlashAttention-3 does:
 * persistent programs (one per SM) walk the (batch, head, query tile)
   tiles, so each program makes its four tensor descriptors once.
 
-Measured on an H100 (session 65): 0.94-1.0x cuDNN at d=128, 0.95-0.98x at
-d=64, 1.06-1.22x the Triton form's speed.
+Under a band mask (causal, a sliding window: ``streaming.Band``) a tile
+runs only the key blocks holding a key some row keeps, and masks scores
+only in the blocks where a row of its warpgroup drops one. Causal tiles'
+work grows with their query index, so programs take them in pairs (tile i
+and last - i of one head) of equal work.
+
+Measured on an H100: 0.94-1.0x cuDNN at d=128, 0.95-0.98x at d=64, 1.06-1.22x
+the Triton form's speed (session 65); causal 0.92-1.10x cuDNN, 1.04-1.35x the
+Triton form's speed (session 66).
 
 The form is printed only for what it computes exactly: softmax attention
-``softmax(c * q.k^T) . v`` (``attention_form`` recognises it from the IR and
-says why not otherwise): no mask, bias or cap, 16-bit q/k/v/out of one
+``softmax(mask(c * q.k^T)) . v`` (``attention_form`` recognises it from the
+IR and says why not otherwise): at most one band mask, no bias or cap, 16-bit q/k/v/out of one
 dtype, head dimensions of 64 or 128, query and key lengths multiples of its
 tiles, each operand's head a [rows, dim] block of a 2-D view with unit inner
 stride. It runs on the GPU only: Triton's interpreter has no Gluon, so CPU
@@ -47,8 +54,8 @@ from jaxfuse import ir
 from jaxfuse.codegen import streaming
 from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel
 
-__all__ = ["GLUON_ATTENTION", "AttentionForm", "attention_form", "key_blocks", "print_kernel",
-           "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
+__all__ = ["GLUON_ATTENTION", "AttentionForm", "BandCode", "attention_form", "band_code", "key_blocks",
+           "print_kernel", "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
 
 # Plan.form of this kernel.
 GLUON_ATTENTION = "gluon-ws"
@@ -517,15 +524,21 @@ def _${name}_mask(sc, kb, r0, RM: gl.constexpr, BN: gl.constexpr, layout: gl.con
 ''')
 
 
-def _mask_code(form: AttentionForm, name: str, bn: int, n_blocks: int) -> dict[str, str]:
-  """The template's pieces that apply ``form.band``: each tile's range of
-  key blocks, the mask on the blocks where a row of a warpgroup drops a
-  key, and the shift's guard against rows whose first block keeps nothing
-  (a window: -inf - -inf would be NaN)."""
-  band = form.band
-  if band is None:
-    return dict(blk_lo="0", blk_hi=str(n_blocks), mask_helpers="", mask_first="", mask_loop="",
-                shift_first="        m_s = m_i", shift_loop="            m_s = m_new")
+@dataclasses.dataclass(frozen=True)
+class BandCode:
+  """How the kernel applies a band, as expressions it prints: the key
+  blocks a tile runs, ``blk_lo`` to ``blk_hi`` (of ``m0``, its first query,
+  and ``BN``); ``need``: whether block ``kb`` (its first key) drops a key
+  of the warpgroup rows from ``r0``; ``keep``: whether key - query ``rel``
+  is in the band."""
+  blk_lo: str
+  blk_hi: str
+  need: str
+  keep: str
+
+
+def band_code(band: streaming.Band, bn: int, n_blocks: int) -> BandCode:
+  """The ``BandCode`` of ``band`` for key blocks of ``bn`` (``n_blocks`` in all)."""
   lo, hi = band.lower, band.upper
   keep, need = [], []
   blk_lo, blk_hi = "0", str(n_blocks)
@@ -540,19 +553,32 @@ def _mask_code(form: AttentionForm, name: str, bn: int, n_blocks: int) -> dict[s
     blk_lo = f"gl.maximum((m0 + {lo}) // BN, 0)"
     keep.append(f"(rel >= {lo})")
     need.append(f"(kb - r0 - {ROWS_PER_WARPGROUP - 1} < {lo})")
-  helper = _MASK_HELPER.substitute(name=name, keep=" & ".join(keep))
+  return BandCode(blk_lo, blk_hi, " | ".join(need), " & ".join(keep))
+
+
+def _mask_code(form: AttentionForm, name: str, bn: int, n_blocks: int) -> dict[str, str]:
+  """The template's pieces that apply ``form.band`` (``band_code``): each
+  tile's range of key blocks, the mask on the blocks where a row of a
+  warpgroup drops a key, and the shift's guard against rows whose first
+  block keeps nothing (a window: -inf - -inf would be NaN)."""
+  band = form.band
+  if band is None:
+    return dict(blk_lo="0", blk_hi=str(n_blocks), mask_helpers="", mask_first="", mask_loop="",
+                shift_first="        m_s = m_i", shift_loop="            m_s = m_new")
+  code = band_code(band, bn, n_blocks)
+  helper = _MASK_HELPER.substitute(name=name, keep=code.keep)
 
   def apply(indent: str, first: str) -> str:
     return (f"{indent}kb = {first} * BN\n"
-            f"{indent}if {' | '.join(need)}:\n"
+            f"{indent}if {code.need}:\n"
             f"{indent}    sc = _{name}_mask(sc, kb, r0, RM, BN, s_layout)")
 
-  if lo is None:      # every row keeps key 0, in its first block
+  if band.lower is None:      # every row keeps key 0, in its first block
     shift_first, shift_loop = "        m_s = m_i", "            m_s = m_new"
   else:
     shift_first = '        m_s = gl.where(m_i == float("-inf"), 0.0, m_i)'
     shift_loop = '            m_s = gl.where(m_new == float("-inf"), 0.0, m_new)'
-  return dict(blk_lo=blk_lo, blk_hi=blk_hi, mask_helpers=helper,
+  return dict(blk_lo=code.blk_lo, blk_hi=code.blk_hi, mask_helpers=helper,
               mask_first=apply("        ", "blk_lo"), mask_loop=apply("            ", "(blk_lo + j)"),
               shift_first=shift_first, shift_loop=shift_loop)
 

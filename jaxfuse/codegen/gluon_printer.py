@@ -24,7 +24,7 @@ work grows with their query index, so programs take them in pairs (tile i
 and last - i of one head) of equal work.
 
 Measured on an H100: 0.94-1.0x cuDNN at d=128, 0.95-0.98x at d=64, 1.06-1.22x
-the Triton form's speed (session 65); causal 0.92-1.10x cuDNN, 1.04-1.35x the
+the Triton form's speed (session 65); causal 0.91-1.10x cuDNN, 1.05-1.35x the
 Triton form's speed (session 66).
 
 The form is printed only for what it computes exactly: softmax attention

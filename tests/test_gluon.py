@@ -82,7 +82,7 @@ def test_other_attention_is_left_to_the_triton_form(kw, why):
 
 
 def test_shapes_the_kernel_does_not_take():
-  wide = _region(_attention(), "bhtd", 2, 16, 16, 1024, 1024, 256)
+  wide = _region(_attention(), "bhtd", 2, 16, 16, 1024, 1024, 80)
   assert "head dimensions" in gp.attention_form(wide)
   ragged = _region(_attention(), "bhtd", 2, 16, 16, 1000, 1024, 64)
   assert "multiple" in gp.attention_form(ragged)
@@ -198,6 +198,7 @@ def _compile_for_sm90(region, plan, tmp_path):
     ("bthd", 32, 8, 64, jnp.bfloat16, None),
     ("bhtd", 16, 16, 128, jnp.float16, "causal"),
     ("bthd", 16, 16, 64, jnp.bfloat16, "window"),
+    ("bhtd", 16, 8, 256, jnp.float16, "causal"),
 ])
 def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, tmp_path):
   fn = {None: _attention(layout, heads, kv), "causal": _attention(layout, heads, kv, causal=True),
@@ -212,6 +213,8 @@ def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, t
   assert pk.grid == (132,)
   assert 0 < md["global_scratch_size"] <= pk.global_scratch
   assert md["shared"] <= 227 * 1024
+  if d == 256:      # two stages of 64 keys beside the query tile
+    assert pk.num_stages == 2 and dict(pk.constexprs)["BN"] == 64
   m_tiles = 2048 // gp.BLOCK_M
   if mask == "causal":      # pairs of query tiles
     assert f"range(0, 2 * (({m_tiles * 4 * heads // 2} - gl.program_id(0)" in pk.source
@@ -446,3 +449,16 @@ def test_masked_plans_are_priced_and_offered_by_kept_blocks():
   assert not best.form
   why = kernel_forms.gluon_attention_plan(narrow, h100, best)
   assert isinstance(why, str) and "key blocks" in why
+
+
+def test_head_dimension_256_takes_the_form_under_a_mask_only():
+  h100 = get_device("h100")
+  causal = _region(_attention("bhtd", 16, 8, causal=True), "bhtd", 1, 16, 8, 4096, 4096, 256)
+  best = plan_region(causal, h100, use_cache=False).best
+  assert best.form == gp.GLUON_ATTENTION and best.tile_map["n"] == 64 and best.num_stages == 2
+  plain = _region(_attention("bhtd", 16, 8), "bhtd", 1, 16, 8, 4096, 4096, 256)
+  assert isinstance(gp.attention_form(plain), gp.AttentionForm)
+  best = plan_region(plain, h100, use_cache=False).best
+  assert not best.form
+  why = kernel_forms.gluon_attention_plan(plain, h100, best)
+  assert isinstance(why, str) and "256 without a mask" in why

@@ -30,7 +30,7 @@ Triton form's speed (session 66).
 The form is printed only for what it computes exactly: softmax attention
 ``softmax(mask(c * q.k^T)) . v`` (``attention_form`` recognises it from the
 IR and says why not otherwise): at most one band mask, no bias or cap, 16-bit q/k/v/out of one
-dtype, head dimensions of 64 or 128, query and key lengths multiples of its
+dtype, head dimensions of 64, 128 or 256, query and key lengths multiples of its
 tiles, each operand's head a [rows, dim] block of a 2-D view with unit inner
 stride. It runs on the GPU only: Triton's interpreter has no Gluon, so CPU
 runs use the Triton form of the same region.
@@ -64,13 +64,14 @@ ROWS_PER_WARPGROUP = 64
 BLOCK_M = 2 * ROWS_PER_WARPGROUP
 # Global scratch of one program: four 128-byte TMA descriptors.
 SCRATCH_PER_PROGRAM = 4 * 128
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 _DTYPES = {"float16": "gl.float16", "bfloat16": "gl.bfloat16"}
 _MAX_BATCH_TILES = 1 << 16    # batch index combinations checked one by one
 # Registers per thread of the second consumer warpgroup (the first gets what
 # is left of 64K after it and the loader's 24): 240 measured 3-4% faster
-# than 232 at d=64 and no faster at d=128 (H100, session 65).
-_CONSUMER_REGS = {64: 240, 128: 232}
+# than 232 at d=64 and no faster at d=128 (H100, session 65); at d=256 232
+# ran 0-2% faster (session 66).
+_CONSUMER_REGS = {64: 240, 128: 232, 256: 232}
 _SMEM_BYTES = 227 * 1024
 # How a causal kernel's programs walk its tiles: "pairs" (each takes query
 # tiles i and last - i of a head together, so that every pair holds the same
@@ -302,9 +303,10 @@ def _after_reduction(region: ir.Region, name: str) -> bool:
 
 def tile_sizes(form: AttentionForm) -> tuple[int, int]:
   """(key tile, pipeline stages): the widest key tile and the deepest ring
-  of K/V stages that fit shared memory (measured best at d=64-128)."""
+  of K/V stages that fit shared memory (measured best at d=64-128; at
+  d=256 two stages of 64 keys fit beside the 64 KB query tile)."""
   M, N, D, E = form.extents
-  bn = 128 if N % 128 == 0 else 64
+  bn = 128 if N % 128 == 0 and max(D, E) <= 128 else 64
   item = 2
   fixed = BLOCK_M * max(D, E) * item + 1024
   stages = 3

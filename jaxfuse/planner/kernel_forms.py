@@ -53,7 +53,9 @@ MIN_KEY_BLOCKS = {64: 16, 128: 8}
 # printed kernels, causal at 1024-4096 tokens: d=64 0.94-0.96, d=128
 # 0.74-0.79; a 512-key window at d=128 0.83). The smallest measured (and
 # won) average of kept key blocks per tile was 4.5 (causal, 1024 keys).
-GLUON_MASKED_ATTENTION_SPEED = {64: 0.96, 128: 0.83}
+# d=256 (64-key blocks, 2 stages): causal 0.78-0.82 at 2048-4096 tokens;
+# without a mask 1.00-1.03, so there it is not offered.
+GLUON_MASKED_ATTENTION_SPEED = {64: 0.96, 128: 0.83, 256: 0.85}
 MIN_MASKED_KEY_BLOCKS = 4
 # Devices with wgmma and TMA (the kernel is compiled for sm_90a).
 HOPPER = ("h100", "h200")
@@ -79,6 +81,8 @@ def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
     return "the Triton form's plan has no prediction"
   bn, stages = gluon_printer.tile_sizes(form)
   if form.band is None:
+    if d_ext not in GLUON_ATTENTION_SPEED:
+      return f"head dimension {d_ext} without a mask, where the form was measured no faster"
     blocks = form.extents[1] // 128
     if blocks < MIN_KEY_BLOCKS[d_ext]:
       return (f"{form.extents[1]} keys: fewer than {MIN_KEY_BLOCKS[d_ext] * 128} at d={d_ext}, "

@@ -72,7 +72,6 @@ def test_softmax_attention_is_the_forms(layout, heads, kv):
 
 
 @pytest.mark.parametrize("kw,why", [
-    (dict(cap=30.0), "div by 30"),   # the cap's s / 30 is a second scale
     (dict(bias=True), "add"),
 ])
 def test_other_attention_is_left_to_the_triton_form(kw, why):
@@ -199,10 +198,12 @@ def _compile_for_sm90(region, plan, tmp_path):
     ("bhtd", 16, 16, 128, jnp.float16, "causal"),
     ("bthd", 16, 16, 64, jnp.bfloat16, "window"),
     ("bhtd", 16, 8, 256, jnp.float16, "causal"),
+    ("bthd", 16, 8, 256, jnp.bfloat16, "capped"),
 ])
 def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, tmp_path):
   fn = {None: _attention(layout, heads, kv), "causal": _attention(layout, heads, kv, causal=True),
-        "window": _dpa(window=(512, 0))}[mask]
+        "window": _dpa(window=(512, 0)),
+        "capped": _attention(layout, heads, kv, causal=True, cap=50.0)}[mask]
   region = _region(fn, layout, 4, heads, kv, 2048, 2048, d, dtype)
   plan = plan_region(region, "h100", use_cache=False).best
   assert plan.form == gp.GLUON_ATTENTION
@@ -216,7 +217,7 @@ def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, t
   if d == 256:      # two stages of 64 keys beside the query tile
     assert pk.num_stages == 2 and dict(pk.constexprs)["BN"] == 64
   m_tiles = 2048 // gp.BLOCK_M
-  if mask == "causal":      # pairs of query tiles
+  if mask in ("causal", "capped"):      # pairs of query tiles
     assert f"range(0, 2 * (({m_tiles * 4 * heads // 2} - gl.program_id(0)" in pk.source
   else:
     assert f"range(gl.program_id(0), {m_tiles * 4 * heads}" in pk.source
@@ -462,3 +463,63 @@ def test_head_dimension_256_takes_the_form_under_a_mask_only():
   assert not best.form
   why = kernel_forms.gluon_attention_plan(plain, h100, best)
   assert isinstance(why, str) and "256 without a mask" in why
+
+
+def test_a_soft_cap_is_the_forms():
+  region = _region(_attention(cap=30.0), "bhtd", 2, 16, 16, 1024, 1024, 64)
+  form = gp.attention_form(region)
+  assert isinstance(form, gp.AttentionForm), form
+  a, b = form.cap
+  assert a == pytest.approx(1 / 30, rel=1e-3) and b == pytest.approx(30.0)
+  assert form.scale == pytest.approx(64 ** -0.5, rel=1e-3) and form.band is None
+  gemma = _region(_attention("bthd", 16, 8, causal=True, cap=50.0), "bthd", 1, 16, 8, 4096, 4096, 256)
+  form = gp.attention_form(gemma)
+  assert form.cap == pytest.approx((0.02, 50.0), rel=1e-3) and form.band.upper == 0
+  plan = plan_region(gemma, "h100", use_cache=False).best
+  assert plan.form == gp.GLUON_ATTENTION
+  src = gp.print_kernel(gemma, plan, sm_count=132).source
+  # After the cap the softmax has no scale of its own: exp2 of log2(e) * s.
+  assert f"qk_scale: gl.constexpr = {math.log2(math.e)!r}" in src
+  import re
+  assert len(re.findall(r"sc = _\w+_cap\(sc\)", src)) == 2   # the first key block and the loop
+
+
+def _capped(f_cap):
+  def f(q, k, v):
+    s = f_cap(jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+  return f
+
+
+@pytest.mark.parametrize("f_cap,why", [
+    (jnp.tanh, "soft cap"),                                   # no literal factors
+    (lambda s: 30 * jnp.tanh(s / 30) + jnp.tanh(s), "more than one tanh"),
+    (lambda s: 0.5 * (30 * jnp.tanh(s / 30)), "mul by 0.5"),   # a scale after the cap
+    (lambda s: 30 * jnp.tanh(jnp.exp(s) / 30), "exp"),
+])
+def test_other_tanh_is_left_to_the_triton_form(f_cap, why):
+  region = _region(_capped(f_cap), "bhtd", 2, 16, 16, 1024, 1024, 64)
+  reason = gp.attention_form(region)
+  assert isinstance(reason, str) and why in reason, reason
+
+
+def test_the_printed_cap_computes_the_cap():
+  """Evaluates the printed cap helper (its exp2 factor and constants) with
+  numpy over scores from -1e4 to 1e4: b * tanh(a * c * s) to float32
+  accuracy, saturating without NaN."""
+  import re
+  import numpy as np
+  region = _region(_attention("bthd", 16, 8, causal=True, cap=50.0), "bthd", 1, 16, 8, 4096, 4096, 256)
+  form = gp.attention_form(region)
+  src = gp.print_kernel(region, plan_region(region, "h100", use_cache=False).best, sm_count=132).source
+  k = float(re.search(r"gl\.exp2\(sc \* ([-0-9.e]+)\)", src).group(1))
+  b, two_b = map(float, re.search(r"return ([-0-9.e]+) - gl\.fdiv\(gl\.full_like\(e, ([-0-9.e]+)\)",
+                                   src).groups())
+  s = np.concatenate([np.linspace(-50, 50, 20001), [-1e4, -300.0, 300.0, 1e4]]).astype(np.float32)
+  with np.errstate(over="ignore"):
+    e = np.exp2(s * np.float32(k))
+    got = np.float32(b) - np.float32(two_b) / (e + np.float32(1))
+  a, cb = form.cap
+  want = cb * np.tanh(a * form.scale * s.astype(np.float64))
+  assert not np.isnan(got).any()
+  np.testing.assert_allclose(got, want, atol=2e-5 * cb, rtol=0)

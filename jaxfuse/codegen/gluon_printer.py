@@ -108,6 +108,9 @@ class AttentionForm:
   # The keys each query row keeps (streaming.Band against the row loop m):
   # key i of row o where o + lower <= i <= o + upper; None: every key.
   band: Optional[streaming.Band] = None
+  # (a, b): the scaled scores s become b * tanh(a * s) before the mask and
+  # the softmax (a soft cap); None: no cap.
+  cap: Optional[tuple[float, float]] = None
 
 
 def _literal(a) -> Union[float, None]:
@@ -155,12 +158,16 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
       pure.add(op.out)
   if pure and band is None:
     return "it reads an index other than as a band mask"
+  cap = _soft_cap(region)
+  if isinstance(cap, str):
+    return cap
+  cap_ops = cap[2] if cap else ()
   # Every op between the contractions must be one of softmax's, each once;
-  # anything else (a bias, a cap, another mask) is printed by the Triton form.
+  # anything else (a bias, another mask) is printed by the Triton form.
   scale = 1.0
   saw: dict[str, ir.Op] = {}
   for op in region.ops:
-    if isinstance(op, ir.Contraction) or op.out in pure or op is masked:
+    if isinstance(op, ir.Contraction) or op.out in pure or op is masked or op in cap_ops:
       continue
     if any(a in pure for a in getattr(op, "args", ())):
       return f"an op {op.fn} reads an index"
@@ -207,6 +214,13 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
   # and the sum and the second contraction read the one exponential.
   sub, exp = saw["sub"], saw["exp"]
   scores = saw["scale"].out if "scale" in saw else c0.out
+  if cap:
+    # The cap reads the (scaled) scores, and nothing scales its result.
+    pre = cap_ops[0]
+    src = next(a for a in pre.args if isinstance(a, str))
+    if _through_converts(region, src) != scores:
+      return "the cap does not read the (scaled) scores"
+    scores = cap_ops[2].out
   if not region.computed_from(sub.args[0], scores):
     return "the shift does not read the (scaled) scores"
   if masked is not None:
@@ -276,7 +290,40 @@ def attention_form(region: ir.Region) -> Union[AttentionForm, str]:
         return f"{role}'s heads do not lie in rows of one 2-D view"
     ops[role] = Operand(order.index(name), strides, r, size // r, width)
   return AttentionForm(tuple((l, ext[l]) for l in batch), m, n, d, e, (M, N, D, E), scale,
-                       next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"], band)
+                       next(iter(dtypes)), ops["q"], ops["k"], ops["v"], ops["out"], band,
+                       (cap[0], cap[1]) if cap else None)
+
+
+def _soft_cap(region: ir.Region):
+  """A soft cap of the scores, ``b * tanh(a * s)`` (Gemma 2's
+  ``cap * tanh(s / cap)``): (a, b, (the op of a, the tanh, the op of b));
+  None where no op is a tanh; why not (a str) where one is but not so."""
+  tanhs = [op for op in region.ops if isinstance(op, ir.Elementwise) and op.fn == "tanh"]
+  if not tanhs:
+    return None
+  if len(tanhs) > 1:
+    return "more than one tanh"
+  th = tanhs[0]
+  pre = region.producer(_through_converts(region, th.args[0]))
+  a = None
+  if isinstance(pre, ir.Elementwise) and pre.fn in ("mul", "div") and len(pre.args) == 2:
+    lits = [_literal(x) for x in pre.args]
+    if pre.fn == "mul" and sum(l is not None for l in lits) == 1:
+      a = next(l for l in lits if l is not None)
+    elif pre.fn == "div" and lits[1] is not None and lits[0] is None and lits[1] != 0:
+      a = 1.0 / lits[1]
+  users = [op for op in region.ops if th.out in getattr(op, "args", ())]
+  while len(users) == 1 and isinstance(users[0], ir.Elementwise) and users[0].fn == "convert":
+    users = [op for op in region.ops if users[0].out in getattr(op, "args", ())]
+  post = users[0] if len(users) == 1 else None
+  b = None
+  if isinstance(post, ir.Elementwise) and post.fn == "mul" and len(post.args) == 2:
+    lits = [_literal(x) for x in post.args]
+    if sum(l is not None for l in lits) == 1:
+      b = next(l for l in lits if l is not None)
+  if not a or not b or not (math.isfinite(a) and math.isfinite(b)):
+    return "a tanh that is not a soft cap b * tanh(a * s) of literals a, b"
+  return a, b, (pre, th, post)
 
 
 def _through_converts(region: ir.Region, name: str) -> str:
@@ -398,6 +445,7 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
         s_tok = warpgroup_mma(q_part, k_smem.index(idx).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
         sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+${cap_first}
 ${mask_first}
         # The row max of the unscaled scores: the scale is positive.
         m_i = gl.max(sc, 1) * qk_scale
@@ -415,6 +463,7 @@ ${shift_first}
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             # Block j's scores are ready while the previous block's P.V runs.
             sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+${cap_loop}
 ${mask_loop}
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
 ${shift_loop}
@@ -511,6 +560,17 @@ def key_blocks(form: AttentionForm, bn: int) -> list[tuple[int, int]]:
       lo = max(lo, (m0 + form.band.lower) // bn)
     out.append((lo, hi))
   return out
+
+
+_CAP_HELPER = string.Template('''
+
+@gluon.jit
+def _${name}_cap(sc):
+    # b * tanh(a * s) as b - 2b / (1 + e^(2as)): one exp2 and one fast
+    # division (2 ulp); saturates to +-b without overflow.
+    e = gl.exp2(sc * ${two_a_log2e})
+    return ${b} - gl.fdiv(gl.full_like(e, ${two_b}), e + 1.0)
+''')
 
 
 _MASK_HELPER = string.Template('''
@@ -637,9 +697,18 @@ def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
     params[op.index] = f"{role}_ptr"
   scale = form.scale * math.log2(math.e)
   masks = _mask_code(form, name, bn, N // bn)
+  cap = dict(cap_first="", cap_loop="")
+  if form.cap is not None:
+    # The cap reads the scaled scores; the softmax then has no scale.
+    a, b = form.cap
+    masks["mask_helpers"] += _CAP_HELPER.substitute(
+        name=name, two_a_log2e=repr(2.0 * a * form.scale * math.log2(math.e)), b=repr(float(b)),
+        two_b=repr(2.0 * b))
+    cap = dict(cap_first=f"        sc = _{name}_cap(sc)", cap_loop=f"            sc = _{name}_cap(sc)")
+    scale = math.log2(math.e)
   tile_loop, tile_order = _tile_order(form, n_tiles)
   src = _TEMPLATE.substitute(
-      **masks, tile_loop=tile_loop, tile_order=tile_order,
+      **masks, **cap, tile_loop=tile_loop, tile_order=tile_order,
       name=name, m_tiles=M // BLOCK_M, n_tiles=n_tiles,
       batch_code="\n".join(batch_code) or "    pass",
       q_base=_base_expr(form.q, form.batch), k_base=_base_expr(form.k, form.batch),

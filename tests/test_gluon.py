@@ -523,3 +523,117 @@ def test_the_printed_cap_computes_the_cap():
   want = cb * np.tanh(a * form.scale * s.astype(np.float64))
   assert not np.isnan(got).any()
   np.testing.assert_allclose(got, want, atol=2e-5 * cb, rtol=0)
+
+
+class _FakeMeasure:
+  """A tuner's ``measure``: Triton plans run at their predicted time, the
+  form's plan at ``form_s`` (None: the budget ran out; inf: it failed)."""
+
+  def __init__(self, form_s, kernel_forms=True):
+    self.form_s, self.kernel_forms, self.batches = form_s, kernel_forms, []
+
+  def __call__(self, plans):
+    self.batches.append(list(plans))
+    return [self.form_s if p.form else p.predicted.time_s for p in plans]
+
+
+@pytest.mark.parametrize("form_ratio,first", [(0.8, True), (1.2, False), (math.inf, False),
+                                              (None, True)])
+def test_measured_tuning_times_the_form_beside_the_triton_plans(form_ratio, first):
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  h100 = get_device("h100")
+  model = plan_region(region, h100, use_cache=False)
+  triton_best = model.ranked[1].predicted.time_s
+  measure = _FakeMeasure(None if form_ratio is None else form_ratio * triton_best)
+  res = plan_region(region, h100, measure=measure, use_cache=False)
+  # Timed once, in the first batch, beside the model's best Triton plans;
+  # the search itself never ranks it.
+  forms = [(i, j) for i, b in enumerate(measure.batches) for j, p in enumerate(b) if p.form]
+  assert forms == [(0, 0)], measure.batches   # compiled first
+  assert measure.batches[0][1] == model.ranked[1]   # then the model's best Triton plan
+  assert sum(bool(p.form) for p in res.ranked) == int(first)
+  assert bool(res.best.form) == first
+  if first:
+    assert res.best.tile_map["m"] == gp.BLOCK_M and not res.ranked[1].form
+
+
+def test_measured_tuning_leaves_the_form_to_its_price_when_not_asked():
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  measure = _FakeMeasure(1.0, kernel_forms=False)   # the form would lose badly
+  res = plan_region(region, "h100", measure=measure, use_cache=False)
+  assert not any(p.form for b in measure.batches for p in b)
+  assert res.best.form == gp.GLUON_ATTENTION
+
+
+def test_measured_tuning_of_a_region_without_a_form_measures_no_form():
+  region = examples.attention(1, 16, 512, 512, 64)   # MCFuser S1: too few tiles
+  measure = _FakeMeasure(1e-9)
+  timing = kernel_forms.FormTiming(region, get_device("h100"), measure)
+  res = plan_region(region, "h100", measure=timing, use_cache=False)
+  assert not res.best.form and timing.form_time is None and "tiles" in timing.form_why
+  assert not any(p.form for b in measure.batches for p in b)
+
+
+def test_measured_rankings_are_cached_apart_by_kernel_forms(monkeypatch):
+  from jaxfuse.config import config
+  from jaxfuse.planner import cache
+  region, h100 = examples.attention(8, 16, 2048, 2048, 128), get_device("h100")
+  on = cache.plan_key(region, h100, measured=True)
+  monkeypatch.setattr(config, "kernel_forms", False)
+  assert cache.plan_key(region, h100, measured=True) != on
+  # A model ranking holds the form either way (the caller drops it).
+  assert cache.plan_key(region, h100) == cache.plan_key(region, h100)
+
+
+def test_measurer_gives_triton_an_allocator_for_the_global_scratch():
+  import torch
+  from triton.runtime import _allocation
+  from jaxfuse.runtime import launch
+  before = _allocation._allocator.get()   # pylint: disable=protected-access
+  with launch._scratch_allocator("cpu"):   # pylint: disable=protected-access
+    buf = _allocation._allocator.get()(512, 128, None)   # pylint: disable=protected-access
+    assert isinstance(buf, torch.Tensor) and buf.numel() == 512
+  assert _allocation._allocator.get() is before   # pylint: disable=protected-access
+
+
+def test_compiled_gluon_call_is_kept_in_the_plan_cache(tmp_path, monkeypatch):
+  """A later process (an empty in-process table) takes the compiled call
+  from the plan cache instead of compiling; other constants miss."""
+  from jaxfuse.config import config
+  from jaxfuse.runtime import direct_launch, gluon_launch, triton_call
+  monkeypatch.setattr(config, "cache_dir", str(tmp_path))
+  monkeypatch.setattr(gluon_launch, "_capability", lambda: 90)
+  monkeypatch.setattr(triton_call, "_gpu_identity", lambda: "NVIDIA H100|9.0|12080")
+  monkeypatch.setattr(direct_launch, "_compiled", {})
+  compiled = []
+
+  def fake_compile(kernel, cc):
+    compiled.append(cc)
+    n = len(kernel.region.inputs) + len(kernel.region.outputs)
+    return {"kid": 5, "image": "AAAA", "image_kind": 1, "name": "k", "grid": [132, 1, 1],
+            "block": 384, "smem": 229680, "kinds": [0] * n, "values": [0] * n, "scratch": n}
+  monkeypatch.setattr(gluon_launch, "_compile", fake_compile)
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  plan = plan_region(region, "h100", use_cache=False).best
+  pk = gp.print_kernel(region, plan, sm_count=132)
+  # Not imported: a Gluon module does not import under the interpreter.
+  kernel = codegen.GeneratedKernel(
+      region=region, plan=plan, source=pk.source, module_path="", fn=None, grid=pk.grid,
+      num_warps=pk.num_warps, num_stages=pk.num_stages, constexprs=dict(pk.constexprs),
+      interpret=False, global_scratch=pk.global_scratch)
+  first = gluon_launch.attributes(kernel)
+  direct_launch._compiled.clear()   # pylint: disable=protected-access  (a new process)
+  again = gluon_launch.attributes(kernel)
+  assert compiled == [90] and again == first and again["scratch"] == 4
+  other = dataclasses.replace(kernel, constexprs={**kernel.constexprs, "REGS": 200})
+  gluon_launch.attributes(other)
+  assert compiled == [90, 90]
+
+
+def test_a_cached_call_with_a_bad_scratch_index_is_refused():
+  from jaxfuse.runtime import direct_launch
+  good = {"kid": 5, "image": "AAAA", "image_kind": 1, "name": "k", "grid": [1, 1, 1],
+          "block": 128, "smem": 0, "kinds": [0], "values": [0]}
+  assert direct_launch._checked_attributes({**good, "scratch": 1})["scratch"] == 1   # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="scratch"):
+    direct_launch._checked_attributes({**good, "scratch": -1})   # pylint: disable=protected-access

@@ -77,7 +77,9 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   ``measure(plans) -> seconds per plan`` (``inf``: the plan failed; ``None``:
   not measured, e.g. the budget ran out) refines the model's top candidates
   (MCFuser Alg. 1); without it the model decides. A ``measure.begin()``, if
-  present, is called once the search is about to run (not on a cache hit). Results (model-only or
+  present, is called once the search is about to run (not on a cache hit); where
+  ``measure.kernel_forms`` is true, the other kernel forms' plans are measured too
+  (``kernel_forms.FormTiming``). Results (model-only or
   measured, each under its own key) are cached on disk unless ``use_cache=False``; a corrupt cache
   entry is logged and ignored. Never raises for a region it cannot plan:
   ``best`` is None and ``why_not`` explains.
@@ -120,6 +122,11 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
       begin()   # the measurer's budget and background setup start with the search
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("jaxfuse planner: measure.begin failed (%s)", e)
+  from jaxfuse.planner import kernel_forms  # pylint: disable=import-outside-toplevel
+  timing = None
+  if measure is not None and getattr(measure, "kernel_forms", False):
+    # Measured tuning times the other kernel forms too (kernel_forms.FormTiming).
+    measure = timing = kernel_forms.FormTiming(region, dev, measure)
   try:
     res = search.search(region, dev, seed=seed, measure=measure)
   except Exception as e:  # pylint: disable=broad-except
@@ -131,8 +138,7 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
                 "rejected": dict(res.rejected)})
   ranked = tuple(res.ranked[:top])
   if ranked:
-    from jaxfuse.planner import kernel_forms  # pylint: disable=import-outside-toplevel
-    ranked = kernel_forms.with_kernel_forms(region, dev, ranked)
+    ranked = kernel_forms.with_kernel_forms(region, dev, ranked, timing=timing)
   why = None if ranked else _why_not(region, res.rejected)
   best = ranked[0] if ranked else None
   if best is not None and best.predicted.programs < dev.sm_count:

@@ -74,8 +74,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # (cost_model.unsplit_floor_regs, padded head dimensions from 27), and the
 # search seeds that plan: head dimensions of 160-256 no longer split;
 # 28: plans carry their kernel form (Plan.form): softmax attention on Hopper
-# may rank the warp-specialized Gluon kernel (planner.kernel_forms) first.
-FORMAT_VERSION = 28
+# may rank the warp-specialized Gluon kernel (planner.kernel_forms) first;
+# 29: measured tuning times that kernel too (kernel_forms.FormTiming).
+FORMAT_VERSION = 29
 
 
 def _version() -> str:
@@ -104,7 +105,9 @@ def plan_key(region: ir.Region, device: DeviceSpec, measured: bool = False) -> s
            str(device.smem_per_block_bytes), _version(), str(FORMAT_VERSION),
            f"split={bool(config.allow_split)}"]
   if measured:
-    parts.append("measured")
+    # Whether the other kernel forms were measured (config.kernel_forms)
+    # decides whether a measured ranking may hold them.
+    parts += ["measured", f"forms={bool(config.kernel_forms)}"]
   return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 

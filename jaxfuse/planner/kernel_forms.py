@@ -27,6 +27,12 @@ it:
   priced and offered as the masked form: capped causal attention measured
   0.73-0.75x the Triton form's time, a capped 4096-key window 0.87x.
 
+Under measured tuning (``plan_region(..., measure=)`` with a measurer
+whose ``kernel_forms`` attribute is true) the price only decides whether
+the form is a candidate: ``FormTiming`` times its kernel in the search's
+first batch, beside the Triton candidates, and the form goes first only
+where it ran faster than the Triton form's measured best.
+
 Example::
 
     ranked = with_kernel_forms(region, get_device("h100"), ranked)
@@ -37,13 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Optional, Sequence
+
+from absl import logging
 
 from jaxfuse import ir
 from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner.plan import Plan
 
-__all__ = ["GLUON_ATTENTION_SPEED", "GLUON_MASKED_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS",
+__all__ = ["FormTiming", "GLUON_ATTENTION_SPEED", "GLUON_MASKED_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS",
            "MIN_MASKED_KEY_BLOCKS", "MIN_TILES_PER_SM", "gluon_attention_plan", "with_kernel_forms"]
 
 # The Gluon kernel's time over the Triton form's pick, by head dimension
@@ -106,13 +114,96 @@ def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
                              form=gluon_printer.GLUON_ATTENTION, predicted=pred)
 
 
-def with_kernel_forms(region: ir.Region, dev: DeviceSpec, ranked: Sequence[Plan]) -> tuple:
+class FormTiming:
+  """The tuner's ``measure(plans) -> seconds`` with the kernel form's plan
+  timed too: the first batch the search measures (the model's best plan
+  first) gets the form plan priced from that plan put in front, so its
+  kernel compiles first, beside the Triton candidates', within the tuning
+  budget (appended last, it was still compiling at the deadline in 4 of 5
+  large attention regions, H100, session 67). The search sees only its
+  own plans' times.
+
+  After the search, ``times`` holds every Triton plan's measured seconds by
+  ``str(plan)`` (None: not measured, ``inf``: failed), ``form_time`` the
+  form plan's (None: not measured or not a candidate, then ``form_why``
+  says why not a candidate).
+
+  Example::
+
+      timing = FormTiming(region, dev, measure)
+      res = search.search(region, dev, measure=timing)
+      ranked = with_kernel_forms(region, dev, res.ranked, timing=timing)
+  """
+
+  def __init__(self, region: ir.Region, dev: DeviceSpec,
+               measure: Callable[[Sequence[Plan]], Sequence[Optional[float]]]):
+    self._region, self._dev, self._measure = region, dev, measure
+    self.times: dict[str, Optional[float]] = {}
+    self.form_time: Optional[float] = None
+    self.form_why: Optional[str] = None
+    self._asked = False
+    begin = getattr(measure, "begin", None)
+    if callable(begin):
+      self.begin = begin   # plan_region starts the measurer's budget with it
+
+  def __call__(self, plans: Sequence[Plan]) -> list[Optional[float]]:
+    plans = list(plans)
+    extra: list[Plan] = []
+    if not self._asked and plans:
+      self._asked = True
+      form = gluon_attention_plan(self._region, self._dev, plans[0])
+      if isinstance(form, str):
+        self.form_why = form
+      else:
+        extra = [form]
+    times = list(self._measure(extra + plans))
+    if len(times) != len(plans) + len(extra):
+      raise ValueError(f"measure returned {len(times)} times for {len(plans) + len(extra)} plans")
+    if extra:
+      self.form_time = times[0]
+      if self.form_time is None:
+        logging.info("jaxfuse planner: kernel form %s not measured within the tuning budget; "
+                     "its price decides", extra[0].form)
+    times = times[len(extra):]
+    for p, t in zip(plans, times):
+      self.times[str(p)] = t
+    return times
+
+  def triton_time(self, best: Plan) -> Optional[float]:
+    """The Triton form's measured seconds to beat: ``best``'s (the
+    search's first plan), else the fastest measured, else None."""
+    t = self.times.get(str(best))
+    if t is not None and math.isfinite(t):
+      return t
+    done = [t for t in self.times.values() if t is not None and math.isfinite(t)]
+    return min(done) if done else None
+
+
+def with_kernel_forms(region: ir.Region, dev: DeviceSpec, ranked: Sequence[Plan],
+                      timing: Optional[FormTiming] = None) -> tuple:
   """``ranked`` with the plans of other kernel forms put in front where
-  they fit and are priced faster than its first plan."""
+  they fit and are priced faster than its first plan, or, with ``timing``
+  (measured tuning), where they ran faster than the Triton form's
+  measured best; the price decides only where either was not measured
+  (the tuning budget ran out)."""
   ranked = tuple(ranked)
   if not ranked or ranked[0].form:
     return ranked
   plan = gluon_attention_plan(region, dev, ranked[0])
-  if isinstance(plan, str) or plan.predicted.time_s >= ranked[0].predicted.time_s:
+  if isinstance(plan, str):
+    return ranked
+  if timing is not None and timing.form_time is not None:
+    t_form, t_base = timing.form_time, timing.triton_time(ranked[0])
+    if not math.isfinite(t_form):
+      logging.info("jaxfuse planner: kernel form %s failed to run or check under measured "
+                   "tuning; the Triton form stays", plan.form)
+      return ranked
+    if t_base is not None:
+      won = t_form < t_base
+      logging.info("jaxfuse planner: kernel form %s measured %.1f us against the Triton form's "
+                   "%.1f us: %s", plan.form, t_form * 1e6, t_base * 1e6,
+                   "put first" if won else "the Triton form stays")
+      return (plan,) + ranked if won else ranked
+  if plan.predicted.time_s >= ranked[0].predicted.time_s:
     return ranked
   return (plan,) + ranked

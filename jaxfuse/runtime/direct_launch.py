@@ -410,6 +410,10 @@ def _checked_attributes(value: dict) -> dict:
   if not isinstance(value.get("uses_pdl", False), bool):
     raise ValueError("field 'uses_pdl' is not a boolean")
   out["uses_pdl"] = value.get("uses_pdl", False)
+  if "scratch" in value:   # a Gluon kernel's global scratch buffer (gluon_launch)
+    if type(value["scratch"]) is not int or value["scratch"] < 0:  # pylint: disable=unidiomatic-typecheck
+      raise ValueError("field 'scratch' is not a buffer index")
+    out["scratch"] = value["scratch"]
   if (len(out["grid"]) != 3 or min(out["grid"]) < 1 or len(out["kinds"]) != len(out["values"])
       or any(not BUFFER <= k <= BOOL for k in out["kinds"]) or out["image_kind"] not in (0, 1)
       or out["block"] < 32 or out["smem"] < 0 or not 0 <= out["kid"] < 2**63):

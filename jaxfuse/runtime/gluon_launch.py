@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import threading
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -29,8 +28,6 @@ from jaxfuse.codegen import CodegenError, GeneratedKernel
 __all__ = ["attributes", "launch", "scratch_bytes"]
 
 _POINTER = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
-_lock = threading.Lock()
-_compiled: dict[tuple, dict] = {}
 
 
 def _capability() -> int:
@@ -42,19 +39,50 @@ def _capability() -> int:
   return int(major) * 10 + int(minor or 0)
 
 
+def _call_key(kernel: GeneratedKernel, cc: int) -> Optional[str]:
+  """The plan cache key of ``kernel``'s compiled call (see
+  ``direct_launch.store_attributes``), or None where it is not kept: what
+  the compile reads (source, constants, warps, the GPU and its driver,
+  Triton's environment knobs, the versions) and what the call reads (grid,
+  planned scratch, the launch handler's source)."""
+  from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
+  gpu = triton_call._gpu_identity()  # pylint: disable=protected-access
+  handler = triton_call._handler_source()  # pylint: disable=protected-access
+  if gpu is None or handler is None:
+    return None
+  h = hashlib.sha256()
+  for part in ("gluon", kernel.source, repr(sorted(kernel.constexprs.items())), str(cc),
+               repr(tuple(kernel.grid)), str(kernel.num_warps), str(kernel.global_scratch), gpu,
+               repr(triton_call._compile_env()), triton_call.versions()):  # pylint: disable=protected-access
+    h.update(hashlib.sha256(part.encode()).digest())
+  h.update(hashlib.sha256(handler).digest())
+  return h.hexdigest()[:32]
+
+
 def attributes(kernel: GeneratedKernel) -> dict:
-  """The ``direct_launch`` attributes of ``kernel`` (compiled once per
-  source and constants); raises CodegenError where it does not compile or
-  the GPU is not a Hopper (compute capability 9.x)."""
+  """The ``direct_launch`` attributes of ``kernel``, compiled once per
+  source, constants and GPU, and kept in the plan cache for later
+  processes (``direct_launch``'s compiled-call cache: a fresh process's
+  Triton cache hit took 0.35 s for the d=128 kernel, 2-core host, Triton
+  3.6, 2026-11-25). Raises
+  CodegenError where it does not compile or the GPU is not a Hopper
+  (compute capability 9.x)."""
   cc = _capability()
   if cc // 10 != 9:
     raise CodegenError(f"the Gluon kernel needs a Hopper GPU; this one is sm_{cc}")
-  key = (hashlib.sha256(kernel.source.encode()).hexdigest(), tuple(sorted(kernel.constexprs.items())),
-         cc, kernel.grid)
-  with _lock:
-    hit = _compiled.get(key)
-  if hit is not None:
-    return dict(hit)
+  from jaxfuse.runtime import direct_launch  # pylint: disable=g-import-not-at-top
+  key = _call_key(kernel, cc)
+  hit = direct_launch.load_attributes(key)
+  if hit is not None and hit.get("scratch") == len(kernel.region.inputs) + len(kernel.region.outputs):
+    hit.pop("uses_pdl", None)   # not a Gluon kernel's attribute
+    return hit
+  attrs = _compile(kernel, cc)
+  direct_launch.store_attributes(key, attrs)
+  return attrs
+
+
+def _compile(kernel: GeneratedKernel, cc: int) -> dict:
+  """``attributes`` of ``kernel``, compiled now."""
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
   try:
@@ -91,9 +119,7 @@ def attributes(kernel: GeneratedKernel) -> dict:
       # The scratch buffer is the call's last result.
       "scratch": n,
   }
-  with _lock:
-    _compiled[key] = attrs
-  return dict(attrs)
+  return attrs
 
 
 def scratch_bytes(kernel: GeneratedKernel, attrs: dict) -> int:

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import os
@@ -1672,6 +1673,12 @@ class _TorchMeasurer:
     """Seconds per launch of ``k`` (CUDA-graph replay), after its self-check
     against the region's reference (waited for until ``deadline``, a
     ``time.perf_counter()`` value: ``_BudgetSpent`` after it)."""
+    if not k.global_scratch:
+      return self._check_and_time(k, reps, deadline)
+    with _scratch_allocator(self.device):
+      return self._check_and_time(k, reps, deadline)
+
+  def _check_and_time(self, k: GeneratedKernel, reps: int, deadline: Optional[float]) -> float:
     import torch  # pylint: disable=g-import-not-at-top
     import triton  # pylint: disable=g-import-not-at-top
     key = (self.region.signature(), str(k.plan), "triton")
@@ -1739,6 +1746,28 @@ class _TorchMeasurer:
       return float(triton.testing.do_bench(fn, warmup=5, rep=max(reps, 5))) * 1e-3
 
 
+@contextlib.contextmanager
+def _scratch_allocator(device: str) -> Iterator[None]:
+  """Triton's launcher allocates a kernel's global scratch (a Gluon
+  kernel's TMA descriptors, ``GeneratedKernel.global_scratch``) through
+  ``triton.set_allocator``, unset by default: torch's allocator on
+  ``device`` within, the caller's (this context's) restored after."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import triton  # pylint: disable=g-import-not-at-top
+  try:
+    from triton.runtime import _allocation  # pylint: disable=g-import-not-at-top
+    before = _allocation._allocator.get()  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    before = None
+  triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                               device=device))
+  try:
+    yield
+  finally:
+    if before is not None:
+      triton.set_allocator(before)
+
+
 def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callable[[Sequence[Any]], list[float]]:
   """A ``measure(plans) -> seconds`` callable for ``plan_region(..., measure=)``.
 
@@ -1796,6 +1825,10 @@ def make_measure(region: ir.Region, budget_s: Optional[float] = None) -> Callabl
     # inf = failed (compile error, wrong answer).
     return [None if w == _BUDGET_SPENT else t for t, w in zip(times, why)]
   measure.begin = begin
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  # The GPU runs the other kernel forms (Plan.form) only where the config
+  # lets it: only then are they timed (planner.kernel_forms.FormTiming).
+  measure.kernel_forms = bool(config.kernel_forms)
   return measure
 
 

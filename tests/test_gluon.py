@@ -273,17 +273,35 @@ def test_sandbox_binds_the_global_scratch():
   assert calls[-1] == [11, 22, 33, 0, 0]
 
 
-def test_short_rows_keep_the_triton_form():
+def test_short_rows_need_more_tiles_per_sm():
   h100 = get_device("h100")
-  for args, offered in (((16, 16, 512, 512, 64), False), ((8, 16, 1024, 1024, 64), False),
-                        ((8, 16, 2048, 2048, 64), True), ((8, 16, 512, 512, 128), False),
-                        ((8, 16, 1024, 1024, 128), True)):
+  for args, offered in (((8, 12, 512, 512, 64), False),   # BERT-Base b8: 384 tiles
+                        ((16, 16, 512, 512, 64), True), ((8, 16, 1024, 1024, 64), True),
+                        ((8, 16, 2048, 2048, 64), True), ((8, 16, 512, 512, 128), True),
+                        ((8, 16, 1024, 1024, 128), True), ((8, 16, 384, 384, 64), False)):
     region = examples.attention(*args)
     best = plan_region(region, h100, use_cache=False).best
     assert bool(best.form) == offered, (args, best)
     if not offered:
       why = kernel_forms.gluon_attention_plan(region, h100, best)
-      assert isinstance(why, str) and "keys" in why
+      assert isinstance(why, str) and "keys" in why, why
+
+
+def test_queries_sit_in_registers_except_where_the_mask_needs_them():
+  def form_of(t, d, causal):
+    return gp.attention_form(_region(_attention(causal=causal), "bhtd", 2, 16, 16, t, t, d))
+  assert gp.queries_in_registers(form_of(4096, 128, False))
+  assert gp.queries_in_registers(form_of(4096, 64, True))
+  assert gp.queries_in_registers(form_of(2048, 128, True))        # 8.5 kept blocks per tile
+  assert not gp.queries_in_registers(form_of(4096, 128, True))    # 16.5
+  assert not gp.queries_in_registers(form_of(2048, 256, True))
+  # The printed kernels: the queries' wgmma operand, and where the buffer is released.
+  region = examples.attention(8, 16, 2048, 2048, 128)
+  src = gp.print_kernel(region, plan_region(region, "h100", use_cache=False).best, sm_count=132).source
+  assert "q_op = q_part.load(q_layout)" in src and "if tc + 1 < n_mine:" in src
+  causal = _region(_attention(causal=True), "bhtd", 8, 16, 16, 4096, 4096, 128)
+  src = gp.print_kernel(causal, plan_region(causal, "h100", use_cache=False).best, sm_count=132).source
+  assert "q_op = q_part\n" in src and "q_layout" not in src
 
 
 def test_a_division_by_the_row_max_is_not_softmax():

@@ -81,6 +81,15 @@ _SMEM_BYTES = 227 * 1024
 # number of key blocks) or "rows" (as without a mask: the query tiles of one
 # head after another).
 CAUSAL_TILE_ORDER = "pairs"
+# Head dimensions whose warpgroups hold their queries in registers
+# (``_query_code``), and the most kept key blocks (of 128) per tile, on
+# average, at which a masked or capped kernel still does: there the mask
+# needs registers too. H100, session 67, CUDA-graph µs of the printed
+# kernels: in registers 0.84-0.95x the time in shared memory without a
+# mask (d=64 and 128, 512-4096 keys; 0.89x causal d=64 at 2048); causal
+# d=128 0.89x at 4.5 kept blocks, 0.95x at 8.5, but 1.05-1.10x at 16.5.
+# At d=256 the queries would take 64 of the 232 registers.
+QUERIES_IN_REGISTERS = {64: math.inf, 128: 12.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +411,7 @@ def _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
         q_row, q_col, k_row, k_col, v_row, v_col, o_row, o_col, m0 = _${name}_coords(t, BM, BN)
         blk_lo = ${blk_lo}
         blk_hi = ${blk_hi}
-        # Q's buffer also stages the output: wait until both warpgroups
-        # have stored the previous tile's.
+${q_empty_why}
         mbarrier.wait(q_empty, (tc & 1) ^ 1)
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
@@ -434,6 +442,7 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
     q_part = q_smem.slice(WG * RM, RM, dim=0)
     o_part = q_part      # the output tile is staged where this warpgroup's queries were
     zero_s = gl.zeros([RM, BN], gl.float32, s_layout)
+${q_prologue}
     it = 0
     tc = 0
     for t in ${tile_loop}:
@@ -442,11 +451,12 @@ def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_ba
         blk_hi = ${blk_hi}
         r0 = m0 + WG * RM
         acc = gl.zeros([RM, E], gl.float32, o_layout)
-        mbarrier.wait(q_bar, tc & 1)
+${q_wait}
         idx = it % STAGES
         mbarrier.wait(k_bar.index(idx), (it // STAGES) & 1)
-        s_tok = warpgroup_mma(q_part, k_smem.index(idx).permute((1, 0)), zero_s, use_acc=False,
+        s_tok = warpgroup_mma(q_op, k_smem.index(idx).permute((1, 0)), zero_s, use_acc=False,
                               is_async=True)
+${q_release}
         sc = warpgroup_mma_wait(0, deps=(s_tok, ))
 ${cap_first}
 ${mask_first}
@@ -460,7 +470,7 @@ ${shift_first}
             cur = (it + j) % STAGES
             prev = (it + j - 1) % STAGES
             mbarrier.wait(k_bar.index(cur), ((it + j) // STAGES) & 1)
-            s_tok = warpgroup_mma(q_part, k_smem.index(cur).permute((1, 0)), zero_s, use_acc=False,
+            s_tok = warpgroup_mma(q_op, k_smem.index(cur).permute((1, 0)), zero_s, use_acc=False,
                                   is_async=True)
             mbarrier.wait(v_bar.index(prev), ((it + j - 1) // STAGES) & 1)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
@@ -484,13 +494,14 @@ ${shift_loop}
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
         mbarrier.arrive(empty_bar.index(last), count=1)
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+${q_next}
         o_part.store(acc.to(dtype))
         fence_async_shared()
         _tma_store(o_desc, [o_row + WG * RM, o_col], o_part)
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_empty, count=1)
+${o_release}
         it += blk_hi - blk_lo
         tc += 1
+${q_epilogue}
 
 
 @gluon.jit
@@ -648,9 +659,61 @@ def _mask_code(form: AttentionForm, name: str, bn: int, n_blocks: int) -> dict[s
               shift_first=shift_first, shift_loop=shift_loop)
 
 
-def _tile_order(form: AttentionForm, n_tiles: int) -> tuple[str, str]:
+def queries_in_registers(form: AttentionForm) -> bool:
+  """Whether the printed kernel's warpgroups hold their queries in
+  registers (``QUERIES_IN_REGISTERS``) rather than in shared memory."""
+  d = form.extents[2]
+  if d not in QUERIES_IN_REGISTERS:
+    return False
+  if form.band is None and form.cap is None:
+    return True
+  spans = key_blocks(form, 128)
+  return sum(hi - lo for lo, hi in spans) / len(spans) <= QUERIES_IN_REGISTERS[d]
+
+
+def _query_code(registers: bool, n_mine: str) -> dict[str, str]:
+  """The template's pieces that hold a warpgroup's queries: in shared
+  memory, or (``registers``) in registers, taken from the buffer when the
+  tile starts (``n_mine``: the tiles this program runs). In shared memory
+  the buffer holds the queries for the whole tile and then stages its
+  output, so the next tile's queries load only once that output has left:
+  a bubble per tile. In registers the next tile's queries load while this
+  tile runs; the buffer is read into registers before this tile's output
+  is staged there, and that store is waited for under the next tile's
+  first Q.K^T."""
+  if not registers:
+    return dict(
+        q_empty_why=("        # Q's buffer also stages the output: wait until both warpgroups\n"
+                     "        # have stored the previous tile's."),
+        q_prologue="    q_op = q_part", q_wait="        mbarrier.wait(q_bar, tc & 1)",
+        q_release="", q_next="",
+        o_release="        tma.store_wait(pendings=0)\n        mbarrier.arrive(q_empty, count=1)",
+        q_epilogue="")
+  return dict(
+      q_empty_why=("        # Q's buffer also stages the output: wait until both warpgroups\n"
+                   "        # have taken their queries into registers and stored their\n"
+                   "        # previous output from it."),
+      q_prologue=("    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,\n"
+                  "                                                 k_width=2)\n"
+                  f"    n_mine = {n_mine}\n"
+                  "    q_op = gl.zeros([RM, D], dtype, q_layout)\n"
+                  "    if n_mine > 0:\n"
+                  "        mbarrier.wait(q_bar, 0)\n"
+                  "        q_op = q_part.load(q_layout)"),
+      q_wait="",
+      q_release=("        # The previous output has left the buffer: the next queries may load.\n"
+                 "        tma.store_wait(pendings=0)\n"
+                 "        mbarrier.arrive(q_empty, count=1)"),
+      q_next=("        if tc + 1 < n_mine:\n"
+              "            mbarrier.wait(q_bar, (tc + 1) & 1)\n"
+              "            q_op = q_part.load(q_layout)"),
+      o_release="",
+      q_epilogue="    tma.store_wait(pendings=0)")
+
+
+def _tile_order(form: AttentionForm, n_tiles: int) -> tuple[str, str, str]:
   """(the persistent loop's range, the code mapping its index ``t`` to
-  query tile ``mt`` of head ``bi``). Programs take tiles round-robin, the
+  query tile ``mt`` of head ``bi``, the number of tiles a program runs). Programs take tiles round-robin, the
   query tiles of a head in a row, so that programs running together read
   the same heads' keys and values (L2). Under a causal mask a tile's work
   grows with its index: there each program takes tiles i and last - i of
@@ -659,15 +722,16 @@ def _tile_order(form: AttentionForm, n_tiles: int) -> tuple[str, str]:
   causal = form.band is not None and form.band.upper is not None and form.band.lower is None
   if causal and CAUSAL_TILE_ORDER == "pairs" and m_tiles % 2 == 0:
     units, half = n_tiles // 2, m_tiles // 2
-    loop = (f"range(0, 2 * (({units} - gl.program_id(0) + gl.num_programs(0) - 1) // "
-            f"gl.num_programs(0)))")
+    count = (f"2 * (({units} - gl.program_id(0) + gl.num_programs(0) - 1) // "
+             f"gl.num_programs(0))")
     order = (f"    u = gl.program_id(0) + (t // 2) * gl.num_programs(0)\n"
              f"    pi = u % {half}\n"
              f"    mt = gl.where(t % 2 == 0, {m_tiles - 1} - pi, pi)\n"
              f"    bi = u // {half}")
-    return loop, order
+    return f"range(0, {count})", order, count
   return (f"range(gl.program_id(0), {n_tiles}, gl.num_programs(0))",
-          f"    mt = t % {m_tiles}\n    bi = t // {m_tiles}")
+          f"    mt = t % {m_tiles}\n    bi = t // {m_tiles}",
+          f"({n_tiles} - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)")
 
 
 def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
@@ -709,9 +773,10 @@ def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
         two_b=repr(2.0 * b))
     cap = dict(cap_first=f"        sc = _{name}_cap(sc)", cap_loop=f"            sc = _{name}_cap(sc)")
     scale = math.log2(math.e)
-  tile_loop, tile_order = _tile_order(form, n_tiles)
+  tile_loop, tile_order, n_mine = _tile_order(form, n_tiles)
   src = _TEMPLATE.substitute(
-      **masks, **cap, tile_loop=tile_loop, tile_order=tile_order,
+      **masks, **cap, **_query_code(queries_in_registers(form), n_mine),
+      tile_loop=tile_loop, tile_order=tile_order,
       name=name, m_tiles=M // BLOCK_M, n_tiles=n_tiles,
       batch_code="\n".join(batch_code) or "    pass",
       q_base=_base_expr(form.q, form.batch), k_base=_base_expr(form.k, form.batch),

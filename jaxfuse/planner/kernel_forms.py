@@ -11,13 +11,12 @@ it:
   one block's softmax with the next block's Q.K^T (see
   ``codegen.gluon_printer``). Its time is priced as the Triton form's best
   plan times ``GLUON_ATTENTION_SPEED``, the ratio measured on an H100
-  (benchmarks/RESULTS.md, sixty-fifth session). It is offered only where
-  it was measured to win: its persistent programs have at least
-  ``MIN_TILES_PER_SM`` tiles each, and each tile at least
-  ``MIN_KEY_BLOCKS`` key blocks. On shorter rows its per-tile prologue and
-  epilogue (the next tile's queries load only once this tile's output has
-  left their buffer) cost more than its overlap saves: 1.04-1.13x the
-  Triton form's time at 512-1024 keys and d=64, 512 keys and d=128.
+  (benchmarks/RESULTS.md, sixty-fifth and sixty-seventh sessions). It is
+  offered only where it was measured to win: its persistent programs have
+  at least ``MIN_TILES_PER_SM`` tiles each, and each tile at least
+  ``MIN_KEY_BLOCKS`` key blocks; tiles of fewer than ``SHORT_ROW_BLOCKS``
+  key blocks need ``MIN_SHORT_ROW_TILES_PER_SM`` tiles per SM, as the
+  first tile's prologue and the last one's epilogue weigh more there.
   Under a causal mask or a sliding window (the kernel skips the key blocks
   the band hides) its price is ``GLUON_MASKED_ATTENTION_SPEED`` and its
   tiles need ``MIN_MASKED_KEY_BLOCKS`` kept key blocks on average: causal
@@ -52,21 +51,31 @@ from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner.plan import Plan
 
 __all__ = ["FormTiming", "GLUON_ATTENTION_SPEED", "GLUON_MASKED_ATTENTION_SPEED", "HOPPER", "MIN_KEY_BLOCKS",
-           "MIN_MASKED_KEY_BLOCKS", "MIN_TILES_PER_SM", "gluon_attention_plan", "with_kernel_forms"]
+           "MIN_MASKED_KEY_BLOCKS", "MIN_SHORT_ROW_TILES_PER_SM", "MIN_TILES_PER_SM", "SHORT_ROW_BLOCKS",
+           "gluon_attention_plan", "with_kernel_forms"]
 
 # The Gluon kernel's time over the Triton form's pick, by head dimension
-# (H100, CUDA-graph µs per launch of the printed kernels, session 65:
-# d=128 0.88 at 1024 keys, 0.86 at 2048; d=64 0.97 at 2048).
-GLUON_ATTENTION_SPEED = {64: 0.97, 128: 0.87}
-# Key blocks (of 128) per tile below which the form lost (see above).
-MIN_KEY_BLOCKS = {64: 16, 128: 8}
-# The same under a band mask (H100, session 66, CUDA-graph µs of the
-# printed kernels, causal at 1024-4096 tokens: d=64 0.94-0.96, d=128
-# 0.74-0.79; a 512-key window at d=128 0.83). The smallest measured (and
+# (H100, CUDA-graph µs per launch of the printed kernels, session 67, with
+# the queries in registers: d=64 0.85-0.92 at 1024-4096 keys and 0.88 at
+# 512 keys with 1024 tiles; d=128 0.79-0.87 at 512-4096 keys).
+GLUON_ATTENTION_SPEED = {64: 0.88, 128: 0.82}
+# Key blocks (of 128) per tile below which the form is not offered (none
+# shorter was measured).
+MIN_KEY_BLOCKS = {64: 4, 128: 4}
+# Below SHORT_ROW_BLOCKS key blocks per tile, the tiles per SM it needs:
+# 512 keys at d=64 measured 1.01x the Triton pick with 384 tiles (2.9 per
+# SM, BERT-Base at batch 8), 0.88x with 1024; at d=128 0.83x with 512
+# tiles (3.9 per SM).
+SHORT_ROW_BLOCKS = 8
+MIN_SHORT_ROW_TILES_PER_SM = 3.5
+# The same under a band mask (H100, CUDA-graph µs of the printed kernels,
+# causal: session 67, d=64 0.83 at 2048 tokens, d=128 0.66-0.75 at
+# 1024-4096; session 66 before the queries moved to registers: d=64
+# 0.94-0.96, a 512-key window at d=128 0.83). The smallest measured (and
 # won) average of kept key blocks per tile was 4.5 (causal, 1024 keys).
 # d=256 (64-key blocks, 2 stages): causal 0.78-0.82 at 2048-4096 tokens;
 # without a mask 1.00-1.03, so there it is not offered.
-GLUON_MASKED_ATTENTION_SPEED = {64: 0.96, 128: 0.83, 256: 0.85}
+GLUON_MASKED_ATTENTION_SPEED = {64: 0.85, 128: 0.72, 256: 0.85}
 MIN_MASKED_KEY_BLOCKS = 4
 # Devices with wgmma and TMA (the kernel is compiled for sm_90a).
 HOPPER = ("h100", "h200")
@@ -99,6 +108,9 @@ def gluon_attention_plan(region: ir.Region, dev: DeviceSpec, base: Plan):
     if blocks < MIN_KEY_BLOCKS[d_ext]:
       return (f"{form.extents[1]} keys: fewer than {MIN_KEY_BLOCKS[d_ext] * 128} at d={d_ext}, "
               "where the form was measured slower")
+    if blocks < SHORT_ROW_BLOCKS and tiles < MIN_SHORT_ROW_TILES_PER_SM * dev.sm_count:
+      return (f"{tiles} tiles of {form.extents[1]} keys: fewer than "
+              f"{MIN_SHORT_ROW_TILES_PER_SM} per SM, where the form was measured no faster")
     speed = GLUON_ATTENTION_SPEED[d_ext]
   else:
     spans = gluon_printer.key_blocks(form, 128)

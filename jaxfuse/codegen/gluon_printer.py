@@ -15,7 +15,10 @@ FlashAttention-3 does:
 * a one-warp loader partition moves K and V through a ring of shared-memory
   stages with TMA, signalled by mbarriers;
 * persistent programs (one per SM) walk the (batch, head, query tile)
-  tiles, so each program makes its four tensor descriptors once.
+  tiles, so each program makes its four tensor descriptors once;
+* each warpgroup holds its queries in registers (``queries_in_registers``),
+  so the next tile's queries load while this tile runs, and the query
+  buffer stages the output when the tile ends.
 
 Under a band mask (causal, a sliding window: ``streaming.Band``) a tile
 runs only the key blocks holding a key some row keeps, and masks scores
@@ -27,7 +30,9 @@ and last - i of one head) of equal work. A soft cap ``b * tanh(a * s)``
 Measured on an H100: 0.94-1.0x cuDNN at d=128, 0.95-0.98x at d=64, 1.06-1.22x
 the Triton form's speed (session 65); causal 0.91-1.10x cuDNN, 1.05-1.35x the
 Triton form's speed; capped (Gemma 2) 1.16-1.37x the Triton form's speed
-(session 66).
+(session 66). With the queries in registers (session 67): 0.78-0.95x the
+time with them in shared memory; large attention 1.00x cuDNN per call in
+the benchmark, 1.04x causal.
 
 The form is printed only for what it computes exactly: softmax attention
 ``softmax(mask(cap(c * q.k^T))) . v`` (``attention_form`` recognises it from
@@ -85,8 +90,8 @@ CAUSAL_TILE_ORDER = "pairs"
 # (``_query_code``), and the most kept key blocks (of 128) per tile, on
 # average, at which a masked or capped kernel still does: there the mask
 # needs registers too. H100, session 67, CUDA-graph µs of the printed
-# kernels: in registers 0.84-0.95x the time in shared memory without a
-# mask (d=64 and 128, 512-4096 keys; 0.89x causal d=64 at 2048); causal
+# kernels: in registers 0.78-0.95x the time in shared memory without a
+# mask (d=64 and 128, 512-4096 keys; 0.89-0.93x causal d=64); causal
 # d=128 0.89x at 4.5 kept blocks, 0.95x at 8.5, but 1.05-1.10x at 16.5.
 # At d=256 the queries would take 64 of the 232 registers.
 QUERIES_IN_REGISTERS = {64: math.inf, 128: 12.0}

@@ -69,8 +69,8 @@ MIN_KEY_BLOCKS = {64: 4, 128: 4}
 SHORT_ROW_BLOCKS = 8
 MIN_SHORT_ROW_TILES_PER_SM = 3.5
 # The same under a band mask (H100, CUDA-graph µs of the printed kernels,
-# causal: session 67, d=64 0.83 at 2048 tokens, d=128 0.66-0.75 at
-# 1024-4096; session 66 before the queries moved to registers: d=64
+# causal: session 67, d=64 0.83-0.89 at 2048-4096 tokens, d=128 0.66-0.80
+# at 1024-4096; session 66 before the queries moved to registers: d=64
 # 0.94-0.96, a 512-key window at d=128 0.83). The smallest measured (and
 # won) average of kept key blocks per tile was 4.5 (causal, 1024 keys).
 # d=256 (64-key blocks, 2 stages): causal 0.78-0.82 at 2048-4096 tokens;

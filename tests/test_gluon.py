@@ -655,3 +655,13 @@ def test_a_cached_call_with_a_bad_scratch_index_is_refused():
   assert direct_launch._checked_attributes({**good, "scratch": 1})["scratch"] == 1   # pylint: disable=protected-access
   with pytest.raises(ValueError, match="scratch"):
     direct_launch._checked_attributes({**good, "scratch": -1})   # pylint: disable=protected-access
+
+
+def test_a_failing_measurer_leaves_the_form_to_its_price():
+  region = examples.attention(8, 16, 2048, 2048, 128)
+
+  def broken(plans):
+    raise RuntimeError("the measuring process died")
+  broken.kernel_forms = True
+  res = plan_region(region, "h100", measure=broken, use_cache=False)
+  assert res.best.form == gp.GLUON_ATTENTION

@@ -462,12 +462,18 @@ def test_masked_plans_are_priced_and_offered_by_kept_blocks():
   triton = next(p for p in res.ranked if not p.form)
   assert res.best.predicted.time_s == pytest.approx(
       triton.predicted.time_s * kernel_forms.GLUON_MASKED_ATTENTION_SPEED[128])
-  # A 256-key window keeps about 3 blocks of 128 per query tile.
-  narrow = _region(_dpa(window=(256, 0)), "bthd", 8, 16, 16, 4096, 4096, 128)
-  best = plan_region(narrow, h100, use_cache=False).best
-  assert not best.form
-  why = kernel_forms.gluon_attention_plan(narrow, h100, best)
-  assert isinstance(why, str) and "key blocks" in why
+  # A 256-key window keeps 2.9 blocks of 128 per query tile: offered at
+  # d=128 and d=64; causal attention over 512 tokens keeps 2.5: at d=128 only.
+  for fn, t, d, offered in ((_dpa(window=(256, 0)), 4096, 128, True),
+                            (_dpa(window=(256, 0)), 4096, 64, True),
+                            (_dpa(causal=True), 512, 128, True), (_dpa(causal=True), 512, 64, False),
+                            (_dpa(causal=True), 256, 128, False)):
+    region = _region(fn, "bthd", 16, 16, 16, t, t, d)
+    best = plan_region(region, h100, use_cache=False).best
+    assert bool(best.form) == offered, (t, d)
+    if not offered:
+      why = kernel_forms.gluon_attention_plan(region, h100, best)
+      assert isinstance(why, str) and "key blocks" in why, why
 
 
 def test_head_dimension_256_takes_the_form_under_a_mask_only():

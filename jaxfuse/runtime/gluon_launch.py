@@ -17,7 +17,6 @@ Example (what ``launch.triton_launch`` does for ``kernel.plan.form``)::
 from __future__ import annotations
 
 import base64
-import hashlib
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -40,23 +39,14 @@ def _capability() -> int:
 
 
 def _call_key(kernel: GeneratedKernel, cc: int) -> Optional[str]:
-  """The plan cache key of ``kernel``'s compiled call (see
-  ``direct_launch.store_attributes``), or None where it is not kept: what
-  the compile reads (source, constants, warps, the GPU and its driver,
-  Triton's environment knobs, the versions) and what the call reads (grid,
-  planned scratch, the launch handler's source)."""
+  """The plan cache key of ``kernel``'s compiled call
+  (``triton_call.launch_key``), or None where it is not kept: what the
+  compile reads (source, constants, warps, compute capability) and what
+  the call reads (grid, planned scratch)."""
   from jaxfuse.runtime import triton_call  # pylint: disable=g-import-not-at-top
-  gpu = triton_call._gpu_identity()  # pylint: disable=protected-access
-  handler = triton_call._handler_source()  # pylint: disable=protected-access
-  if gpu is None or handler is None:
-    return None
-  h = hashlib.sha256()
-  for part in ("gluon", kernel.source, repr(sorted(kernel.constexprs.items())), str(cc),
-               repr(tuple(kernel.grid)), str(kernel.num_warps), str(kernel.global_scratch), gpu,
-               repr(triton_call._compile_env()), triton_call.versions()):  # pylint: disable=protected-access
-    h.update(hashlib.sha256(part.encode()).digest())
-  h.update(hashlib.sha256(handler).digest())
-  return h.hexdigest()[:32]
+  return triton_call.launch_key(tuple(part.encode() for part in (
+      "gluon", kernel.source, repr(sorted(kernel.constexprs.items())), str(cc),
+      repr(tuple(kernel.grid)), str(kernel.num_warps), str(kernel.global_scratch))))
 
 
 def attributes(kernel: GeneratedKernel) -> dict:

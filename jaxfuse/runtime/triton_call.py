@@ -34,7 +34,7 @@ import contextlib
 import functools
 import threading
 import zlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from absl import logging
 
@@ -437,26 +437,37 @@ def _compile_env() -> list[tuple[str, str]]:
                   if k.startswith("TRITON_") and k not in _PLACE_KNOBS)
 
 
+def launch_key(parts: Sequence[bytes]) -> Optional[str]:
+  """The plan cache key of a compiled kernel call described by ``parts``
+  (what its compile and launch read of the kernel), with what every such
+  key holds appended: the GPU and its driver, Triton's environment knobs
+  (``_compile_env``), the jax, jaxlib, Triton and jax-triton versions and
+  the launch handler's source. None without a GPU or the handler's source."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  gpu = _gpu_identity()
+  handler = _handler_source()
+  if gpu is None or handler is None:
+    return None
+  h = hashlib.sha256()
+  for part in (*parts, gpu.encode(), repr(_compile_env()).encode(), versions().encode(), handler):
+    h.update(hashlib.sha256(part).digest())
+  return h.hexdigest()[:32]
+
+
 def compiled_call_key(ctx, params: dict) -> Optional[str]:
   """The plan cache key of the direct launcher's attributes for a jax-triton
   call lowered with ``params`` (``triton_kernel_call_p``'s), or None where
   they are not kept: no GPU, an autotuned or heuristic kernel, zeroed
   outputs chosen by a function, a kernel without a source file.
 
-  It hashes everything the compile and the call read: the kernel's whole
-  source file (jaxfuse's kernels live in files named by their source, and
-  a kernel may call other functions of its file), every lowering parameter,
-  the operand and result types, the GPU and its driver, Triton's
-  environment knobs (``_compile_env``), the jax, jaxlib, Triton and
-  jax-triton versions and the handler's source."""
-  import hashlib  # pylint: disable=g-import-not-at-top
+  It hashes (``launch_key``) everything the compile and the call read: the
+  kernel's whole source file (jaxfuse's kernels live in files named by
+  their source, and a kernel may call other functions of its file), every
+  lowering parameter, the operand and result types."""
   import inspect  # pylint: disable=g-import-not-at-top
-  gpu = _gpu_identity()
   fn = params.get("fn")
   py_fn = getattr(fn, "fn", None)
-  handler = _handler_source()
-  if (gpu is None or handler is None or not inspect.isfunction(py_fn)
-      or callable(params.get("zeroed_outputs"))):
+  if not inspect.isfunction(py_fn) or callable(params.get("zeroed_outputs")):
     return None
   try:
     with open(inspect.getsourcefile(py_fn), "rb") as f:
@@ -465,12 +476,7 @@ def compiled_call_key(ctx, params: dict) -> Optional[str]:
     return None
   rest = sorted((k, repr(v)) for k, v in params.items() if k != "fn")
   avals = [(tuple(a.shape), str(a.dtype)) for a in (*ctx.avals_in, *ctx.avals_out)]
-  knobs = _compile_env()
-  h = hashlib.sha256()
-  for part in (source, py_fn.__name__.encode(), repr(rest).encode(), repr(avals).encode(),
-               gpu.encode(), repr(knobs).encode(), versions().encode(), handler):
-    h.update(hashlib.sha256(part).digest())
-  return h.hexdigest()[:32]
+  return launch_key((source, py_fn.__name__.encode(), repr(rest).encode(), repr(avals).encode()))
 
 
 def jaxfuse_lowering(tl):

@@ -199,6 +199,7 @@ def _compile_for_sm90(region, plan, tmp_path):
     ("bthd", 16, 16, 64, jnp.bfloat16, "window"),
     ("bhtd", 16, 8, 256, jnp.float16, "causal"),
     ("bthd", 16, 8, 256, jnp.bfloat16, "capped"),
+    ("bthd", 16, 8, 256, jnp.float16, None),
 ])
 def test_printed_kernel_compiles_for_hopper(layout, heads, kv, d, dtype, mask, tmp_path):
   fn = {None: _attention(layout, heads, kv), "causal": _attention(layout, heads, kv, causal=True),
@@ -476,7 +477,7 @@ def test_masked_plans_are_priced_and_offered_by_kept_blocks():
       assert isinstance(why, str) and "key blocks" in why, why
 
 
-def test_head_dimension_256_takes_the_form_under_a_mask_only():
+def test_head_dimension_256_takes_the_form_from_2048_keys():
   h100 = get_device("h100")
   causal = _region(_attention("bhtd", 16, 8, causal=True), "bhtd", 1, 16, 8, 4096, 4096, 256)
   best = plan_region(causal, h100, use_cache=False).best
@@ -484,9 +485,39 @@ def test_head_dimension_256_takes_the_form_under_a_mask_only():
   plain = _region(_attention("bhtd", 16, 8), "bhtd", 1, 16, 8, 4096, 4096, 256)
   assert isinstance(gp.attention_form(plain), gp.AttentionForm)
   best = plan_region(plain, h100, use_cache=False).best
+  assert best.form == gp.GLUON_ATTENTION and best.num_stages == 2
+  # Below the shortest rows measured (2048 keys) the Triton form stays.
+  short = _region(_attention("bhtd", 16, 8), "bhtd", 8, 16, 8, 1024, 1024, 256)
+  best = plan_region(short, h100, use_cache=False).best
   assert not best.form
-  why = kernel_forms.gluon_attention_plan(plain, h100, best)
-  assert isinstance(why, str) and "256 without a mask" in why
+  why = kernel_forms.gluon_attention_plan(short, h100, best)
+  assert isinstance(why, str) and "fewer than 2048 at d=256" in why, why
+
+
+@pytest.mark.parametrize("d", [256, 128])
+def test_k_slots_are_released_before_v_slots(d):
+  # A K slot comes free when its Q.K^T is done, a step before its V slot
+  # (after P.V): in a ring of two stages (d=256) the next K then loads a
+  # whole step ahead. One release per slot after P.V ran d=256 1.4x slower.
+  region = _region(_attention("bhtd", 16, 8), "bhtd", 1, 16, 8, 4096, 4096, d)
+  plan = plan_region(region, get_device("h100"), use_cache=False).best
+  assert plan.form == gp.GLUON_ATTENTION and plan.num_stages == (2 if d == 256 else 3)
+  pk = gp.print_kernel(region, plan, sm_count=132)
+  src = pk.source
+  loader = src[src.index(f"def _{pk.kernel_name}_loader("):src.index(f"def _{pk.kernel_name}_compute(")]
+  assert (loader.index("mbarrier.wait(k_empty.index(idx)") < loader.index("_tma_load(k_desc")
+          < loader.index("mbarrier.wait(v_empty.index(idx)") < loader.index("_tma_load(v_desc"))
+  body = src[src.index(f"def _{pk.kernel_name}_compute("):src.index(f"def _{pk.kernel_name}_part(")]
+  first = body[:body.index("for j in range(1, blk_hi - blk_lo)")]
+  loop = body[body.index("for j in range(1, blk_hi - blk_lo)"):]
+  assert first.index("sc = warpgroup_mma_wait(0") < first.index("mbarrier.arrive(k_empty.index(idx)")
+  pv_done = loop.index("acc = warpgroup_mma_wait(0, deps=(o_tok, ))")
+  assert loop.index("sc = warpgroup_mma_wait(1") < loop.index("mbarrier.arrive(k_empty.index(cur)") < pv_done
+  assert pv_done < loop.index("mbarrier.arrive(v_empty.index(prev)")
+  assert loop.index("mbarrier.arrive(v_empty.index(last)") > loop.index("o_tok = warpgroup_mma(p16, v_smem.index(last)")
+  # Each K and each V slot is released once per key block.
+  assert body.count("mbarrier.arrive(k_empty") == body.count("mbarrier.arrive(v_empty") == 2
+  assert "empty_bar" not in src
 
 
 def test_a_soft_cap_is_the_forms():

@@ -13,7 +13,9 @@ FlashAttention-3 does:
   ``P.V``, and the softmax of the next block runs while ``P.V`` is in flight
   (``warpgroup_mma(..., is_async=True)`` and explicit waits);
 * a one-warp loader partition moves K and V through a ring of shared-memory
-  stages with TMA, signalled by mbarriers;
+  stages with TMA, signalled by mbarriers; a K slot is released as soon
+  as its ``Q.K^T`` is done, a step before its V slot, so that in a ring of
+  two (d=256) each K loads a whole step ahead;
 * persistent programs (one per SM) walk the (batch, head, query tile)
   tiles, so each program makes its four tensor descriptors once;
 * each warpgroup holds its queries in registers (``queries_in_registers``),
@@ -32,7 +34,8 @@ the Triton form's speed (session 65); causal 0.91-1.10x cuDNN, 1.05-1.35x the
 Triton form's speed; capped (Gemma 2) 1.16-1.37x the Triton form's speed
 (session 66). With the queries in registers (session 67): 0.78-0.95x the
 time with them in shared memory; large attention 1.00x cuDNN per call in
-the benchmark, 1.04x causal.
+the benchmark, 1.04x causal. d=256 with K slots released early (session
+68): 1.01-1.05x cuDNN per call without a mask, 1.08-1.16x causal.
 
 The form is printed only for what it computes exactly: softmax attention
 ``softmax(mask(cap(c * q.k^T))) . v`` (``attention_form`` recognises it from
@@ -408,8 +411,8 @@ ${mask_helpers}
 
 
 @gluon.jit
-def _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
-                    BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+def _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty,
+                    v_empty, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
     it = 0
     tc = 0
     for t in ${tile_loop}:
@@ -421,10 +424,14 @@ ${q_empty_why}
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
         for j in range(blk_lo, blk_hi):
+            # K and V slots come free apart: a K slot as soon as its Q.K^T is
+            # done, a step before its V slot (after P.V). In a ring of two (d=256)
+            # each K then loads a whole step ahead, not just before its Q.K^T.
             idx = it % STAGES
-            mbarrier.wait(empty_bar.index(idx), ((it // STAGES) & 1) ^ 1)
+            mbarrier.wait(k_empty.index(idx), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(k_bar.index(idx), k_desc.block_type.nbytes)
             _tma_load(k_desc, [k_row + j * BN, k_col], k_bar.index(idx), k_smem.index(idx))
+            mbarrier.wait(v_empty.index(idx), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(v_bar.index(idx), v_desc.block_type.nbytes)
             _tma_load(v_desc, [v_row + j * BN, v_col], v_bar.index(idx), v_smem.index(idx))
             it += 1
@@ -432,7 +439,7 @@ ${q_empty_why}
 
 
 @gluon.jit
-def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+def _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty, v_empty,
                      WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                      E: gl.constexpr, STAGES: gl.constexpr):
     dtype: gl.constexpr = ${dtype}
@@ -463,6 +470,7 @@ ${q_wait}
                               is_async=True)
 ${q_release}
         sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(idx), count=1)
 ${cap_first}
 ${mask_first}
         # The row max of the unscaled scores: the scale is positive.
@@ -481,6 +489,7 @@ ${shift_first}
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             # Block j's scores are ready while the previous block's P.V runs.
             sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(cur), count=1)
 ${cap_loop}
 ${mask_loop}
             m_new = gl.maximum(m_i, gl.max(sc, 1) * qk_scale)
@@ -490,14 +499,14 @@ ${shift_loop}
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-            mbarrier.arrive(empty_bar.index(prev), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p16 = gl.convert_layout(p.to(dtype), p_layout)
         last = (it + blk_hi - blk_lo - 1) % STAGES
         mbarrier.wait(v_bar.index(last), ((it + blk_hi - blk_lo - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-        mbarrier.arrive(empty_bar.index(last), count=1)
+        mbarrier.arrive(v_empty.index(last), count=1)
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
 ${q_next}
         o_part.store(acc.to(dtype))
@@ -511,13 +520,13 @@ ${q_epilogue}
 
 @gluon.jit
 def _${name}_part(ROLE: gl.constexpr, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar,
-                  q_empty, k_bar, v_bar, empty_bar, BM: gl.constexpr, BN: gl.constexpr,
+                  q_empty, k_bar, v_bar, k_empty, v_empty, BM: gl.constexpr, BN: gl.constexpr,
                   D: gl.constexpr, E: gl.constexpr, STAGES: gl.constexpr):
     if ROLE == 2:
         _${name}_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar,
-                        empty_bar, BM, BN, STAGES)
+                        k_empty, v_empty, BM, BN, STAGES)
     else:
-        _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, empty_bar,
+        _${name}_compute(o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar, v_bar, k_empty, v_empty,
                          ROLE, BM, BN, D, E, STAGES)
 
 
@@ -541,21 +550,23 @@ def ${name}(${params}, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, E: g
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=2)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_bar.index(s), count=1)
         mbarrier.init(v_bar.index(s), count=1)
-        mbarrier.init(empty_bar.index(s), count=2)
+        mbarrier.init(k_empty.index(s), count=2)
+        mbarrier.init(v_empty.index(s), count=2)
     fence_async_shared()
     gl.warp_specialize([
         (_${name}_part, (0, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+                         v_bar, k_empty, v_empty, BM, BN, D, E, STAGES)),
         (_${name}_part, (1, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+                         v_bar, k_empty, v_empty, BM, BN, D, E, STAGES)),
         (_${name}_part, (2, q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_bar,
-                         v_bar, empty_bar, BM, BN, D, E, STAGES)),
+                         v_bar, k_empty, v_empty, BM, BN, D, E, STAGES)),
     ], [4, 1], [REGS, 24])
 ''')
 

@@ -57,11 +57,13 @@ __all__ = ["FormTiming", "GLUON_ATTENTION_SPEED", "GLUON_MASKED_ATTENTION_SPEED"
 # The Gluon kernel's time over the Triton form's pick, by head dimension
 # (H100, CUDA-graph µs per launch of the printed kernels, session 67, with
 # the queries in registers: d=64 0.85-0.92 at 1024-4096 keys and 0.88 at
-# 512 keys with 1024 tiles; d=128 0.79-0.87 at 512-4096 keys).
-GLUON_ATTENTION_SPEED = {64: 0.88, 128: 0.82}
+# 512 keys with 1024 tiles; d=128 0.79-0.87 at 512-4096 keys; session 68,
+# K and V slots released apart: d=256 0.64-0.66 at 2048-4096 keys, where
+# with one release per slot it ran 0.95-1.03).
+GLUON_ATTENTION_SPEED = {64: 0.88, 128: 0.82, 256: 0.72}
 # Key blocks (of 128) per tile below which the form is not offered (none
 # shorter was measured).
-MIN_KEY_BLOCKS = {64: 4, 128: 4}
+MIN_KEY_BLOCKS = {64: 4, 128: 4, 256: 16}
 # Below SHORT_ROW_BLOCKS key blocks per tile, the tiles per SM it needs:
 # 512 keys at d=64 measured 1.01x the Triton pick with 384 tiles (2.9 per
 # SM, BERT-Base at batch 8), 0.88x with 1024; at d=128 0.83x with 512
@@ -71,10 +73,10 @@ MIN_SHORT_ROW_TILES_PER_SM = 3.5
 # The same under a band mask (H100, CUDA-graph µs of the printed kernels,
 # causal: session 67, d=64 0.83-0.89 at 2048-4096 tokens, d=128 0.66-0.80
 # at 1024-4096; session 66 before the queries moved to registers: d=64
-# 0.94-0.96, a 512-key window at d=128 0.83). The smallest measured (and
-# d=256 (64-key blocks, 2 stages): causal 0.78-0.82 at 2048-4096 tokens;
-# without a mask 1.00-1.03, so there it is not offered.
-GLUON_MASKED_ATTENTION_SPEED = {64: 0.85, 128: 0.72, 256: 0.85}
+# 0.94-0.96, a 512-key window at d=128 0.83). d=256 (64-key blocks, 2
+# stages): causal 0.62-0.63 at 2048-4096 tokens with K and V slots released
+# apart (session 68; 0.78-0.82 with one release per slot, session 66).
+GLUON_MASKED_ATTENTION_SPEED = {64: 0.85, 128: 0.72, 256: 0.7}
 # The fewest kept key blocks (of 128) per tile, on average, where the form
 # is offered (session 67, queries in registers): d=64 a 256-key window
 # (2.9 blocks) 0.90x the Triton pick, causal 512 tokens (2.5) 1.01x; d=128

@@ -1031,6 +1031,36 @@ def test_measurer_streams_each_kernel_as_it_compiles_and_drops_late_ones(monkeyp
   assert time.perf_counter() - t0 < 5.0
 
 
+def test_measurer_counts_each_compile_wait_once(monkeypatch):
+  """The 'wait' phase that ``measure_plans`` logs is the time spent waiting
+  for compiles, each wait counted once: two compiles abandoned one after
+  the other (nothing to load between them) once read the first wait twice
+  (a first region logged 'wait 18.24' in a 3.3 s budget, H100, sixty-seventh
+  session)."""
+  import concurrent.futures
+  import threading
+  import time
+  from jaxfuse.runtime import compile_pool
+  monkeypatch.setattr(launch, "_kernels", {})
+  r = examples.gemm_chain(1, 64, 64, 32, 48)
+  plans = _distinct_plans(r, 3)
+  m = launch._TorchMeasurer(r, seed=3, device="cpu")
+  futs = [concurrent.futures.Future() for _ in plans]
+  for i, after in ((0, 0.2), (1, 0.4)):   # 2: never done
+    threading.Timer(after, futs[i].set_result, (compile_pool.CompileTimeout("late"),)).start()
+  monkeypatch.setattr(m, "_submit", lambda kernels, t_end: {
+      path: futs[[k.plan for k in kernels.values()].index(plans[i])]
+      for i, path in enumerate(kernels)})
+  monkeypatch.setattr(m, "_load", lambda k: None)
+  why = [None] * len(plans)
+  t0 = time.perf_counter()
+  assert list(m.compiled(plans, why, t_end=t0 + 0.1)) == []
+  elapsed = time.perf_counter() - t0
+  assert why == [launch._BUDGET_SPENT] * 3 and m.dropped == 3
+  # Waited until 0.4 s for the two, then until the deadline's grace ran out.
+  assert 1.0 < m.phases["wait"] <= elapsed
+
+
 def test_measure_plans_stops_at_the_deadline_and_abandons_the_rest(monkeypatch):
   """Past the budget, measure_plans stops taking kernels: the compiles
   still running are abandoned and every plan not measured reads 'budget

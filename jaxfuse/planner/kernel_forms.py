@@ -74,7 +74,7 @@ MIN_SHORT_ROW_TILES_PER_SM = 3.5
 # causal: session 67, d=64 0.83-0.89 at 2048-4096 tokens, d=128 0.66-0.80
 # at 1024-4096; session 66 before the queries moved to registers: d=64
 # 0.94-0.96, a 512-key window at d=128 0.83). d=256 (64-key blocks, 2
-# stages): causal 0.62-0.63 at 2048-4096 tokens with K and V slots released
+# stages): causal 0.62-0.64 at 2048-4096 tokens with K and V slots released
 # apart (session 68; 0.78-0.82 with one release per slot, session 66).
 GLUON_MASKED_ATTENTION_SPEED = {64: 0.85, 128: 0.72, 256: 0.7}
 # The fewest kept key blocks (of 128) per tile, on average, where the form

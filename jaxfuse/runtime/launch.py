@@ -1619,6 +1619,11 @@ class _TorchMeasurer:
           done, _ = concurrent.futures.wait(
               pending, timeout=max(0.0, t_end - time.perf_counter()) + 1.0,
               return_when=concurrent.futures.FIRST_COMPLETED)
+          # Each wait counted once: several waits can pass with nothing to
+          # load (compiles abandoned at the deadline).
+          now = time.perf_counter()
+          self.phases["wait"] += now - t
+          t = now
           if not done:
             break
           for f in done:
@@ -1627,7 +1632,6 @@ class _TorchMeasurer:
               abandoned.append(path)
             else:   # compiled, or the worker failed: then it compiles here
               ready.append(path)
-          self.phases["wait"] += time.perf_counter() - t
           continue
         path = ready.pop(0)
         if load(path):

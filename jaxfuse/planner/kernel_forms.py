@@ -11,10 +11,10 @@ it:
   one block's softmax with the next block's Q.K^T (see
   ``codegen.gluon_printer``). Its time is priced as the Triton form's best
   plan times ``GLUON_ATTENTION_SPEED``, the ratio measured on an H100
-  (benchmarks/RESULTS.md, sixty-fifth and sixty-seventh sessions). It is
-  offered only where it was measured to win: its persistent programs have
-  at least ``MIN_TILES_PER_SM`` tiles each, and each tile at least
-  ``MIN_KEY_BLOCKS`` key blocks; tiles of fewer than ``SHORT_ROW_BLOCKS``
+  (benchmarks/RESULTS.md, sixty-fifth, sixty-seventh and sixty-eighth
+  sessions). It is offered only where it was measured to win: its
+  persistent programs have at least ``MIN_TILES_PER_SM`` tiles each, and
+  each tile at least ``MIN_KEY_BLOCKS`` key blocks; tiles of fewer than ``SHORT_ROW_BLOCKS``
   key blocks need ``MIN_SHORT_ROW_TILES_PER_SM`` tiles per SM, as the
   first tile's prologue and the last one's epilogue weigh more there.
   Under a causal mask or a sliding window (the kernel skips the key blocks

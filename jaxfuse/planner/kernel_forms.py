@@ -14,9 +14,10 @@ it:
   (benchmarks/RESULTS.md, sixty-fifth, sixty-seventh and sixty-eighth
   sessions). It is offered only where it was measured to win: its
   persistent programs have at least ``MIN_TILES_PER_SM`` tiles each, and
-  each tile at least ``MIN_KEY_BLOCKS`` key blocks; tiles of fewer than ``SHORT_ROW_BLOCKS``
-  key blocks need ``MIN_SHORT_ROW_TILES_PER_SM`` tiles per SM, as the
-  first tile's prologue and the last one's epilogue weigh more there.
+  each tile at least ``MIN_KEY_BLOCKS`` key blocks; tiles of fewer than
+  ``SHORT_ROW_BLOCKS`` key blocks need ``MIN_SHORT_ROW_TILES_PER_SM`` tiles
+  per SM, as the first tile's prologue and the last one's epilogue weigh
+  more there.
   Under a causal mask or a sliding window (the kernel skips the key blocks
   the band hides) its price is ``GLUON_MASKED_ATTENTION_SPEED`` and its
   tiles need ``MIN_MASKED_KEY_BLOCKS`` kept key blocks on average: causal

@@ -110,15 +110,20 @@ def test_hopper_ranks_the_gluon_plan_first_for_large_attention():
   assert parse_plan(str(best)).form == gp.GLUON_ATTENTION
 
 
+def _best_and_why(region):
+  """The planner's best plan for ``region`` on the H100, and, where it is
+  not the Gluon form, why the form was not offered (else None)."""
+  h100 = get_device("h100")
+  best = plan_region(region, h100, use_cache=False).best
+  return best, None if best.form else kernel_forms.gluon_attention_plan(region, h100, best)
+
+
 def test_no_gluon_plan_off_hopper_or_for_few_tiles():
   big = examples.attention(8, 16, 2048, 2048, 128)
   assert not plan_region(big, "a100", use_cache=False).best.form
   # MCFuser S1: 16 heads x 512 tokens = 64 tiles for 132 SMs.
-  small = examples.attention(1, 16, 512, 512, 64)
-  assert not plan_region(small, "h100", use_cache=False).best.form
-  why = kernel_forms.gluon_attention_plan(small, get_device("h100"),
-                                          plan_region(small, "h100", use_cache=False).best)
-  assert "tiles" in why
+  best, why = _best_and_why(examples.attention(1, 16, 512, 512, 64))
+  assert not best.form and isinstance(why, str) and "tiles" in why, why
 
 
 def test_plan_cache_keeps_the_form(tmp_path, monkeypatch):
@@ -275,17 +280,13 @@ def test_sandbox_binds_the_global_scratch():
 
 
 def test_short_rows_need_more_tiles_per_sm():
-  h100 = get_device("h100")
   for args, offered in (((8, 12, 512, 512, 64), False),   # BERT-Base b8: 384 tiles
                         ((16, 16, 512, 512, 64), True), ((8, 16, 1024, 1024, 64), True),
                         ((8, 16, 2048, 2048, 64), True), ((8, 16, 512, 512, 128), True),
                         ((8, 16, 1024, 1024, 128), True), ((8, 16, 384, 384, 64), False)):
-    region = examples.attention(*args)
-    best = plan_region(region, h100, use_cache=False).best
+    best, why = _best_and_why(examples.attention(*args))
     assert bool(best.form) == offered, (args, best)
-    if not offered:
-      why = kernel_forms.gluon_attention_plan(region, h100, best)
-      assert isinstance(why, str) and "keys" in why, why
+    assert offered or (isinstance(why, str) and "keys" in why), why
 
 
 def test_queries_sit_in_registers_except_where_the_mask_needs_them():
@@ -469,29 +470,22 @@ def test_masked_plans_are_priced_and_offered_by_kept_blocks():
                             (_dpa(window=(256, 0)), 4096, 64, True),
                             (_dpa(causal=True), 512, 128, True), (_dpa(causal=True), 512, 64, False),
                             (_dpa(causal=True), 256, 128, False)):
-    region = _region(fn, "bthd", 16, 16, 16, t, t, d)
-    best = plan_region(region, h100, use_cache=False).best
+    best, why = _best_and_why(_region(fn, "bthd", 16, 16, 16, t, t, d))
     assert bool(best.form) == offered, (t, d)
-    if not offered:
-      why = kernel_forms.gluon_attention_plan(region, h100, best)
-      assert isinstance(why, str) and "key blocks" in why, why
+    assert offered or (isinstance(why, str) and "key blocks" in why), why
 
 
 def test_head_dimension_256_takes_the_form_from_2048_keys():
-  h100 = get_device("h100")
   causal = _region(_attention("bhtd", 16, 8, causal=True), "bhtd", 1, 16, 8, 4096, 4096, 256)
-  best = plan_region(causal, h100, use_cache=False).best
+  best, _ = _best_and_why(causal)
   assert best.form == gp.GLUON_ATTENTION and best.tile_map["n"] == 64 and best.num_stages == 2
   plain = _region(_attention("bhtd", 16, 8), "bhtd", 1, 16, 8, 4096, 4096, 256)
   assert isinstance(gp.attention_form(plain), gp.AttentionForm)
-  best = plan_region(plain, h100, use_cache=False).best
+  best, _ = _best_and_why(plain)
   assert best.form == gp.GLUON_ATTENTION and best.num_stages == 2
   # Below the shortest rows measured (2048 keys) the Triton form stays.
-  short = _region(_attention("bhtd", 16, 8), "bhtd", 8, 16, 8, 1024, 1024, 256)
-  best = plan_region(short, h100, use_cache=False).best
-  assert not best.form
-  why = kernel_forms.gluon_attention_plan(short, h100, best)
-  assert isinstance(why, str) and "fewer than 2048 at d=256" in why, why
+  best, why = _best_and_why(_region(_attention("bhtd", 16, 8), "bhtd", 8, 16, 8, 1024, 1024, 256))
+  assert not best.form and isinstance(why, str) and "fewer than 2048 at d=256" in why, why
 
 
 @pytest.mark.parametrize("d", [256, 128])

@@ -567,6 +567,98 @@ def test_keep_or_drop_measures_and_logs_a_region_once(monkeypatch):
   assert sum("measured fused" in m for m in logged) == 1
 
 
+def test_auto_times_the_best_unsplit_plan_beside_a_split_pick(tmp_path, monkeypatch):
+  """tune='auto' times a region whose pick splits its key loop across
+  programs against XLA's ops (the model is unsure), and the model's best
+  unsplit plan beside it (``rival_plan``): batch 8 of a grouped decoding
+  step, whose unsplit plan ran 16% faster than the 8-way split the model
+  picks (H100, sixty-eighth session). No rival for an unsplit pick, for one
+  sequence (no unsplit plan within DIVERSE_MAX_RATIO: 8 programs), or under
+  'model' and 'measure'."""
+  from jaxfuse.config import config
+  from jaxfuse.planner import search
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  b8 = examples.attention(8, 8, 4, 4096, 128)
+  b1 = examples.attention(1, 8, 4, 4096, 128)
+  with config.override(tune="auto"):
+    plans = launch._candidate_plans(b8, None, backend="triton")
+    assert plans[0].split and launch.keep_or_drop_timed(b8, plans)
+    rival = launch.rival_plan(b8, plans[0])
+    assert rival is not None and rival.split is None and not rival.form
+    assert (plans[0].predicted.time_s <= rival.predicted.time_s
+            <= search.DIVERSE_MAX_RATIO * plans[0].predicted.time_s)
+    assert launch.rival_plan(b8, rival) is None
+    one = launch._candidate_plans(b1, None, backend="triton")
+    assert one[0].split and launch.rival_plan(b1, one[0]) is None
+  for tune in ("model", "measure"):
+    with config.override(tune=tune):
+      assert launch.rival_plan(b8, plans[0]) is None
+
+  # fused_call builds the rival's kernel and keeps what the timing kept.
+  class K:
+    def __init__(self, region, plan):
+      self.region, self.plan = region, plan
+  timed = []
+
+  def keep(k, original, model_plan=None, parts=0, rival=None):
+    timed.append((k.plan, rival.plan))
+    return rival
+  monkeypatch.setattr(launch, "_chosen", {})
+  monkeypatch.setattr(launch, "select_kernel", lambda region, ps, **kw: K(region, ps[0]))
+  monkeypatch.setattr(launch, "_keep_fused", keep)
+  launched = []
+  monkeypatch.setattr(launch, "triton_launch",
+                      lambda k, args, offsets=None: launched.append(k.plan) or list(args))
+  xs = [np.zeros(b.shape, np.float16) for b in b8.inputs]
+  with config.override(tune="auto"):
+    launch.fused_call(b8, xs, backend="triton", original=lambda *a: a)
+    launch.fused_call(b8, xs, backend="triton", original=lambda *a: a)
+  assert timed == [(plans[0], rival)] and launched == [rival, rival]
+
+
+def test_keep_or_drop_keeps_the_faster_of_pick_and_rival(tmp_path, monkeypatch):
+  """The pick, its rival and the fallback are timed in one run; the rival
+  replaces the pick only when faster by more than TIMING_TIE with both
+  timings' repetitions agreeing, and the fallback is judged against the
+  kernel kept. Both timings are kept in the plan cache: a later process
+  decides alike without timing."""
+  from jaxfuse.codegen import CodegenError
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setattr(launch, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    def __init__(self, plan):
+      self.region, self.plan = r, plan
+  runs = []
+  # (pick, rival, XLA) times and spreads -> the plan kept, or None: dropped.
+  cases = ((((5.5e-6, 0.1), (4.6e-6, 0.1), (9e-6, 0.1)), "rival"),
+           (((5.0e-6, 0.1), (4.9e-6, 0.1), (9e-6, 0.1)), "pick"),     # a tie
+           (((5.5e-6, 0.1), (4.6e-6, 0.8), (9e-6, 0.1)), "pick"),     # noisy rival
+           (((6.0e-6, 0.1), (7.0e-6, 0.1), (9e-6, 0.1)), "pick"),
+           (((9.9e-6, 0.1), (8.0e-6, 0.1), (7e-6, 0.1)), None))       # XLA beats both
+  for i, (times, want) in enumerate(cases):
+    pick, rival = K(f"pick {i}"), K(f"rival {i}")
+    for process in range(2):
+      launch._xla_decisions.clear()
+      launch._kept.clear()
+      monkeypatch.setattr(launch, "_per_call_times",
+                          lambda fns, region, t=times: runs.append(len(fns)) or list(t))
+      if want is None:
+        with pytest.raises(CodegenError, match="measured slower than XLA: fused 8.0 us"):
+          launch._keep_fused(pick, lambda *a: a, rival=rival)
+      else:
+        kept = launch._keep_fused(pick, lambda *a: a, rival=rival)
+        assert kept is (rival if want == "rival" else pick)
+        assert launch._keep_fused(pick, lambda *a: a, rival=rival) is kept   # lowered again
+        t = times[1 if want == "rival" else 0][0]
+        assert launch._xla_decisions[r.signature()][0][0] == t
+    assert runs == [3], (i, runs)        # the second process read the cache
+    runs.clear()
+  launch._xla_decisions.clear()
+  launch._kept.clear()
+
+
 def test_device_reference_is_cached_per_region_and_seed():
   from jaxfuse.planner import examples
   r = examples.gemm_chain(1, 32, 16, 16, 16)
@@ -786,7 +878,8 @@ def test_auto_times_keep_or_drop_only_where_the_model_is_unsure(monkeypatch):
   monkeypatch.setattr(launch, "select_kernel",
                       lambda region, plans, **kw: K(region, plans[0]))
   monkeypatch.setattr(launch, "_keep_fused",
-                      lambda k, original, model_plan=None, parts=0: kept.append(k.region))
+                      lambda k, original, model_plan=None, parts=0, rival=None:
+                      kept.append(k.region) or k)
   monkeypatch.setattr(launch, "triton_launch", lambda k, args, offsets=None: list(args))
   with config.override(tune="auto"):
     for r in (g1, g4_32):

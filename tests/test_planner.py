@@ -886,6 +886,33 @@ def test_cache_round_trip_corrupt_and_atomic(tmp_path, monkeypatch, caplog):
   assert not plan_region(r, "h100").from_cache
 
 
+def test_alternatives_are_the_model_best_of_other_structures(tmp_path, monkeypatch):
+  """``PlanningResult.alternatives``: one plan per structure other than the
+  pick's, each the model's best of its structure, best first, predicted
+  within DIVERSE_MAX_RATIO of the pick; kept in the plan cache. At batch 8
+  of a grouped decoding step (4 query heads per key head, 4096 keys) the
+  pick splits the key loop and an unsplit plan is among them."""
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  r = examples.attention(8, 8, 4, 4096, 128)
+  res = plan_region(r, "h100")
+  best, alts = res.best, res.alternatives
+  assert best.split and best.split[0] == "n"
+  assert alts and any(p.split is None for p in alts)
+  structures = [search._structure(r, p) for p in alts]
+  assert search._structure(r, best) not in structures and len(set(structures)) == len(alts)
+  times = [p.predicted.time_s for p in alts]
+  assert times == sorted(times) and times[0] >= best.predicted.time_s
+  assert times[-1] <= search.DIVERSE_MAX_RATIO * best.predicted.time_s
+  # Each is its structure's best among the plans the search ranked.
+  ranked = search.search(r, H100, seed=0).ranked
+  for p, k in zip(alts, structures):
+    assert p.predicted.time_s == min(q.predicted.time_s for q in ranked
+                                     if search._structure(r, q) == k)
+  again = plan_region(r, "h100")
+  assert again.from_cache and [str(p) for p in again.alternatives] == [str(p) for p in alts]
+  assert [p.predicted for p in again.alternatives] == [p.predicted for p in alts]
+
+
 def test_cache_entries_round_trip_and_ignore_corrupt_or_stale(tmp_path, caplog):
   assert cache.load_entry("timings", "k1", str(tmp_path)) is None        # a miss
   assert cache.store_entry("timings", "k1", {"fused": [5e-6, 0.01]}, str(tmp_path))

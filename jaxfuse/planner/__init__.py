@@ -35,6 +35,11 @@ class PlanningResult:
   best: the chosen plan, or None (then ``why_not`` says why).
   ranked: best first (up to ``top``), each with ``.predicted``.
   space: sizes of the search space per stage and search statistics.
+  alternatives: the model's best plan of each other structure (grid,
+  split, output tiles) predicted within ``search.DIVERSE_MAX_RATIO`` of the
+  best, best first (``search.SearchResult.leaders``): the model's top plans
+  are near-copies of one structure, so these are what a caller that times
+  kernels itself tries beside them (``launch.rival_plan``).
   """
   best: Optional[Plan]
   ranked: tuple[Plan, ...]
@@ -43,6 +48,7 @@ class PlanningResult:
   plan_time_s: float
   device: str = ""
   from_cache: bool = False
+  alternatives: tuple[Plan, ...] = ()
 
 
 def _why_not(region: ir.Region, rejected: dict) -> str:
@@ -107,12 +113,11 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
       hit = None
     # The model's ranking and the measured one each answer their own mode
     # (cache.plan_key); an entry of the other mode is a miss.
-    if hit is not None and bool(hit[1].get("measured")) == measured:
-      plans, extra = hit
-      best = plans[0] if plans else None
-      return PlanningResult(best, tuple(plans[:top]), extra.get("why_not"),
-                            dict(extra.get("space") or {}),
-                            time.perf_counter() - t0, dev.name, True)
+    if hit is not None and bool(hit.extra.get("measured")) == measured:
+      best = hit.plans[0] if hit.plans else None
+      return PlanningResult(best, tuple(hit.plans[:top]), hit.extra.get("why_not"),
+                            dict(hit.extra.get("space") or {}),
+                            time.perf_counter() - t0, dev.name, True, tuple(hit.alternatives))
   if not region.contractions:
     return PlanningResult(None, (), "region has no contraction", {},
                           time.perf_counter() - t0, dev.name)
@@ -143,7 +148,9 @@ def plan_region(region: ir.Region, device: Optional[DeviceSpec | str] = None, *,
   best = ranked[0] if ranked else None
   if best is not None and best.predicted.programs < dev.sm_count:
     space["parallelism"] = _parallelism_note(best, res.ranked, dev)
+  alternatives = tuple(res.leaders[:search.DIVERSE_N])
   if use_cache and key is not None:
     cache.store(key, region, list(ranked), {"why_not": why, "space": space,
-                                            "measured": measured})
-  return PlanningResult(best, ranked, why, space, time.perf_counter() - t0, dev.name)
+                                            "measured": measured}, alternatives=alternatives)
+  return PlanningResult(best, ranked, why, space, time.perf_counter() - t0, dev.name,
+                        alternatives=alternatives)

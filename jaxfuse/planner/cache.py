@@ -12,8 +12,9 @@ GPU self-checks and compiled kernel calls), under keys their callers hash.
 Example::
 
     key = plan_key(region, device)
-    store(key, ranked_plans)
-    plans = load(key, region)      # None on a miss
+    store(key, region, ranked_plans)
+    entry = load(key, region)      # None on a miss
+    entry.plans[0]                 # the best plan
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from absl import logging
 
@@ -31,7 +32,7 @@ from jaxfuse.devices import DeviceSpec
 from jaxfuse.planner import tiling
 from jaxfuse.planner.plan import Plan, Prediction
 
-__all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry",
+__all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "store_entry",
            "FORMAT_VERSION"]
 
 # 2: the per-program cost model (plans cached by 1 were ranked by alpha);
@@ -75,8 +76,9 @@ __all__ = ["plan_key", "load", "store", "cache_path", "load_entry", "store_entry
 # search seeds that plan: head dimensions of 160-256 no longer split;
 # 28: plans carry their kernel form (Plan.form): softmax attention on Hopper
 # may rank the warp-specialized Gluon kernel (planner.kernel_forms) first;
-# 29: measured tuning times that kernel too (kernel_forms.FormTiming).
-FORMAT_VERSION = 29
+# 29: measured tuning times that kernel too (kernel_forms.FormTiming); 30:
+# entries keep the model's best plan of each other structure (``Entry.alternatives``).
+FORMAT_VERSION = 30
 
 
 def _version() -> str:
@@ -151,9 +153,16 @@ def _read_current(path: str, what: str) -> Optional[dict]:
   return data
 
 
-def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
-         ) -> Optional[tuple[list[Plan], dict]]:
-  """``(plans, extra)`` stored under ``key`` or None (miss, corrupt, stale).
+class Entry(NamedTuple):
+  """A plan cache entry: the ranked ``plans``, the caller's ``extra`` JSON
+  and the ``alternatives`` (``PlanningResult.alternatives``)."""
+  plans: list[Plan]
+  extra: dict
+  alternatives: list[Plan]
+
+
+def load(key: str, region: ir.Region, cache_dir: Optional[str] = None) -> Optional[Entry]:
+  """The ``Entry`` stored under ``key`` or None (miss, corrupt, stale).
 
   Plans are stored with the region's own loop/value names; the key matches
   regions equal up to names, so an entry written under other names is
@@ -165,18 +174,20 @@ def load(key: str, region: ir.Region, cache_dir: Optional[str] = None
     if data is None or data.get("region_text") != region.to_text(with_header=True):
       return None
     plans = [_plan_from_json(p, region) for p in data["plans"]]
-    return plans, dict(data.get("extra") or {})
+    alternatives = [_plan_from_json(p, region) for p in data.get("alternatives") or ()]
+    return Entry(plans, dict(data.get("extra") or {}), alternatives)
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("jaxfuse planner: corrupt plan cache entry %s ignored (%s)", path, e)
     return None
 
 
 def store(key: str, region: ir.Region, plans: Sequence[Plan], extra: Optional[dict] = None,
-          cache_dir: Optional[str] = None) -> bool:
+          cache_dir: Optional[str] = None, alternatives: Sequence[Plan] = ()) -> bool:
   """Writes atomically; returns False (with a log line) when it cannot."""
   data = {"format": FORMAT_VERSION, "version": _version(),
           "region_text": region.to_text(with_header=True),
-          "plans": [_plan_to_json(p) for p in plans], "extra": extra or {}}
+          "plans": [_plan_to_json(p) for p in plans], "extra": extra or {},
+          "alternatives": [_plan_to_json(p) for p in alternatives]}
   return _write_json(cache_path(key, cache_dir), data)
 
 

@@ -83,11 +83,17 @@ class Space:
 
 @dataclasses.dataclass
 class SearchResult:
+  """``ranked``: best first (measured where measured). ``leaders``: the
+  model's best plan of each other structure than ``ranked[0]``'s
+  (``_structure``), predicted within ``DIVERSE_MAX_RATIO`` of it, best
+  first; what a caller that times a few kernels itself may try beside the
+  pick (``tune='auto'``: ``launch.rival_plan``)."""
   ranked: list[Plan]
   evaluated: int
   iterations: int
   rejected: dict[str, int]
   space: dict
+  leaders: list[Plan] = dataclasses.field(default_factory=list)
 
 
 # A streamed (online-softmax) loop is split across programs only when it is
@@ -476,7 +482,7 @@ def search(region: ir.Region, device: DeviceSpec, *, seed: int = 0,
   for k, v in again.rejected.items():
     rejected[k] = rejected.get(k, 0) + v
   return SearchResult(again.ranked, res.evaluated + again.evaluated,
-                      res.iterations + again.iterations, rejected, again.space)
+                      res.iterations + again.iterations, rejected, again.space, again.leaders)
 
 
 def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
@@ -548,6 +554,8 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
                if p.predicted.time_s <= DIVERSE_MAX_RATIO * seen[0][1].predicted.time_s]
   _refine(space, evaluate, starts)
   ranked = _best_first((c, p) for c, p in memo.items() if p is not None)
+  model_leaders = [p for _, p in _class_leaders(region, ranked, ranked[:1])
+                   if p.predicted.time_s <= DIVERSE_MAX_RATIO * ranked[0][1].predicted.time_s]
   if measure is not None and ranked:
     # One batch, so that its kernels compile in parallel within the tuning
     # budget: the model's top_n, then its best plan of each other structure.
@@ -586,7 +594,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
     return (0, m, str(p)) if math.isfinite(m) else (1, p.predicted.time_s, str(p))
   entries.sort(key=key)
   ranked = [p for _, p in _distinct(entries)]
-  return SearchResult(ranked, len(memo), it, rejected, space.counts)
+  return SearchResult(ranked, len(memo), it, rejected, space.counts, model_leaders)
 
 
 # Structural classes whose model-best plan is measured after the descent.

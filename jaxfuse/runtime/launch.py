@@ -766,6 +766,9 @@ def _planned(region: ir.Region, measured: bool) -> tuple[list, Any]:
   except ImportError as e:
     raise CodegenError(f"no planner available: {e}") from e
   res = plan_region(region, measure=make_measure(region) if measured else None)
+  if not measured:
+    with _lock:
+      _alternatives[region.signature()] = tuple(getattr(res, "alternatives", ()) or ())
   ranked = list(getattr(res, "ranked", ()) or ())
   if not ranked and getattr(res, "best", None) is not None:
     ranked = [res.best]
@@ -841,6 +844,59 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
 # region signature -> ((fused s, spread), (fallback s, spread), parts fused in
 # the fallback) per call.
 _xla_decisions: dict[str, tuple[tuple[float, float], tuple[float, float], int]] = {}
+# region signature -> the model's best plan of each other structure, from
+# the model-only planning that gave its candidates (PlanningResult.alternatives).
+_alternatives: dict[str, tuple] = {}
+# region signature -> the kernel a keep-or-drop timing kept where a rival
+# plan was timed beside the model's pick (_keep_fused).
+_kept: dict[str, GeneratedKernel] = {}
+
+
+def rival_plan(region: ir.Region, chosen) -> Any:
+  """The plan timed beside ``chosen`` (the model's pick) where
+  ``tune='auto'`` times ``region`` against XLA's ops anyway, or None.
+
+  Where the pick splits a streamed (online-softmax) loop across programs,
+  the rival is the model's best plan that does not split it
+  (``PlanningResult.alternatives``, predicted within
+  ``search.DIVERSE_MAX_RATIO`` of the pick). Why: that choice is what the
+  model is least sure of (``cost_model.verdict_uncertain``). At batch 8 of
+  a Llama-3-8B decoding step the model's pick (8-way split) ran 55.5 us
+  and its best unsplit plan, predicted 1.08x slower, 46.5 us (H100,
+  sixty-eighth session: model-only regret 17.6%); MCFuser S7-S9's
+  split picks lost to unsplit plans too (ninth and thirty-sixth sessions).
+  Measured tuning (``tune='measure'``) measures every structure's leader
+  already, and ``tune='model'`` times nothing.
+
+  Example::
+
+      with config.override(tune="auto"):
+        rival_plan(region, kernel.plan)   # an unsplit Plan, or None
+  """
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  split = getattr(chosen, "split", None)
+  if config.tune != "auto" or not split:
+    return None
+  from jaxfuse.planner import tiling  # pylint: disable=g-import-not-at-top
+  if split[0] not in tiling.streamable_loops(region):
+    return None
+  with _lock:
+    alternatives = _alternatives.get(region.signature(), ())
+  return next((p for p in alternatives if not p.split and not p.form), None)
+
+
+def _rival_kernel(region: ir.Region, chosen: GeneratedKernel,
+                  check: bool) -> Optional[GeneratedKernel]:
+  """The kernel of ``rival_plan(region, chosen.plan)``, self-checked as the
+  pick was; None where there is no rival or its kernel fails (logged)."""
+  p = rival_plan(region, chosen.plan)
+  if p is None:
+    return None
+  try:
+    return select_kernel(region, [p], backend="triton", check=check)
+  except CodegenError as e:
+    logging.info("jaxfuse: rival plan %s not timed: %s", p, str(e)[:300])
+    return None
 
 
 def _fallback_name(parts: int) -> str:
@@ -935,13 +991,19 @@ def _shifted_sets(xs: Sequence[Any], n: int) -> list[list[Any]]:
 
 
 def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
-                parts: int = 0) -> None:
+                parts: int = 0, rival: Optional[GeneratedKernel] = None) -> GeneratedKernel:
   """Measured refinement's last step: the chosen kernel against what would
   run instead (``original``: XLA's own ops, or with ``parts`` > 0 a chain's
   parts, that many of them fused: ``primitive._fallback``), timed the same
-  way; raises CodegenError when that is faster. Why the parts: a chain kept
-  because it beat XLA's plain ops may still lose to its own GEMM + GELU
-  part fused, which is what a dropped chain runs.
+  way; returns the kernel kept, raises CodegenError when the fallback is
+  faster. Why the parts: a chain kept because it beat XLA's plain ops may
+  still lose to its own GEMM + GELU part fused, which is what a dropped
+  chain runs.
+
+  ``rival``: another plan's kernel (``rival_plan``), timed in the same run;
+  it replaces ``k`` when it ran faster by more than ``TIMING_TIE`` with
+  both timings' repetitions agreeing, and is then what the fallback is
+  judged against.
 
   ``model_plan``: the plan whose prediction stands for the region when the
   timing cannot decide (default ``k.plan``). Measured tuning times the
@@ -957,14 +1019,26 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
   if first:
     key = _timing_key(k, parts)
     stored = _load_timing(key)
-    if stored is None:
-      fused, xla = _per_call_times([lambda *a: triton_launch(k, a), original], k.region)
+    rival_key = None if rival is None else _timing_key(rival, parts)
+    stored_rival = None if rival is None else _load_timing(rival_key)
+    if stored is None or (rival is not None and stored_rival is None):
+      kernels = [k] if rival is None else [k, rival]
+      times = _per_call_times([(lambda *a, g=g: triton_launch(g, a)) for g in kernels]
+                              + [original], k.region)
+      fused, xla = times[0], times[-1]
       _store_timing(key, fused, xla)
+      if rival is not None:
+        stored_rival = (times[1], xla)
+        _store_timing(rival_key, *stored_rival)
       how = "measured"
     else:
       fused, xla = stored
       how = "timed in an earlier process (plan cache)"
+    if rival is not None:
+      k, fused = _faster_of(k, fused, rival, stored_rival[0], how)
+      _kept[sig] = k
     _xla_decisions[sig] = (fused, xla, parts)
+  k = _kept.get(sig, k) if rival is not None else k
   (t_fused, s_fused), (t_xla, s_xla), timed_parts = _xla_decisions[sig]
   other = _fallback_name(timed_parts)
   if first:
@@ -991,6 +1065,21 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
     if why:
       raise LeftToXLA(f"{why}; left to XLA (measurement "
                       f"{'inconclusive' if noise else 'a tie'})")
+  return k
+
+
+def _faster_of(k: GeneratedKernel, t_k: tuple[float, float], rival: GeneratedKernel,
+               t_rival: tuple[float, float], how: str
+               ) -> tuple[GeneratedKernel, tuple[float, float]]:
+  """``(kernel, its (time, spread))``: ``rival`` where it ran faster than
+  ``k`` by more than ``TIMING_TIE``, both timings' repetitions agreeing;
+  else ``k`` (the model's pick keeps a tie or noise)."""
+  (a, sa), (b, sb) = t_k, t_rival
+  won = (min(a, b) > 0 and max(sa, sb) <= MAX_TIMING_SPREAD and b < (1 - TIMING_TIE) * a)
+  logging.info("jaxfuse: region %s %s the model's pick %.1f us (spread %.2f) and its rival "
+               "%.1f us (spread %.2f, plan %s); kept the %s", k.region.einsum_summary(), how,
+               a * 1e6, sa, b * 1e6, sb, rival.plan, "rival" if won else "pick")
+  return (rival, t_rival) if won else (k, t_k)
 
 
 # The caller's GPU, as the measuring child process (whose jax has no GPU)
@@ -1202,7 +1291,8 @@ def fused_call(region: ir.Region, args: Sequence[Any], *, backend: str = "triton
       k = select_kernel(region, candidates, backend=backend, check=check)
       if (backend == "triton" and original is not None and plan is None
           and keep_or_drop_timed(region, candidates)):
-        _keep_fused(k, original, model_plan=_best_predicted(candidates), parts=original_parts)
+        k = _keep_fused(k, original, model_plan=_best_predicted(candidates),
+                        parts=original_parts, rival=_rival_kernel(region, k, check))
     except CodegenError as e:
       if plan is None:
         _record_outcome(region, backend, Outcome(False, reason=str(e)[:500]))

@@ -361,9 +361,13 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
     rr.predicted_time_s = float(best.predicted.time_s)
     if spec is not None and rr.why_not is None:
       try:
-        from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+        from jaxfuse.planner import cost_model, search  # pylint: disable=g-import-not-at-top
         why = cost_model.slower_than_unfused(region, best, spec)
         unsure = cost_model.verdict_uncertain(region, best, spec)
+        rival = search.unsplit_rival(region, best, getattr(res, "alternatives", ()))
+        if unsure and rival is not None:
+          unsure += (f"; the model's best unsplit plan is timed beside it, predicted "
+                     f"{_us(rival.predicted.time_s)}: {rival}")
         if why:
           rr.why_not = f"{why}; left to XLA under tune='model'"
           if unsure:

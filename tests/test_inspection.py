@@ -268,3 +268,19 @@ def test_report_says_where_tune_auto_times_the_kernel():
   [h1] = inspection.inspect(chain, sd(jnp.float16, 512, 64), sd(jnp.float16, 64, 256),
                             sd(jnp.float16, 256, 64), device="h100").regions
   assert h1.why_not is None and not any("tune='auto'" in n for n in h1.notes)
+
+
+def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
+  """One grouped decoding step at batch 8 (32 query heads over 8, 4096
+  keys): the pick splits the key loop, and the report names the unsplit
+  plan that tune='auto' times beside it (launch.rival_plan)."""
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+  step = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
+  [r] = inspection.inspect(step, sd(8, 1, 32, 128), sd(8, 4096, 8, 128), sd(8, 4096, 8, 128),
+                           device="h100").regions
+  # Predicted slower than XLA's ops, so the verdict says tune='auto' times it.
+  assert r.plan.split is not None and "tune='auto' times it on the GPU" in r.why_not
+  assert "flash-decoding" in r.why_not
+  rival = r.why_not.split("the model's best unsplit plan is timed beside it, predicted ")[1]
+  predicted = float(rival.split(" us")[0]) * 1e-6
+  assert r.predicted_time_s <= predicted <= 1.6 * r.predicted_time_s and "split=" not in rival

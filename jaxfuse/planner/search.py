@@ -57,7 +57,7 @@ from jaxfuse.planner import cost_model, lagrange, pruning, tiling
 from jaxfuse.planner.plan import Plan
 
 __all__ = ["Candidate", "Space", "SearchResult", "build_space", "search",
-           "splittable_loops", "make_plan"]
+           "splittable_loops", "make_plan", "unsplit_rival"]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -620,6 +620,26 @@ def _structure(region: ir.Region, p: Plan) -> tuple:
   tiles = dict(p.tiles)
   grid = tuple(l for l in p.grid if region.extent(l) > tiles[l])
   return (grid, p.split, tuple(sorted((l, t) for l, t in tiles.items() if l in out_loops)))
+
+
+def unsplit_rival(region: ir.Region, pick: Plan, alternatives: Sequence[Plan]) -> Optional[Plan]:
+  """Where ``pick`` splits a streamed (online-softmax) loop across
+  programs, the first plan of ``alternatives`` (``SearchResult.leaders``:
+  the model's best of each other structure, best first) that splits
+  nothing and is of the plain Triton form; else None. That choice is what
+  the model is least sure of (``cost_model.verdict_uncertain``), so a
+  caller that times the pick may time this plan beside it
+  (``launch.rival_plan``).
+
+  Example::
+
+      res = plan_region(region, "h100")
+      unsplit_rival(region, res.best, res.alternatives)
+  """
+  split = getattr(pick, "split", None)
+  if not split or split[0] not in tiling.streamable_loops(region):
+    return None
+  return next((p for p in alternatives if not p.split and not p.form), None)
 
 
 def _class_leaders(region: ir.Region, ranked: list, taken: list) -> list:

@@ -858,9 +858,9 @@ def rival_plan(region: ir.Region, chosen) -> Any:
 
   Where the pick splits a streamed (online-softmax) loop across programs,
   the rival is the model's best plan that does not split it
-  (``PlanningResult.alternatives``, predicted within
-  ``search.DIVERSE_MAX_RATIO`` of the pick). Why: that choice is what the
-  model is least sure of (``cost_model.verdict_uncertain``). At batch 8 of
+  (``search.unsplit_rival`` over ``PlanningResult.alternatives``, predicted
+  within ``search.DIVERSE_MAX_RATIO`` of the pick). Why: that choice is
+  what the model is least sure of (``cost_model.verdict_uncertain``). At batch 8 of
   a Llama-3-8B decoding step the model's pick (8-way split) ran 55.5 us
   and its best unsplit plan, predicted 1.08x slower, 46.5 us (H100,
   sixty-eighth session: model-only regret 17.6%); MCFuser S7-S9's
@@ -874,15 +874,12 @@ def rival_plan(region: ir.Region, chosen) -> Any:
         rival_plan(region, kernel.plan)   # an unsplit Plan, or None
   """
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
-  split = getattr(chosen, "split", None)
-  if config.tune != "auto" or not split:
+  if config.tune != "auto":
     return None
-  from jaxfuse.planner import tiling  # pylint: disable=g-import-not-at-top
-  if split[0] not in tiling.streamable_loops(region):
-    return None
+  from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
   with _lock:
     alternatives = _alternatives.get(region.signature(), ())
-  return next((p for p in alternatives if not p.split and not p.form), None)
+  return search.unsplit_rival(region, chosen, alternatives)
 
 
 def _rival_kernel(region: ir.Region, chosen: GeneratedKernel,

@@ -297,6 +297,73 @@ def test_per_call_time_reads_the_device_clock_where_there_is_one(monkeypatch):
   assert sum("device clock failed" in m for m in logged) == 1
 
 
+def test_timing_names_the_implementation_that_does_not_compile():
+  """A dot whose precision algorithm the backend rejects (as XLA's GPU
+  backend rejected jax.nn.dot_product_attention's F16_F16_F32 dot in a
+  one-row multi-head step, H100, sixty-ninth session; the CPU rejects it
+  always) and a function that does not trace are each named by index."""
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  fine = lambda a, b, c: [(a @ b) @ c]
+  algo = lambda a, b, c: [jax.lax.dot(jax.lax.dot(a, b), c,
+                                      precision=jax.lax.DotAlgorithmPreset.F16_F16_F32)]
+  with pytest.raises(launch.TimingCompileError, match="implementation 1 does not compile") as e:
+    launch._per_call_times([fine, algo], r, lo=1, hi=2, reps=1)
+  assert e.value.index == 1
+
+  def untraceable(a, b, c):
+    raise ValueError("no")
+  with pytest.raises(launch.TimingCompileError) as e:
+    launch._per_call_times([untraceable, fine], r, lo=1, hi=2, reps=1)
+  assert e.value.index == 0 and "ValueError: no" in str(e.value)
+
+
+def test_keep_or_drop_keeps_the_kernel_when_the_fallback_does_not_compile(monkeypatch, caplog):
+  """The kernel passed its self-check and is all that runs: kept, untimed,
+  with one warning. A rival that does not compile is left out of the
+  timing; a pick that does not compile is the caller's fallback."""
+  import logging as std_logging
+  from jaxfuse.codegen import CodegenError
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+
+  class K:
+    def __init__(self, plan):
+      self.region, self.plan = r, plan
+  calls = []
+
+  def per_call(fails):       # implementation ``fails`` of the first timing does not compile
+    def f(fns, region):
+      calls.append(len(fns))
+      if len(calls) == 1:
+        raise launch.TimingCompileError(fails, RuntimeError("Unsupported dot precision algorithm"))
+      return [(5e-6, 0.1)] * (len(fns) - 1) + [(9e-6, 0.1)]
+    return f
+  pick, rival = K("pick"), K("rival")
+  launch._xla_decisions.clear()
+  try:
+    monkeypatch.setattr(launch, "_per_call_times", per_call(1))     # the fallback, no rival
+    calls.clear()
+    with caplog.at_level(std_logging.WARNING):
+      assert launch._keep_fused(pick, lambda *a: a) is pick
+    assert any("XLA does not compile, the fused kernel is kept untimed" in m
+               for m in caplog.messages)
+    assert r.signature() not in launch._xla_decisions
+    calls.clear()
+    monkeypatch.setattr(launch, "_per_call_times", per_call(2))     # the fallback, with a rival
+    assert launch._keep_fused(pick, lambda *a: a, rival=rival) is pick
+    calls.clear()
+    monkeypatch.setattr(launch, "_per_call_times", per_call(1))     # the rival
+    assert launch._keep_fused(pick, lambda *a: a, rival=rival) is pick
+    assert calls == [3, 2] and launch._xla_decisions[r.signature()][0][0] == 5e-6
+    launch._xla_decisions.clear()
+    calls.clear()
+    monkeypatch.setattr(launch, "_per_call_times", per_call(0))     # the pick
+    with pytest.raises(CodegenError, match="implementation 0 does not compile"):
+      launch._keep_fused(pick, lambda *a: a, rival=rival)
+  finally:
+    launch._xla_decisions.clear()
+    launch._kept.clear()
+
+
 def test_keep_or_drop_input_sets_are_rolled_copies_made_by_one_program(monkeypatch):
   import jax.numpy as jnp
   xs = [jnp.arange(12.0).reshape(3, 4), jnp.float32(2.5)]

@@ -903,6 +903,16 @@ def _fallback_name(parts: int) -> str:
   return "XLA" if not parts else f"XLA with {parts} part{'s' if parts > 1 else ''} fused"
 
 
+class TimingCompileError(CodegenError):
+  """Implementation ``index`` of a timing's ``fns`` (``_per_call_times``)
+  did not lower or compile."""
+
+  def __init__(self, index: int, error: BaseException):
+    super().__init__(f"implementation {index} does not compile: "
+                     f"{type(error).__name__}: {str(error)[:300]}")
+    self.index = index
+
+
 def _per_call_times(fns: Sequence[Callable], region: ir.Region, lo: int = 4, hi: int = 16,
                     reps: int = 7) -> list[tuple[float, float]]:
   """Seconds per call on the device of each of ``fns`` (implementations of
@@ -930,11 +940,22 @@ def _per_call_times(fns: Sequence[Callable], region: ir.Region, lo: int = 4, hi:
   def timed(body: Callable[[Callable, int], Callable], measure: Callable, how: str):
     t1 = time.perf_counter()
     # Traced outside jax.ensure_compile_time_eval (see _compile).
-    lowered = {(i, n): jax.jit(body(fn, n)).lower(sets) for i, fn in enumerate(fns)
-               for n in (lo, hi)}
+    lowered = {}
+    for i, fn in enumerate(fns):
+      for n in (lo, hi):
+        try:
+          lowered[(i, n)] = jax.jit(body(fn, n)).lower(sets)
+        except Exception as e:  # pylint: disable=broad-except
+          raise TimingCompileError(i, e) from e
     t2 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
-      progs = dict(zip(lowered, pool.map(lambda l: l.compile(), lowered.values())))
+      futures = {key: pool.submit(l.compile) for key, l in lowered.items()}
+      progs = {}
+      for (i, n), f in futures.items():
+        try:
+          progs[(i, n)] = f.result()
+        except Exception as e:  # pylint: disable=broad-except
+          raise TimingCompileError(i, e) from e
     t3 = time.perf_counter()
     with jax.ensure_compile_time_eval():
       res = [measure(lambda n, i=i: progs[(i, n)](sets)) for i in range(len(fns))]
@@ -1020,8 +1041,22 @@ def _keep_fused(k: GeneratedKernel, original: Callable, model_plan=None,
     stored_rival = None if rival is None else _load_timing(rival_key)
     if stored is None or (rival is not None and stored_rival is None):
       kernels = [k] if rival is None else [k, rival]
-      times = _per_call_times([(lambda *a, g=g: triton_launch(g, a)) for g in kernels]
-                              + [original], k.region)
+      try:
+        times = _per_call_times([(lambda *a, g=g: triton_launch(g, a)) for g in kernels]
+                                + [original], k.region)
+      except TimingCompileError as e:
+        if e.index == len(kernels):
+          # What would run instead does not compile (jax.nn.dot_product_attention's
+          # F16_F16_F32 dot in a one-row multi-head step, jax 0.11.2 on the H100):
+          # the kernel, which passed its self-check, is all that runs.
+          logging.warning("jaxfuse: region %s: %s does not compile, the fused kernel is "
+                          "kept untimed (%s)", k.region.einsum_summary(),
+                          _fallback_name(parts), e)
+          return k
+        if e.index == 1:
+          logging.info("jaxfuse: rival plan %s not timed: %s", rival.plan, e)
+          return _keep_fused(k, original, model_plan=model_plan, parts=parts)
+        raise
       fused, xla = times[0], times[-1]
       _store_timing(key, fused, xla)
       if rival is not None:

@@ -994,8 +994,9 @@ class _Printer:
     ``lp``, keeps its whole broadcast product in the accumulator and sums
     the in-tile reduced loops once after the loop (see
     ``pruning.deferred_sums``, which the planner prices); None when it sums
-    every step: a ``tl.dot``, an accumulator an online softmax rescales, a
-    loop whose tile is 1, or no room left under the register cap."""
+    every step: a ``tl.dot``, a loop whose tile is 1, or no room left under
+    the register caps (a smaller one where an online softmax rescales the
+    accumulator: the whole product is then rescaled every step)."""
     op = self.ops[v]
     if self.deferrable is None:
       rescaled = {a for st in self.info.streamed.values()

@@ -60,7 +60,8 @@ miscompile, nor a TF32 dot known to spill registers
 
 Deferred sums (jaxfuse's, for one-row plans). A broadcast product is kept
 whole and summed once after its loop while the kernel's kept products fit
-one register cap (``deferred_sums``); a one-row plan that would sum a
+one register cap, and one an online softmax rescales a smaller one
+(``deferred_sums``); a one-row plan without a softmax that would sum a
 product every step instead is not ranked (``summed_every_step``), since the
 model prices one-row plans as if every sum were deferred.
 
@@ -246,26 +247,35 @@ def broadcast_product(region: ir.Region, op: ir.Contraction, tile: Mapping[str, 
 # One cap for all of a kernel's products: in a one-row nest they are live at
 # once (a gated MLP's gate and up products share the k loop).
 DEFERRED_SUM_REGS_PER_THREAD = 128
+# ... and the most one product an online softmax rescales may take. Kept
+# whole, the product is rescaled every step, all of it; summed every step,
+# it is a cross-warp reduction every step. One-row multi-head decoding (32
+# heads, 4096 keys, d=128, H100, sixty-ninth session): 64-key tiles (64
+# registers a thread) ran 94.7 us kept whole against 105.1 us summed every
+# step (8-way split 96.2 against 122.2); 128-key tiles (128 registers)
+# ran 96.3 against 94.1.
+RESCALED_SUM_REGS_PER_THREAD = 64
 
 
 def _deferral_candidates(region: ir.Region, expr: "tiling.TilingExpr",
                          tiles: Mapping[str, int], rescaled: Collection[str]
-                         ) -> list[tuple[str, int]]:
-  """(contraction, product elements) for each contraction printed as a
-  broadcast product inside a loop it reduces (the outermost such loop: the
-  one accumulating it) with a tile above 1, not rescaled by an online
-  softmax; in the plan's statement order."""
+                         ) -> list[tuple[str, int, bool]]:
+  """(contraction, product elements, whether an online softmax rescales it)
+  for each contraction printed as a broadcast product inside a loop it
+  reduces (the outermost such loop: the one accumulating it) with a tile
+  above 1; in the plan's statement order."""
   ops = {op.out: op for op in region.contractions}
   vm = region.value_map
   out = []
   for st, enclosing in tiling.statement_contexts(expr):
     op = ops.get(st.value) if st.kind == "C" else None
     loop = next((l for l in enclosing if op is not None and l in op.reduce), None)
-    if (loop is None or tiling.next_pow2(tiles[loop]) <= 1 or op.out in rescaled
+    if (loop is None or tiling.next_pow2(tiles[loop]) <= 1
         or broadcast_product(region, op, tiles) is None):
       continue
     out.append((op.out, math.prod(tiling.next_pow2(tiles[l])
-                                  for l in set(vm[op.lhs].loops) | set(vm[op.rhs].loops))))
+                                  for l in set(vm[op.lhs].loops) | set(vm[op.rhs].loops)),
+                op.out in rescaled))
   return out
 
 
@@ -274,21 +284,23 @@ def deferred_sums(region: ir.Region, expr: "tiling.TilingExpr", tiles: Mapping[s
   """Contractions whose whole broadcast product the code generator keeps in
   its accumulator and sums once after the loop that accumulates it.
   Candidates: not one tl.dot (``broadcast_product``), inside a loop they
-  reduce whose tile is above 1, not rescaled by an online softmax
-  (``rescaled``); taken in the plan's statement order while their products
-  fit ``DEFERRED_SUM_REGS_PER_THREAD`` together. The others sum every step.
-  The printer defers exactly these.
+  reduce whose tile is above 1; taken in the plan's statement order while
+  their products fit ``DEFERRED_SUM_REGS_PER_THREAD`` together, and one an
+  online softmax rescales (``rescaled``) only within
+  ``RESCALED_SUM_REGS_PER_THREAD``. The others sum every step. The printer
+  defers exactly these.
 
   Example: ``deferred_sums(region, plan.expr, plan.tile_map, plan.num_warps)``."""
   return _within_cap(_deferral_candidates(region, expr, tiles, rescaled), num_warps)
 
 
-def _within_cap(candidates: Sequence[tuple[str, int]], num_warps: int) -> frozenset[str]:
-  """The ``candidates`` (in order) whose products fit the cap together."""
-  budget = DEFERRED_SUM_REGS_PER_THREAD * 32 * int(num_warps)
+def _within_cap(candidates: Sequence[tuple[str, int, bool]], num_warps: int) -> frozenset[str]:
+  """The ``candidates`` (in order) whose products fit the caps together."""
+  threads = 32 * int(num_warps)
+  budget = DEFERRED_SUM_REGS_PER_THREAD * threads
   out = []
-  for v, elems in candidates:
-    if elems <= budget:
+  for v, elems, rescaled in candidates:
+    if elems <= budget and not (rescaled and elems > RESCALED_SUM_REGS_PER_THREAD * threads):
       budget -= elems
       out.append(v)
   return frozenset(out)
@@ -305,7 +317,7 @@ def summed_every_step(region: ir.Region, expr: "tiling.TilingExpr",
   session), while the model priced it as if deferred."""
   cands = _deferral_candidates(region, expr, tiles, ())
   kept = _within_cap(cands, num_warps)
-  return tuple(v for v, _ in cands if v not in kept)
+  return tuple(v for v, _, _ in cands if v not in kept)
 
 
 def dot_hazard(region: ir.Region, tiles: Mapping[str, int], *, tf32: bool = True

@@ -98,6 +98,15 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
   for act in ("", "tanh"):
     add("short", f"mlp3-{act or 'none'}-64-128-64-32",
         examples.mlp_chain(1, 256, [64, 128, 64, 32], dtype=dtype, act=act))
+  # Decoding steps: one query row per head, whose P.V is a broadcast product
+  # the online softmax rescales (kept whole within
+  # pruning.RESCALED_SUM_REGS_PER_THREAD), and grouped heads' few rows.
+  add("decode", "dec-mha-S4096-d128", T.attention(M=1, N=4096, D=128, B=4, heads=32,
+                                                  dtype=dtype, scale=128 ** -0.5))
+  add("decode", "dec-mha-S1000-d64-mask", T.attention(M=1, N=1000, D=64, B=2, heads=8,
+                                                      dtype=dtype, mask=True, scale=0.125))
+  add("decode", "dec-gqa-h32-kv8-S4096-d128",
+      _captured_attention(4096, 32, 128, dtype, kv_heads=8, queries=1, batch=8))
   # Small enough for Triton's interpreter (the check without a GPU).
   add("tiny", "tiny-gemm", T.gemm_chain(M=64, N=64, K=32, H=32, dtype="float32"))
   add("tiny", "tiny-mlp3", examples.mlp_chain(1, 32, [32, 64, 32, 16], dtype="float32", act="tanh"))
@@ -107,11 +116,12 @@ def check_regions(dtype: str) -> tuple[dict[str, Any], dict[str, list[str]]]:
 
 
 def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 0,
-                        causal: bool = False):
+                        causal: bool = False, queries: int = 0, batch: int = 1):
   """The region capture makes of attention as a transformer layer writes it
   (token-major q, k, v; ``jax.nn.softmax``; with ``kv_heads``, grouped-query
-  attention through ``jax.nn.dot_product_attention``): its ops and dtypes
-  differ from the hand-built examples'."""
+  attention through ``jax.nn.dot_product_attention``, ``queries`` query
+  tokens (default ``t``) over ``t`` keys): its ops and dtypes differ from the
+  hand-built examples'."""
   import math  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -124,8 +134,8 @@ def _captured_attention(t: int, heads: int, d: int, dtype: str, kv_heads: int = 
   def gqa(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
   if kv_heads:
-    q = jax.ShapeDtypeStruct((1, t, heads, d), jnp.dtype(dtype))
-    kv = jax.ShapeDtypeStruct((1, t, kv_heads, d), jnp.dtype(dtype))
+    q = jax.ShapeDtypeStruct((batch, queries or t, heads, d), jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct((batch, t, kv_heads, d), jnp.dtype(dtype))
     [r] = capture.find_regions(jax.make_jaxpr(gqa)(q, kv, kv))
   else:
     x = jax.ShapeDtypeStruct((t, heads * d), jnp.dtype(dtype))

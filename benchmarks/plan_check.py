@@ -6,7 +6,7 @@ process, illegal memory accesses. The pruning rules
 search; they were measured on one Triton version and one GPU. This binary
 looks for families they miss. For a spread of regions (the papers' tables,
 MLP chains of two and three GEMMs with and without an activation, attention
-variants, small-K chains) it asks the planner for its best ``--plans_per_region`` plans
+variants, decoding steps, small-K chains) it asks the planner for its best ``--plans_per_region`` plans
 and runs each through ``jaxfuse.runtime.launch.measure_plans``: compile,
 self-check against a float32 reference, time. Run it after a Triton, jax or
 GPU change. It exits 1 when any plan computes a wrong answer or a region's

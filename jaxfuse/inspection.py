@@ -70,6 +70,10 @@ class RegionReport:
   # the region is not fused); keep-or-drop compares the two.
   unfused_time_s: Optional[float] = None
   alternatives: list[Alternative] = dataclasses.field(default_factory=list)
+  # The model's best plan of each other structure (grid, split, output
+  # tiles; PlanningResult.alternatives): the runner-ups above are mostly
+  # the pick's structure with other tiles.
+  other_structures: list[Alternative] = dataclasses.field(default_factory=list)
   why_not: Optional[str] = None
   # How a compile in this process lowered the region (``launch.Outcome`` as
   # text): the kernel's plan, or why XLA's ops run (with the keep-or-drop
@@ -90,6 +94,7 @@ class RegionReport:
     d["parts"] = [p.to_dict() for p in self.parts]
     d["plan"] = None if self.plan is None else str(self.plan)
     d["alternatives"] = [dataclasses.asdict(a) for a in self.alternatives]
+    d["other_structures"] = [dataclasses.asdict(a) for a in self.other_structures]
     d["space"] = None if self.space is None else {str(k): _plain(v)
                                                    for k, v in self.space.items()}
     return d
@@ -128,10 +133,12 @@ class RegionReport:
     if self.space:
       lines.append("search space:  " + ", ".join(f"{k}={_plain(v)}"
                                                  for k, v in self.space.items()))
-    if self.alternatives:
-      lines.append("alternatives:")
-      for j, a in enumerate(self.alternatives, 1):
-        lines.append(f"  {j}. {_us(a.predicted_time_s):>10}  {a.plan}")
+    for title, alts in (("alternatives:", self.alternatives),
+                        ("other structures:", self.other_structures)):
+      if alts:
+        lines.append(title)
+        for j, a in enumerate(alts, 1):
+          lines.append(f"  {j}. {_us(a.predicted_time_s):>10}  {a.plan}")
     lines.append(f"why not fused: {self.why_not or '-'}")
     lines.append(f"lowered:       {self.lowered or '- (no lowering to a kernel recorded in this process)'}")
     for note in self.notes:
@@ -378,11 +385,11 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
                           f"that would run instead before keeping it ({unsure})")
       except Exception as e:  # pylint: disable=broad-except
         rr.notes.append(f"unfused estimate failed: {_err(e)}")
-  rest = [p for p in ranked if p is not best and p != best][:5]
-  rr.alternatives = [
-      Alternative(plan=str(p), predicted_time_s=(
-          float(p.predicted.time_s) if getattr(p, "predicted", None) is not None
-          else None)) for p in rest]
+  def alternative(p) -> Alternative:
+    pred = getattr(p, "predicted", None)
+    return Alternative(plan=str(p), predicted_time_s=None if pred is None else float(pred.time_s))
+  rr.alternatives = [alternative(p) for p in ranked if p is not best and p != best][:5]
+  rr.other_structures = [alternative(p) for p in getattr(res, "alternatives", ())][:3]
   if best is not None:
     rr.kernel_source = _kernel_source(region, best, rr.notes)
   if len(region.contractions) > 1 and (rr.why_not or rr.mbci is False):

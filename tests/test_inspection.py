@@ -278,6 +278,12 @@ def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
   step = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
   [r] = inspection.inspect(step, sd(8, 1, 32, 128), sd(8, 4096, 8, 128), sd(8, 4096, 8, 128),
                            device="h100").regions
+  # Its best plans of other structures are listed apart, the unsplit one among them.
+  assert r.other_structures and len(r.other_structures) <= 3
+  assert "other structures:" in str(r)
+  assert any("split=" not in a.plan for a in r.other_structures)
+  assert all(a.predicted_time_s >= r.predicted_time_s * 0.999 for a in r.other_structures)
+  assert r.to_dict()["other_structures"][0]["plan"] == r.other_structures[0].plan
   # Predicted slower than XLA's ops, so the verdict says tune='auto' times it.
   assert r.plan.split is not None and "tune='auto' times it on the GPU" in r.why_not
   assert "flash-decoding" in r.why_not

@@ -812,7 +812,35 @@ def build_region(items: Sequence[Item], inputs: Sequence[FVar], outputs: Sequenc
   if len(region.contractions) < len(chain):
     raise Reject(f"fewer than {len(chain)} contractions")
   _check_reduced_loops_stay_reduced(region)
+  _check_connected(region)
   return region
+
+
+def _check_connected(region: ir.Region) -> None:
+  """The region's ops must share loops: contractions in parts with no loop
+  in common are separate computations that one kernel cannot share
+  anything between, and the planner's space is the product of theirs.
+  Sibling dots joined because they read one array in two roles (the
+  backward pass of self-attention over one input, ``attn(x, x, x)``) came
+  out so: 11 loops, whose search space took 6 minutes to build (sixty-ninth
+  session). Capture then tries the dots without the join."""
+  parent: dict[str, str] = {}
+
+  def find(l: str) -> str:
+    while parent.get(l, l) != l:
+      l = parent[l]
+    return l
+  vm = region.value_map
+  for op in region.ops:
+    loops = [l for v in (*op.inputs, op.out) if v in vm for l in vm[v].loops]
+    for a, b in zip(loops, loops[1:]):
+      ra, rb = find(a), find(b)
+      if ra != rb:
+        parent[rb] = ra
+  parts = {find(l) for op in region.contractions
+           for v in (op.lhs, op.rhs, op.out) for l in vm[v].loops}
+  if len(parts) > 1:
+    raise Reject(f"its contractions fall into {len(parts)} parts that share no loop")
 
 
 def _check_reduced_loops_stay_reduced(region: ir.Region) -> None:

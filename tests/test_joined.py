@@ -88,6 +88,58 @@ def test_siblings_that_do_not_meet_are_not_joined():
   assert ir.xla_joins(examples.gemm_chain(1, 64, 64, 32, 32)) == {}
 
 
+def test_a_join_whose_dots_share_no_loop_is_undone():
+  """Self-attention over one array, differentiated (``attn(x, x, x)``): its
+  backward dots read ``x`` in several roles, so siblings were joined whose
+  region parts share no loop (11 loops; building its search space took 6
+  minutes). Capture rejects such a region and tries the dots without the
+  join: every region is connected and small."""
+  def attn(q, k, v):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / 8.0
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, -1), v)
+  x = jnp.ones((1, 2, 128, 64), jnp.float32)
+  regions = capture.find_regions(jax.make_jaxpr(jax.grad(lambda x: attn(x, x, x).sum()))(x))
+  assert regions
+  for r in regions:
+    assert len(r.region.loops) <= 6, r.region.to_text()
+  from jaxfuse import capture_ir
+  with pytest.raises(capture_ir.Reject, match="2 parts that share no loop"):
+    capture_ir._check_connected(_two_unrelated_chains())   # pylint: disable=protected-access
+
+
+def _two_unrelated_chains() -> ir.Region:
+  """Two GEMM chains with no loop in common, as one region."""
+  a = examples.gemm_chain(1, 64, 64, 32, 32)
+  ren = {l.name: l.name + "2" for l in a.loops}
+
+  def buf(b):
+    return ir.Buffer(b.value + "2", b.shape, tuple((ren[l], st) for l, st in b.strides))
+  return ir.Region(
+      a.loops + tuple(ir.Loop(ren[l.name], l.extent) for l in a.loops),
+      a.values + tuple(ir.Value(v.name + "2", tuple(ren[l] for l in v.loops), v.dtype)
+                       for v in a.values),
+      a.inputs + tuple(buf(b) for b in a.inputs), a.outputs + tuple(buf(b) for b in a.outputs),
+      a.ops + tuple(ir.Contraction(o.out + "2", o.lhs + "2", o.rhs + "2",
+                                   tuple(ren[l] for l in o.reduce)) for o in a.ops),
+      name="two_chains")
+
+
+def test_the_planner_bounds_the_space_it_builds():
+  """Over MAX_SPACE_PAIRS (grid, expression) pairs, build_space keeps fewer
+  grids: two unrelated chains (10 loops, 5,040 expressions, 64 grids) keep
+  the default grid alone, and are still planned."""
+  from jaxfuse.devices import get_device
+  from jaxfuse.planner import search
+  r = _two_unrelated_chains()
+  space = search.build_space(r, get_device("h100"))
+  assert space.counts["expressions"] == 5040 and len(space.grids) == 1
+  assert len(space.grids) * space.counts["expressions"] <= search.MAX_SPACE_PAIRS
+  assert planner.plan_region(r, "h100", use_cache=False).best is not None
+  # A region within the bound keeps every grid.
+  g = examples.mlp_chain(1, 128, [1024, 4096, 1024, 4096, 1024])
+  assert len(search.build_space(g, get_device("h100")).grids) == 2
+
+
 def test_xla_pays_a_kernel_for_the_join():
   x, wg, wu, _ = _args(m=16, d=1024, f=2816)
   [r] = capture.find_regions(jax.make_jaxpr(_gate)(x, wg, wu))

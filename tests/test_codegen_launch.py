@@ -317,6 +317,30 @@ def test_timing_names_the_implementation_that_does_not_compile():
   assert e.value.index == 0 and "ValueError: no" in str(e.value)
 
 
+def test_a_timing_on_the_clock_is_not_repeated_for_an_implementation_that_does_not_compile(
+    monkeypatch):
+  """On the device clock, where the first implementation compiled with its
+  stamps, another that does not compile fails by itself: no host timing
+  compiles everything again. A failure of the first may be the stamps'."""
+  from jaxfuse.runtime import device_clock
+  r = examples.gemm_chain(1, 32, 16, 16, 16)
+  monkeypatch.setattr(device_clock, "available", lambda: True)
+  monkeypatch.setattr(device_clock, "stamp", _host_clock_stamp)
+  traced = []
+
+  def broken(a, b, c):
+    traced.append(1)
+    raise ValueError("no")
+  fine = lambda a, b, c: [(a @ b) @ c]
+  with pytest.raises(launch.TimingCompileError, match="implementation 1"):
+    launch._per_call_times([fine, broken], r, lo=1, hi=2, reps=1)
+  assert len(traced) == 1                 # the clock's attempt only
+  traced.clear()
+  with pytest.raises(launch.TimingCompileError, match="implementation 0"):
+    launch._per_call_times([broken, fine], r, lo=1, hi=2, reps=1)
+  assert len(traced) == 2                 # the clock's, then the host's
+
+
 def test_keep_or_drop_keeps_the_kernel_when_the_fallback_does_not_compile(monkeypatch, caplog):
   """The kernel passed its self-check and is all that runs: kept, untimed,
   with one warning. A rival that does not compile is left out of the

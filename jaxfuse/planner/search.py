@@ -185,15 +185,13 @@ def _bounded_grids(region: ir.Region, base, extra, n_expressions: int) -> list[t
         g = set(base) | set(sub)
         out.append(tuple(l.name for l in region.loops if l.name in g))
     return out
-  for r_max in (len(extra), 1, 0):
-    grids = grids_upto(r_max)
-    if len(grids) * n_expressions <= MAX_SPACE_PAIRS or r_max == 0:
-      if r_max < len(extra):
-        logging.info("jaxfuse planner: %d tiling expressions: grids with at most %d of the "
-                     "%d consumer-private loops (MAX_SPACE_PAIRS)", n_expressions, r_max,
-                     len(extra))
-      return grids
-  raise AssertionError("unreachable")
+  r_max = len(extra)
+  while r_max > 0 and len(grids_upto(r_max)) * n_expressions > MAX_SPACE_PAIRS:
+    r_max = 1 if r_max > 1 else 0
+  if r_max < len(extra):
+    logging.info("jaxfuse planner: %d tiling expressions: grids with at most %d of the "
+                 "%d consumer-private loops (MAX_SPACE_PAIRS)", n_expressions, r_max, len(extra))
+  return grids_upto(r_max)
 
 
 def build_space(region: ir.Region, device: DeviceSpec, *,
@@ -582,15 +580,16 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
                if p.predicted.time_s <= DIVERSE_MAX_RATIO * seen[0][1].predicted.time_s]
   _refine(space, evaluate, starts)
   ranked = _best_first((c, p) for c, p in memo.items() if p is not None)
-  model_leaders = [p for _, p in _class_leaders(region, ranked, ranked[:1])
-                   if p.predicted.time_s <= DIVERSE_MAX_RATIO * ranked[0][1].predicted.time_s]
+  # The model's best plan of each structure other than its pick's, within
+  # DIVERSE_MAX_RATIO of the pick (SearchResult.leaders).
+  leaders = [(c, p) for c, p in _class_leaders(region, ranked, ranked[:1])
+             if p.predicted.time_s <= DIVERSE_MAX_RATIO * ranked[0][1].predicted.time_s]
   if measure is not None and ranked:
     # One batch, so that its kernels compile in parallel within the tuning
     # budget: the model's top_n, then its best plan of each other structure.
     top = ranked[:top_n]
-    leaders = [(c, p) for c, p in _class_leaders(region, ranked, top)
-               if p.predicted.time_s <= DIVERSE_MAX_RATIO * top[0][1].predicted.time_s]
-    batch = top + leaders[:DIVERSE_N]
+    in_top = {_structure(region, p) for _, p in top}
+    batch = top + [(c, p) for c, p in leaders if _structure(region, p) not in in_top][:DIVERSE_N]
     if not _measure_into(measure, batch, measured):
       measure = None
 
@@ -622,7 +621,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
     return (0, m, str(p)) if math.isfinite(m) else (1, p.predicted.time_s, str(p))
   entries.sort(key=key)
   ranked = [p for _, p in _distinct(entries)]
-  return SearchResult(ranked, len(memo), it, rejected, space.counts, model_leaders)
+  return SearchResult(ranked, len(memo), it, rejected, space.counts, [p for _, p in leaders])
 
 
 # Structural classes whose model-best plan is measured after the descent.

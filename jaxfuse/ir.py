@@ -40,7 +40,8 @@ import numpy as np
 __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
-    "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots", "coalesce_loops",
+    "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots",
+    "xla_gemm_copies", "coalesce_loops",
     "vector_dot_dims", "xla_vector_dot", "contraction_loops",
     "contiguous_strides", "dtype_itemsize",
     "WINDOW_ALIGN",
@@ -835,6 +836,51 @@ def xla_joins(region: "Region") -> "dict[str, tuple[str, ...]]":
     if len(free) >= 2 and not any(len(direct[a]) >= 2 and direct[a] >= set(free) for a in ins):
       joins[op.out] = tuple(free)
   return joins
+
+
+def _mergeable(strides: "dict[str, int]", ext: "dict[str, int]", loops) -> bool:
+  """Whether ``loops`` (those longer than one) index a buffer as one strided
+  dimension: each one's stride is the next inner one's times its extent."""
+  ls = sorted((l for l in loops if ext[l] > 1), key=lambda l: -strides.get(l, 0))
+  return all(strides.get(a, 0) == strides.get(b, 0) * ext[b] for a, b in zip(ls, ls[1:]))
+
+
+def xla_gemm_copies(region: "Region") -> "list[Buffer]":
+  """The region's buffers that XLA copies into another order around a
+  library GEMM: a contraction's operand or result held in a buffer whose
+  batch, row, column or contracted loops do not each merge into one
+  strided dimension there. A contraction with one row or column is left
+  out: XLA runs it as a reduction, batched too (a 4 x 32-head decoding step
+  ran as reductions in both orders, no copy).
+
+  Why: XLA's GEMM kernels (cuBLAS, its Triton GEMM) take each of those
+  four as one dimension with one stride, so XLA transposes such a buffer
+  first (or its result after), one kernel that reads and writes it whole.
+  Attention in [batch, tokens, heads, dim] order at batch 8: on the H100
+  (benchmarks/RESULTS.md, seventieth session) XLA ran a decoding step's key
+  and value caches through two 43-44 us transposes before 28-30 us GEMMs,
+  and prefill at 2048 tokens through four (q, k, v and the result, 97 us);
+  at batch 1 (the heads alone a batch dimension) it ran no copy.
+
+  Example::
+
+      [b.value for b in xla_gemm_copies(region)]   # ['x1', 'x2']
+  """
+  ext = region.loop_extents
+  bufs = {b.value: b for b in list(region.inputs) + list(region.outputs)}
+  out: list = []
+  for op in region.contractions:
+    groups = contraction_loops(region, op)
+    if min(math.prod(ext[l] for l in g) for g in groups[:2]) == 1:
+      continue   # one row or column: XLA reduces, batched or not, in any order
+    for v in (op.lhs, op.rhs, op.out):
+      b = bufs.get(v)
+      if b is None or b in out or b.part_loop:
+        continue
+      st = dict(b.strides)
+      if not all(_mergeable(st, ext, [l for l in g if l in st]) for g in groups):
+        out.append(b)
+  return out
 
 
 # XLA's DotMerger (run by its GPU compiler) merges two dots that read one

@@ -8,6 +8,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+from unittest import mock
+
 import numpy as np
 import pytest
 
@@ -138,7 +140,11 @@ def test_the_part_loop_is_a_program_id_of_tile_one():
                       tuple(ir.Buffer(b.value, b.shape, b.strides) for b in reg.inputs),
                       tuple(ir.Buffer(b.value, b.shape, b.strides) for b in reg.outputs),
                       reg.ops)
-  extra = cost_model.unfused_time(reg, dev) - cost_model.unfused_time(stacked, dev)
+  # (Stacked in one buffer, the weights' part and column loops do not merge:
+  # XLA would copy them first, ir.xla_gemm_copies. Left out here, so that
+  # the two differ by the per-part kernels alone.)
+  with mock.patch.object(ir, "xla_gemm_copies", return_value=[]):
+    extra = cost_model.unfused_time(reg, dev) - cost_model.unfused_time(stacked, dev)
   assert extra >= 3 * dev.min_kernel_s
 
 

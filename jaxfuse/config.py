@@ -51,10 +51,10 @@ class Config:
     (``h100``, ``h200``, ``a100``, ``rtx3080``) or ``auto``.
   tune: ``model``: the analytical model alone plans each region and
     decides whether it runs fused; ``auto`` (default): the model plans, and
-    where its keep-or-drop verdict is uncertain (float32 dots, a 16-bit
-    prediction near its bound, or a pick that splits an online-softmax key
-    loop, each predicted under 2x of XLA's separate kernels:
-    ``cost_model.verdict_uncertain``) the kernel
+    where its keep-or-drop verdict is uncertain (float32 dots, or a 16-bit
+    prediction near its bound, below 2x of XLA's separate kernels; a pick
+    that splits an online-softmax key loop and has an unsplit plan to time
+    beside it: ``cost_model.verdict_uncertain``) the kernel
     is timed on the GPU against what would run instead (XLA's ops; for a
     chain, its parts with fewer contractions, each fused where that pays)
     once per machine and cache, the faster kept (where the model's pick

@@ -370,8 +370,8 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
       try:
         from jaxfuse.planner import cost_model, search  # pylint: disable=g-import-not-at-top
         why = cost_model.slower_than_unfused(region, best, spec)
-        unsure = cost_model.verdict_uncertain(region, best, spec)
         rival = search.unsplit_rival(region, best, getattr(res, "alternatives", ()))
+        unsure = cost_model.verdict_uncertain(region, best, spec, rival=rival)
         if unsure and rival is not None:
           unsure += (f"; the model's best unsplit plan is timed beside it, predicted "
                      f"{_us(rival.predicted.time_s)}: {rival}")

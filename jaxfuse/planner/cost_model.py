@@ -1342,21 +1342,24 @@ def slower_than_unfused(region: ir.Region, plan, device: DeviceSpec) -> Optional
 UNCERTAIN_BELOW = 2.0
 # Plans that split a streamed loop across programs (attention at one query
 # token against thousands of keys, flash-decoding) are timed against XLA
-# under tune='auto' when predicted below this ratio of ``unfused_time``,
-# however far below UNFUSED_MARGIN. On the H100 (thirty-sixth session) four
-# decoding steps in the [B, T, heads, D] layout were predicted at
-# 0.99-1.55x XLA's ops and ran 1.2-3.2x faster than them: the fused price
-# counts the 16-row padding of a 4-row head group at the narrow-row dot
-# rate. XLA's copies of the key/value cache into head-major order are priced
-# now (``ir.xla_gemm_copies``), which puts the batch-8 step at 0.43x, but
-# the model still ranks such plans loosely (seventieth session, 64 measured
-# plans each: Spearman 0.73-0.94, and at batch 8 its pick 17% slower than
-# the best), and the timing is what brings the best unsplit plan in beside
-# the pick (``launch.rival_plan``).
+# under tune='auto' when predicted between UNFUSED_MARGIN and this ratio of
+# ``unfused_time``, and below UNFUSED_MARGIN too where the model has an
+# unsplit plan to time beside the pick (``search.unsplit_rival``). On the
+# H100 (thirty-sixth session) four decoding steps in the [B, T, heads, D]
+# layout were predicted at 0.99-1.55x XLA's ops and ran 1.2-3.2x faster
+# than them: the fused price counts the 16-row padding of a 4-row head
+# group at the narrow-row dot rate. XLA's copies of the key/value cache
+# into head-major order are priced now (``ir.xla_gemm_copies``), which puts
+# the batch-8 step at 0.43x; but the model ranks split against unsplit
+# plans loosely (seventieth session, 64 measured plans each: Spearman
+# 0.73-0.94; at batch 8 its split pick ran 17% slower than the best, an
+# unsplit plan), and the timing is what brings that plan in beside the pick
+# (``launch.rival_plan``).
 STREAMED_SPLIT_UNCERTAIN_BELOW = 2.0
 
 
-def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[str]:
+def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec,
+                      rival: Any = None) -> Optional[str]:
   """Why the model's keep-or-drop verdict on ``plan`` (``slower_than_unfused``)
   is not to be trusted, or None. ``tune='auto'`` times such a region's
   kernel against XLA's ops on the GPU instead.
@@ -1368,12 +1371,17 @@ def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[s
     thirty-first session).
   * 16-bit regions predicted between ``UNFUSED_MARGIN`` and
     ``UNCERTAIN_BELOW`` of the unfused time.
-  * plans that split a streamed (online-softmax) loop, predicted under
-    ``STREAMED_SPLIT_UNCERTAIN_BELOW`` of the unfused time.
+  * plans that split a streamed (online-softmax) loop, predicted between
+    ``UNFUSED_MARGIN`` and ``STREAMED_SPLIT_UNCERTAIN_BELOW`` of the unfused
+    time, or below ``UNFUSED_MARGIN`` where ``rival`` (the model's best
+    unsplit plan, ``search.unsplit_rival``) is given: the timing is then
+    the pick's against that plan's as much as against XLA's.
 
   Example::
 
-      why = verdict_uncertain(region, plan_region(region, "h100").best, get_device("h100"))
+      res = plan_region(region, "h100")
+      why = verdict_uncertain(region, res.best, get_device("h100"),
+                              rival=search.unsplit_rival(region, res.best, res.alternatives))
   """
   pred = getattr(plan, "predicted", None)
   if pred is None:
@@ -1383,9 +1391,14 @@ def verdict_uncertain(region: ir.Region, plan, device: DeviceSpec) -> Optional[s
   split = getattr(plan, "split", None)
   if (split and split[0] in tiling.streamable_loops(region)
       and ratio < STREAMED_SPLIT_UNCERTAIN_BELOW):
-    return (f"streamed loop {split[0]} split across programs (flash-decoding), "
-            f"predicted at {ratio:.2f}x the separate kernels' time: the model is not "
-            f"fitted to such plans or to XLA's ops at these shapes")
+    if ratio >= UNFUSED_MARGIN:
+      return (f"streamed loop {split[0]} split across programs (flash-decoding), "
+              f"predicted at {ratio:.2f}x the separate kernels' time: the model is not "
+              f"fitted to such plans or to XLA's ops at these shapes")
+    if rival is not None:
+      return (f"streamed loop {split[0]} split across programs (flash-decoding), "
+              f"predicted at {ratio:.2f}x the separate kernels' time: the model ranks "
+              f"such plans against unsplit ones loosely")
   if ratio >= UNCERTAIN_BELOW:
     return None
   wide = sorted({contraction_dtype(region, op) for op in region.contractions}

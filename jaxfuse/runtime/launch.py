@@ -828,8 +828,9 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
   """Whether the region's kernel is timed on the GPU against what would run
   instead (``_keep_fused``) rather than kept or dropped on the model's word: always
   under ``tune='measure'``; under ``tune='auto'`` where the model's verdict
-  on its best plan is uncertain (``cost_model.verdict_uncertain``); never
-  under ``tune='model'``."""
+  on its best plan is uncertain (``cost_model.verdict_uncertain``, told of
+  the plan ``rival_plan`` would time beside it); never under
+  ``tune='model'``."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   if config.tune == "measure":
     return True
@@ -837,8 +838,9 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
     return False
   from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
   from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
-  return cost_model.verdict_uncertain(region, _best_predicted(plans) or plans[0],
-                                      get_device(None)) is not None
+  best = _best_predicted(plans) or plans[0]
+  return cost_model.verdict_uncertain(region, best, get_device(None),
+                                      rival=rival_plan(region, best)) is not None
 
 
 # region signature -> ((fused s, spread), (fallback s, spread), parts fused in

@@ -370,11 +370,16 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
       try:
         from jaxfuse.planner import cost_model, search  # pylint: disable=g-import-not-at-top
         why = cost_model.slower_than_unfused(region, best, spec)
-        rival = search.unsplit_rival(region, best, getattr(res, "alternatives", ()))
+        alternatives = getattr(res, "alternatives", ())
+        rival = search.unsplit_rival(region, best, alternatives)
         unsure = cost_model.verdict_uncertain(region, best, spec, rival=rival)
+        tied = search.tied_rival(region, best, alternatives) if rival is None else None
         if unsure and rival is not None:
           unsure += (f"; the model's best unsplit plan is timed beside it, predicted "
                      f"{_us(rival.predicted.time_s)}: {rival}")
+        elif unsure and tied is not None:
+          unsure += (f"; a plan the model predicts as fast is timed beside it, predicted "
+                     f"{_us(tied.predicted.time_s)}: {tied}")
         if why:
           rr.why_not = f"{why}; left to XLA under tune='model'"
           if unsure:

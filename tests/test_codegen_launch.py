@@ -663,9 +663,10 @@ def test_auto_times_the_best_unsplit_plan_beside_a_split_pick(tmp_path, monkeypa
   programs against XLA's ops (the model is unsure), and the model's best
   unsplit plan beside it (``rival_plan``): batch 8 of a grouped decoding
   step, whose unsplit plan ran 16% faster than the 8-way split the model
-  picks (H100, sixty-eighth session). No rival for an unsplit pick, for one
-  sequence (no unsplit plan within DIVERSE_MAX_RATIO: 8 programs), or under
-  'model' and 'measure'."""
+  picks (H100, sixty-eighth session). No rival for an unsplit pick, or under
+  'model' and 'measure'. For one sequence (no unsplit plan within
+  DIVERSE_MAX_RATIO: 8 programs) the rival is a plan of another structure
+  the model ties with the pick (``search.tied_rival``)."""
   from jaxfuse.config import config
   from jaxfuse.planner import search
   monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
@@ -680,7 +681,15 @@ def test_auto_times_the_best_unsplit_plan_beside_a_split_pick(tmp_path, monkeypa
             <= search.DIVERSE_MAX_RATIO * plans[0].predicted.time_s)
     assert launch.rival_plan(b8, rival) is None
     one = launch._candidate_plans(b1, None, backend="triton")
-    assert one[0].split and launch.rival_plan(b1, one[0]) is None
+    with launch._lock:
+      alternatives = launch._alternatives[b1.signature()]
+    assert one[0].split and search.unsplit_rival(b1, one[0], alternatives) is None
+    # Without one, the rival is a plan of another structure the model ties
+    # with the pick (within TIED_RIVAL_RATIO), where the region is timed.
+    tied = launch.rival_plan(b1, one[0])
+    assert tied is not None and tied is search.tied_rival(b1, one[0], alternatives)
+    assert tied.predicted.time_s <= search.TIED_RIVAL_RATIO * one[0].predicted.time_s
+    assert search.tied_rival(b1, dataclasses.replace(one[0], split=None), alternatives) is None
   for tune in ("model", "measure"):
     with config.override(tune=tune):
       assert launch.rival_plan(b8, plans[0]) is None

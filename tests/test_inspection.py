@@ -270,6 +270,27 @@ def test_report_says_where_tune_auto_times_the_kernel():
   assert h1.why_not is None and not any("tune='auto'" in n for n in h1.notes)
 
 
+def test_report_names_the_tied_plan_tune_auto_times_beside_a_split_pick():
+  """One sequence's grouped decoding step in [B, heads, T, D] order (32
+  query heads over 8, 16384 keys): no unsplit plan within reach, and the
+  model ties its 16-way split pick with an 8-way split plan (both 36.7 us;
+  they ran 35.6 and 29.6 us on an H100, seventieth session), which the
+  report names as timed beside the pick."""
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float16)
+
+  def step(q, k, v):   # q [1, 8, 4, 1, 128]; k, v [1, 8, 16384, 128]
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q, k) * 128 ** -0.5
+    return jnp.einsum("bkgqs,bksd->bkgqd", jax.nn.softmax(s, axis=-1), v)
+  [r] = inspection.inspect(step, sd(1, 8, 4, 1, 128), sd(1, 8, 16384, 128),
+                           sd(1, 8, 16384, 128), device="h100").regions
+  assert r.plan.split is not None and "tune='auto' times it on the GPU" in r.why_not
+  assert "the model's best unsplit plan" not in r.why_not
+  tied = r.why_not.split("a plan the model predicts as fast is timed beside it, predicted ")[1]
+  predicted = float(tied.split(" us")[0]) * 1e-6
+  assert r.predicted_time_s <= predicted <= 1.02 * r.predicted_time_s
+  assert f"split={r.plan.split[0]}x{r.plan.split[1]})" not in tied
+
+
 def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
   """One grouped decoding step at batch 8 (32 query heads over 8, 4096
   keys): the pick splits the key loop, and the report names the unsplit

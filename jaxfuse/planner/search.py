@@ -57,7 +57,7 @@ from jaxfuse.planner import cost_model, lagrange, pruning, tiling
 from jaxfuse.planner.plan import Plan
 
 __all__ = ["Candidate", "Space", "SearchResult", "build_space", "search",
-           "splittable_loops", "make_plan", "unsplit_rival"]
+           "splittable_loops", "make_plan", "unsplit_rival", "tied_rival"]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -647,6 +647,37 @@ def _structure(region: ir.Region, p: Plan) -> tuple:
   tiles = dict(p.tiles)
   grid = tuple(l for l in p.grid if region.extent(l) > tiles[l])
   return (grid, p.split, tuple(sorted((l, t) for l, t in tiles.items() if l in out_loops)))
+
+
+# A plan of another structure predicted within this factor of the pick is a
+# tie the model cannot break (``tied_rival``). Why: on the H100 (seventieth
+# session) a one-sequence decoding step in [B, heads, T, D] order had its
+# 16-way split pick (head dimension looped inside each key tile) and an
+# 8-way split plan (q loaded once, whole head dimension) both predicted at
+# 36.7 us; they ran 35.6 and 29.6 us.
+TIED_RIVAL_RATIO = 1.02
+
+
+def tied_rival(region: ir.Region, pick: Plan, alternatives: Sequence[Plan]) -> Optional[Plan]:
+  """Where ``pick`` splits a streamed (online-softmax) loop across
+  programs, the first plan of ``alternatives`` (the model's best of each
+  other structure, best first) of the plain Triton form predicted within
+  ``TIED_RIVAL_RATIO`` of the pick; else None. A caller that times the pick
+  may time it beside it where ``unsplit_rival`` finds no plan
+  (``launch.rival_plan``).
+
+  Example::
+
+      res = plan_region(region, "h100")
+      tied_rival(region, res.best, res.alternatives)
+  """
+  split = getattr(pick, "split", None)
+  pred = getattr(pick, "predicted", None)
+  if not split or pred is None or split[0] not in tiling.streamable_loops(region):
+    return None
+  return next((p for p in alternatives
+               if not p.form and p.predicted is not None
+               and p.predicted.time_s <= TIED_RIVAL_RATIO * pred.time_s), None)
 
 
 def unsplit_rival(region: ir.Region, pick: Plan, alternatives: Sequence[Plan]) -> Optional[Plan]:

@@ -829,7 +829,7 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
   instead (``_keep_fused``) rather than kept or dropped on the model's word: always
   under ``tune='measure'``; under ``tune='auto'`` where the model's verdict
   on its best plan is uncertain (``cost_model.verdict_uncertain``, told of
-  the plan ``rival_plan`` would time beside it); never under
+  the model's best unsplit plan, ``search.unsplit_rival``); never under
   ``tune='model'``."""
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   if config.tune == "measure":
@@ -838,9 +838,13 @@ def keep_or_drop_timed(region: ir.Region, plans: Sequence[Any]) -> bool:
     return False
   from jaxfuse.devices import get_device  # pylint: disable=g-import-not-at-top
   from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
   best = _best_predicted(plans) or plans[0]
-  return cost_model.verdict_uncertain(region, best, get_device(None),
-                                      rival=rival_plan(region, best)) is not None
+  with _lock:
+    alternatives = _alternatives.get(region.signature(), ())
+  return cost_model.verdict_uncertain(
+      region, best, get_device(None),
+      rival=search.unsplit_rival(region, best, alternatives)) is not None
 
 
 # region signature -> ((fused s, spread), (fallback s, spread), parts fused in
@@ -867,13 +871,18 @@ def rival_plan(region: ir.Region, chosen) -> Any:
   and its best unsplit plan, predicted 1.08x slower, 46.5 us (H100,
   sixty-eighth session: model-only regret 17.6%); MCFuser S7-S9's
   split picks lost to unsplit plans too (ninth and thirty-sixth sessions).
+  Where no unsplit plan is in reach, the rival is the model's best plan of
+  another structure predicted within ``search.TIED_RIVAL_RATIO`` of the
+  pick (``search.tied_rival``): a tie the model cannot break (a
+  one-sequence step's 16-way and 8-way split plans, both predicted at 36.7
+  us, ran 35.6 and 29.6 us; seventieth session).
   Measured tuning (``tune='measure'``) measures every structure's leader
   already, and ``tune='model'`` times nothing.
 
   Example::
 
       with config.override(tune="auto"):
-        rival_plan(region, kernel.plan)   # an unsplit Plan, or None
+        rival_plan(region, kernel.plan)   # a Plan, or None
   """
   from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   if config.tune != "auto":
@@ -881,7 +890,8 @@ def rival_plan(region: ir.Region, chosen) -> Any:
   from jaxfuse.planner import search  # pylint: disable=g-import-not-at-top
   with _lock:
     alternatives = _alternatives.get(region.signature(), ())
-  return search.unsplit_rival(region, chosen, alternatives)
+  return (search.unsplit_rival(region, chosen, alternatives)
+          or search.tied_rival(region, chosen, alternatives))
 
 
 def _rival_kernel(region: ir.Region, chosen: GeneratedKernel,

@@ -59,7 +59,8 @@ class Config:
     chain, its parts with fewer contractions, each fused where that pays)
     once per machine and cache, the faster kept (where the model's pick
     splits an online-softmax key loop across programs, its best unsplit
-    plan is timed beside it: ``launch.rival_plan``); ``measure``: also time the
+    plan, or with none in reach a plan it ties with the pick, is timed
+    beside it: ``launch.rival_plan``); ``measure``: also time the
     model's top candidates and its best plan of each other structure on the
     GPU (MCFuser Alg. 1's measured step), and time every region so.
   tune_budget_s: seconds of measured tuning allowed per region.

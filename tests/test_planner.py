@@ -495,6 +495,27 @@ def test_xla_gemm_copies_price_the_transposes_xla_runs():
     without = cost_model.unfused_time(b8, h100)
   expect = 2 * (2 * kv_bytes / h100.mem_bandwidth_Bps + h100.min_kernel_s)
   assert with_copies - without == pytest.approx(expect, rel=1e-9)
+  # Prefill in [B, T, heads, D] order at batch 2: q, k, v and the result,
+  # as XLA ran them (section 1 of the seventieth session); a packed QKV's
+  # windows alike. At batch 1, none.
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+
+  def prefill(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+  def packed(qkv):
+    return prefill(*(x.reshape(*x.shape[:2], 4, 64) for x in jnp.split(qkv, 3, axis=-1)))
+  for batch, want in ((2, 4), (1, 0)):
+    x = jax.ShapeDtypeStruct((batch, 256, 4, 64), jnp.float16)
+    [cap] = capture.find_regions(jax.make_jaxpr(prefill)(x, x, x))
+    assert len(ir.xla_gemm_copies(cap.region)) == want
+    [cap] = capture.find_regions(jax.make_jaxpr(packed)(
+        jax.ShapeDtypeStruct((batch, 256, 3 * 4 * 64), jnp.float16)))
+    assert len(ir.xla_gemm_copies(cap.region)) == want
+    assert all(b.window for b in ir.xla_gemm_copies(cap.region) if b in cap.region.inputs)
   # Head-major attention and the paper's GEMM chains read in place.
   assert ir.xla_gemm_copies(examples.attention(8, 16, 1024, 1024, 64)) == []
   assert ir.xla_gemm_copies(examples.gemm_chain(4, 256, 256, 64, 64)) == []

@@ -1,4 +1,4 @@
-"""End-to-end BERT encoder forward pass: ``jax.jit`` against ``jaxfuse.jit``.
+"""End-to-end BERT encoder forward pass (or training step): ``jax.jit`` against ``jaxfuse.jit``.
 
 A post-LayerNorm BERT encoder written in plain JAX (no Flax): per layer, Q/K/V
 projections, multi-head softmax attention, output projection, residual and
@@ -15,7 +15,11 @@ BERT-Large  24     1024   16    4096
 =========== ====== ====== ===== =====
 
 Cases ``small-b1``, ``small-b8``, ``base-b1``, ... (batch 1 and 8), or
-``--models=base --batch=1,2`` for any batch. Every call
+``--models=base --batch=1,2`` for any batch. ``--step=train`` times a
+training step instead: the loss ``sum(encoder(x) * g)`` (``g`` a random
+cotangent, float32 products) and its gradient with respect to every weight,
+``jax.value_and_grad`` inside the compiled function (cases named
+``...-train``; FLOPs counted as three forward passes). Every call
 of the timed function gets its own random input *and* its own weights, so
 weights cannot stay in L2 between calls. ``tiny`` (2 layers, hidden 64,
 sequence 32) is a smoke test for CI and not part of ``all``.
@@ -24,6 +28,7 @@ Example::
 
     python -m benchmarks.bert --cases=base-b1 --dtype=float16 --plot
     python -m benchmarks.bert --models=base --batch=1
+    python -m benchmarks.bert --cases=base-b1 --step=train
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ flags.DEFINE_integer("seq", 512, "Sequence length of the built-in models.")
 flags.DEFINE_list("models", [], "Shorthand with --batch for --cases: models "
                   "(small, base, large, tiny), e.g. --models=base --batch=1.")
 flags.DEFINE_list("batch", [], "Batch sizes for --models (default 1,8).")
+flags.DEFINE_enum("step", "forward", ["forward", "train"],
+                  "forward: the encoder's forward pass; train: the loss and its "
+                  "gradient with respect to the weights (jax.value_and_grad).")
 
 FLAGS = flags.FLAGS
 
@@ -95,6 +103,19 @@ def make_encoder(heads: int) -> Callable:
   return encoder
 
 
+def make_train_step(heads: int) -> Callable:
+  """``step(x, params, g) -> (loss, grads)``: the loss ``sum(encoder(x,
+  params) * g)`` in float32 and its gradient with respect to ``params``."""
+  encoder = make_encoder(heads)
+
+  def loss(x, params, g):
+    return jnp.sum(encoder(x, params).astype(jnp.float32) * g.astype(jnp.float32))
+
+  def step(x, params, g):
+    return jax.value_and_grad(loss, argnums=1)(x, params, g)
+  return step
+
+
 def make_params(key, layers: int, d: int, ffn: int, dtype: str) -> list[dict]:
   out = []
   for i in range(layers):
@@ -116,35 +137,50 @@ def make_params(key, layers: int, d: int, ffn: int, dtype: str) -> list[dict]:
 
 
 def make_case(name: str, cfg: tuple[int, int, int, int], batch: int, seq: int,
-              dtype: str, group: str) -> harness.Case:
+              dtype: str, group: str, step: str = "forward") -> harness.Case:
+  """``step``: ``forward`` (the encoder) or ``train`` (``make_train_step``;
+  the name gets ``-train``)."""
+  if step not in ("forward", "train"):
+    raise ValueError(f"step: {step!r} is not 'forward' or 'train'")
   layers, d, heads, ffn = cfg
-  fn = make_encoder(heads)
+  train = step == "train"
+  fn = make_train_step(heads) if train else make_encoder(heads)
 
   def make_inputs(key, dt):
-    kx, kp = jax.random.split(key)
-    return (harness.normal(kx, (batch, seq, d), dt), make_params(kp, layers, d, ffn, dt))
+    kx, kp, kg = jax.random.split(key, 3)
+    x = harness.normal(kx, (batch, seq, d), dt)
+    params = make_params(kp, layers, d, ffn, dt)
+    if train:
+      return (x, params, harness.normal(kg, (batch, seq, d), dt))
+    return (x, params)
 
   m = batch * seq
   item = jnp.dtype(dtype).itemsize
   per_layer = 2.0 * m * d * d * 4 + 2.0 * m * d * ffn * 2 + 4.0 * batch * seq * seq * d
   weights = layers * (4 * d * d + 2 * d * ffn + 9 * d + ffn)
-  nbytes = float(item * (weights + 2 * m * d))
+  # A training step reads the weights, input and cotangent and writes the
+  # gradients: the fewest bytes, at 3x the forward's FLOPs (the backward's
+  # two products per forward product).
+  nbytes = float(item * (2 * weights + 2 * m * d)) if train else float(item * (weights + 2 * m * d))
+  flops = layers * per_layer * (3 if train else 1)
   params = {"layers": layers, "hidden": d, "heads": heads, "ffn": ffn, "batch": batch,
-            "seq": seq}
-  return harness.Case(name, fn, make_inputs, layers * per_layer, nbytes, params,
-                      group=group)
+            "seq": seq, "step": step}
+  return harness.Case(name + ("-train" if train else ""), fn, make_inputs, flops, nbytes,
+                      params, group=group)
 
 
-def all_cases(dtype: str, seq: int) -> tuple[dict, dict]:
+def all_cases(dtype: str, seq: int, step: str = "forward") -> tuple[dict, dict]:
+  """Cases by their selection name (``base-b1``, ``tiny``; a case's own
+  name gets ``-train`` under ``step='train'``) and the named groups."""
   cases, groups = {}, {}
   for model, cfg in MODELS.items():
     groups[model] = []
     for b in BATCHES:
-      c = make_case(f"{model}-b{b}", cfg, b, seq, dtype, f"BERT-{model}")
-      cases[c.name] = c
-      groups[model].append(c.name)
+      c = make_case(f"{model}-b{b}", cfg, b, seq, dtype, f"BERT-{model}", step)
+      cases[f"{model}-b{b}"] = c
+      groups[model].append(f"{model}-b{b}")
   groups["all"] = [n for g in MODELS for n in groups[g]]
-  cases["tiny"] = make_case("tiny", TINY, 1, TINY_SEQ, dtype, "smoke test")
+  cases["tiny"] = make_case("tiny", TINY, 1, TINY_SEQ, dtype, "smoke test", step)
   return cases, groups
 
 
@@ -154,7 +190,7 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 
 def main(argv) -> int:
   del argv
-  cases, groups = all_cases(FLAGS.dtype, FLAGS.seq)
+  cases, groups = all_cases(FLAGS.dtype, FLAGS.seq, FLAGS.step)
   spec = FLAGS.cases
   if FLAGS.models or FLAGS.batch:
     models = FLAGS.models or list(MODELS)
@@ -168,13 +204,15 @@ def main(argv) -> int:
           raise ValueError(f"--batch: {b} must be >= 1")
         name = "tiny" if m == "tiny" else f"{m}-b{b}"
         if name not in cases:
-          cases[name] = make_case(name, MODELS[m], b, FLAGS.seq, FLAGS.dtype, f"BERT-{m}")
+          cases[name] = make_case(name, MODELS[m], b, FLAGS.seq, FLAGS.dtype, f"BERT-{m}",
+                                  FLAGS.step)
         if name not in names:
           names.append(name)
     spec = ",".join(names)
   names = harness.select(cases, spec, groups)
   return harness.main("bert", [cases[n] for n in names], impls_for,
-                      title=f"BERT encoder forward ({FLAGS.dtype})")
+                      title=f"BERT encoder {'training step' if FLAGS.step == 'train' else 'forward'} "
+                            f"({FLAGS.dtype})")
 
 
 if __name__ == "__main__":

@@ -418,6 +418,35 @@ def test_bert_cpu(tmp_path):
   assert data["rows"][0]["params"]["layers"] == 2
 
 
+def test_bert_cpu_training_step(tmp_path):
+  # --step=train: the loss and its gradient with respect to every weight,
+  # checked against float32 like the forward pass.
+  prefix = tmp_path / "bert_train"
+  out = _run(["benchmarks/bert.py", "--cases=tiny", "--reps=1", "--nojaxfuse_details",
+              "--step=train", f"--out={prefix}"], tmp_path)
+  data = _check_outputs(prefix, out)
+  [row] = data["rows"]
+  assert row["case"] == "tiny-train" and row["params"]["step"] == "train"
+  assert "tiny-train" in out
+
+
+def test_bert_train_case_is_the_forward_differentiated():
+  import jax   # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp   # pylint: disable=import-outside-toplevel
+  from benchmarks import bert   # pylint: disable=import-outside-toplevel
+  fwd = bert.make_case("t", bert.TINY, 1, 16, "float32", "g")
+  train = bert.make_case("t", bert.TINY, 1, 16, "float32", "g", step="train")
+  assert train.name == "t-train" and train.flops == 3 * fwd.flops
+  x, params, g = train.make_inputs(jax.random.key(0), "float32")
+  loss, grads = train.fn(x, params, g)
+  want = jax.grad(lambda p: jnp.sum(fwd.fn(x, p) * g))(params)
+  np.testing.assert_allclose(float(loss), float(jnp.sum(fwd.fn(x, params) * g)), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="step"):
+    bert.make_case("t", bert.TINY, 1, 16, "float32", "g", step="backward")
+
+
 def test_model_fidelity_cpu_dry_run(tmp_path):
   prefix = tmp_path / "mf"
   out = _run(["-m", "benchmarks.model_fidelity", f"--out={prefix}"], tmp_path)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import api, ir
+from jaxfuse import api, inspection, ir
 from jaxfuse.config import config
 from jaxfuse.runtime import primitive
 from jaxfuse.runtime.primitive import count_regions
@@ -557,6 +557,50 @@ def test_interpret_backend_uses_fused_call_when_it_works(monkeypatch):
   np.testing.assert_array_equal(np.asarray(api.jit(fn)(*args)),
                                 np.asarray(jax.jit(fn)(*args)))
   assert not calls
+
+
+def test_training_step_compiled_whole_runs_fused_in_the_interpreter(monkeypatch, tmp_path):
+  """``jaxfuse.jit`` of a step that calls ``jax.value_and_grad``: its forward
+  attention (which also writes the scores and probabilities the backward
+  reads) and the backward's stacked weight gradients run as generated
+  kernels in Triton's interpreter, and loss and gradients match
+  ``jax.jit``'s (TF32-like dots in the kernels: 2e-3)."""
+  launch = pytest.importorskip("jaxfuse.runtime.launch")
+  monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path))
+  monkeypatch.setenv("TRITON_INTERPRET", "1")
+  b, t, d, h = 2, 32, 64, 2
+  ks = jax.random.split(jax.random.key(5), 6)
+  x = jax.random.normal(ks[0], (b, t, d), jnp.float32)
+  g = jax.random.normal(ks[1], (b, t, d), jnp.float32)
+  w = {n: jax.random.normal(k, (d, d), jnp.float32) / np.sqrt(d)
+       for n, k in zip(("wq", "wk", "wv", "wo"), ks[2:])}
+
+  def loss(w, x, g):
+    q, k, v = ((x @ w[n]).reshape(b, t, h, d // h) for n in ("wq", "wk", "wv"))
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // h), axis=-1)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d)
+    return jnp.sum((o @ w["wo"]) * g)
+
+  step = jax.value_and_grad(loss)
+  backends = []
+  real = launch.fused_call
+
+  def counting(region, args, *, backend="triton", plan=None, **kwargs):
+    backends.append((region.einsum_summary(), backend))
+    return real(region, args, backend=backend, plan=plan, **kwargs)
+  monkeypatch.setattr(launch, "fused_call", counting)
+  with config.override(backend="interpret"):
+    got = api.jit(step)(w, x, g)
+    outcomes = [r.lowered or "" for r in inspection.inspect(api.jit(step), w, x, g).regions]
+  want = jax.jit(step)(w, x, g)
+  assert backends and {bk for _, bk in backends} == {"interpret"}
+  summaries = [e for e, _ in backends]
+  assert any(";" in e for e in summaries), summaries   # the forward attention chain
+  assert sum(o.startswith("fused") for o in outcomes) >= 2, outcomes
+  np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=2e-3)
+  for n in w:
+    np.testing.assert_allclose(np.asarray(got[1][n]), np.asarray(want[1][n]),
+                               rtol=2e-3, atol=2e-3 * float(jnp.abs(want[1][n]).max()))
 
 
 def test_interpret_backend_with_the_real_launch(monkeypatch, caplog):

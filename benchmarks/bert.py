@@ -161,7 +161,7 @@ def make_case(name: str, cfg: tuple[int, int, int, int], batch: int, seq: int,
   # A training step reads the weights, input and cotangent and writes the
   # gradients: the fewest bytes, at 3x the forward's FLOPs (the backward's
   # two products per forward product).
-  nbytes = float(item * (2 * weights + 2 * m * d)) if train else float(item * (weights + 2 * m * d))
+  nbytes = float(item * ((2 if train else 1) * weights + 2 * m * d))
   flops = layers * per_layer * (3 if train else 1)
   params = {"layers": layers, "hidden": d, "heads": heads, "ffn": ffn, "batch": batch,
             "seq": seq, "step": step}
@@ -211,8 +211,7 @@ def main(argv) -> int:
     spec = ",".join(names)
   names = harness.select(cases, spec, groups)
   return harness.main("bert", [cases[n] for n in names], impls_for,
-                      title=f"BERT encoder {'training step' if FLAGS.step == 'train' else 'forward'} "
-                            f"({FLAGS.dtype})")
+                      title=f"BERT encoder {FLAGS.step} ({FLAGS.dtype})")
 
 
 if __name__ == "__main__":

@@ -671,9 +671,8 @@ def tied_rival(region: ir.Region, pick: Plan, alternatives: Sequence[Plan]) -> O
       res = plan_region(region, "h100")
       tied_rival(region, res.best, res.alternatives)
   """
-  split = getattr(pick, "split", None)
   pred = getattr(pick, "predicted", None)
-  if not split or pred is None or split[0] not in tiling.streamable_loops(region):
+  if pred is None or not _splits_stream(region, pick):
     return None
   return next((p for p in alternatives
                if not p.form and p.predicted is not None
@@ -694,10 +693,15 @@ def unsplit_rival(region: ir.Region, pick: Plan, alternatives: Sequence[Plan]) -
       res = plan_region(region, "h100")
       unsplit_rival(region, res.best, res.alternatives)
   """
-  split = getattr(pick, "split", None)
-  if not split or split[0] not in tiling.streamable_loops(region):
+  if not _splits_stream(region, pick):
     return None
   return next((p for p in alternatives if not p.split and not p.form), None)
+
+
+def _splits_stream(region: ir.Region, pick: Plan) -> bool:
+  """Whether ``pick`` splits a streamed (online-softmax) loop across programs."""
+  split = getattr(pick, "split", None)
+  return bool(split) and split[0] in tiling.streamable_loops(region)
 
 
 def _class_leaders(region: ir.Region, ranked: list, taken: list) -> list:

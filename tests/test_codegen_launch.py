@@ -1538,6 +1538,48 @@ def test_dot_of_two_loaded_operands_yields_its_result_in_the_order_read():
   assert launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs)) <= launch.tolerance(r)
 
 
+def test_wide_transposed_dot_operands_are_loaded_in_the_dots_order():
+  """A training step's stacked q/k/v weight gradients (``g[p]^T x`` over 512
+  tokens, BERT-Base's ``pklm,kln->pmn``): the model's pick holds the whole
+  512-token reduction in one tile at 64 x 128 outputs. Printed with x's
+  [n, l] tile (region order) fed to ``tl.dot(g, tl.trans(x))``, Triton 3.6
+  miscompiled it on the H100 (relative error 1.0; the self-check dropped the
+  plan). A loaded operand in that corner (``TRANSPOSED_OPERAND_MIN_RED``) is
+  loaded in the order the dot reads it, on either side of the dot; the
+  interpreter runs both prints correctly, so the print is what is checked,
+  then the result."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
+
+  def weight_grads(x, g0, g1):
+    return tuple(jnp.einsum("bsi,bsj->ij", g, x) for g in (g0, g1))
+
+  x = jax.ShapeDtypeStruct((1, 512, 128), np.float16)
+  g = jax.ShapeDtypeStruct((1, 512, 64), np.float16)
+  [cap] = capture.find_regions(jax.make_jaxpr(weight_grads)(x, g, g))
+  r = ir.simplify(cap.region)
+  assert r.einsum_summary() == "pklm,kln->pmn" and r.part_loop == "p"
+  picked = "grid(p,m,n) (Lx0,Lx1,Cc0,Sc0)  tiles(p=1, m=64, n=128, k=1, l=512)  warps=4 stages=3"
+  # The left operand transposed: l before m in the region's order, 128 rows.
+  ext = dict(l=512, m=128, n=64)
+  left = ir.Region(tuple(ir.Loop(l, e) for l, e in ext.items()),
+                   (ir.Value("a", ("l", "m"), "float16"), ir.Value("b", ("l", "n"), "float16"),
+                    ir.Value("c", ("m", "n"), "float16")),
+                   (ir.Buffer("a", (512, 128), (("l", 128), ("m", 1))),
+                    ir.Buffer("b", (512, 64), (("l", 64), ("n", 1)))),
+                   (ir.Buffer("c", (128, 64), (("m", 64), ("n", 1))),),
+                   (ir.Contraction("c", "a", "b", ("l",)),))
+  for region, text, dot in (
+      (r, picked, "tl.dot(x0, x1)"),
+      (left, "grid(m,n) (La,Lb,Cc,Sc)  tiles(l=512, m=128, n=64)  warps=4 stages=3", "tl.dot(a, b)")):
+    k = generate(region, parse_plan(text, [l.name for l in region.loops]), interpret=True)
+    assert dot in k.source and "tl.trans(" not in k.source, k.source
+    xs = launch.random_inputs(region, seed=5)
+    err = launch.compare(region, launch.run_interpreted(k, xs), ir.evaluate(region, xs))
+    assert err <= launch.tolerance(region), (text, err)
+
+
 def test_windows_of_an_input_run_in_place_through_the_kernel(caplog):
   """jnp.split / basic slicing of an input: the kernel (Triton's interpreter)
   reads the windows at their offsets in the whole array, and matches jax.jit."""

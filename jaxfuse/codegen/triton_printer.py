@@ -4,11 +4,12 @@ The printed kernel follows the plan literally: program-id loops form the
 grid, every ``LoopNode`` of the tiling expression becomes a ``for`` over
 tiles, and each ``L``/``C``/``S`` statement is emitted where the plan placed it.
 Values live in registers as tiles whose dims are the value's loops with a
-tile larger than one, in the region's loop order; loops of tile 1 are scalar
-indices. Contractions use ``tl.dot`` when each of the M/N/K dims is one loop
-with a tile >= 16, otherwise a broadcast multiply and ``tl.sum`` (summed
-once after a loop that accumulates it, where the products fit the register
-cap of ``pruning.deferred_sums``).
+tile larger than one, in the region's loop order (but a wide loaded ``tl.dot``
+operand, in the order the dot reads it: ``TRANSPOSED_OPERAND_MIN_RED``); loops
+of tile 1 are scalar indices. Contractions use ``tl.dot`` when each of the
+M/N/K dims is one loop with a tile >= 16, otherwise a broadcast multiply and
+``tl.sum`` (summed once after a loop that accumulates it, where the products
+fit the register cap of ``pruning.deferred_sums``).
 Accumulators are float32. Reductions over a sequential loop accumulate
 across its iterations; when they feed values along that loop they run online
 (``streaming.analyze``).
@@ -204,6 +205,25 @@ GRID_WAIT_LINES = (f"if {PDL_FLAG}:", "    tl.extra.cuda.gdc_wait()")
 
 # Triton's largest tensor (triton.language.core.TRITON_MAX_TENSOR_NUMEL).
 MAX_TENSOR_NUMEL = 1 << 20
+
+# A loaded tl.dot operand whose tile is printed in another order than the dot
+# reads it (``tl.dot(a, tl.trans(b))``) is loaded in the dot's order instead
+# (``_Printer.load_order``) where its reduction tile is at least
+# TRANSPOSED_OPERAND_MIN_RED and its other dims' tile at least
+# TRANSPOSED_OPERAND_MIN_OTHER. Why: Triton 3.6 on the H100 miscompiles that
+# transpose when the loaded tile is contiguous along the other dim. BERT-Base's
+# stacked q/k/v weight gradients (``pklm,kln->pmn``, l = 512 tokens, the whole
+# l in one tile, 64 x 128 outputs) loaded x[l, n] as an [n, l] tile, contiguous
+# along n, and returned relative errors of 1.0 (every output column wrong);
+# loaded as [l, n], the same plan was correct. Hand-written probes (float16 and
+# bfloat16, 4 or 8 warps, the whole reduction in one tile or a loop of 512-wide
+# steps): every transposed operand of 128 x 512 contiguous along its 128 failed,
+# the right one (64 rows) and the left one (128 rows, 64 columns); none did
+# with a 256-wide reduction (up to 256 x 256), 64 along the other dim,
+# contiguous along the reduction, or loaded in the dot's order (H100 and H200,
+# seventy-first session). The interpreter runs them all correctly. Outside
+# this corner loads keep the region's order: the change is not measured there.
+TRANSPOSED_OPERAND_MIN_RED, TRANSPOSED_OPERAND_MIN_OTHER = 512, 128
 
 
 class _Printer:
@@ -674,7 +694,7 @@ class _Printer:
     buf = self.inputs.get(v)
     if buf is None:
       raise CodegenError(f"plan loads {v}, which is not a region input")
-    dims = self.bl(v)
+    dims = self.load_order(v)
     # Load only the dims the buffer varies along; broadcast the rest.
     ld = tuple(l for l in dims if buf.stride(l) != 0)
     big = buf.size >= 2 ** 31
@@ -693,6 +713,48 @@ class _Printer:
       expr = f"tl.broadcast_to({self.expand(f'({expr})', ld, dims)}, {self.shape(dims)})"
     self.emit(f"{var} = {expr}")
     self.bind(v, _Tile(var, dims, dtype, frozenset(l for l in ld if self.needs_mask(l))))
+
+  def load_order(self, v: str) -> tuple[str, ...]:
+    """The dim order to load input ``v``'s tile in: its block loops in
+    region order (``bl``), or, where that tile is a ``tl.dot`` operand in
+    the corner ``TRANSPOSED_OPERAND_MIN_RED`` names, the order the dot reads
+    it in, so that no ``tl.trans`` of it is printed. Only when every
+    contraction that reads ``v`` as a dot reads it in that one order (other
+    readers permute the tile as they would any other)."""
+    dims = self.bl(v)
+    wants = {self._dot_operand_order(op, v) for op in self.r.consumers(v)
+             if isinstance(op, ir.Contraction)}
+    if len(wants) != 1:
+      return dims
+    want, = wants
+    if want is None or want[0] == dims or set(want[0]) != set(dims):
+      return dims
+    order, k = want
+    red = math.prod(self.T[l] for l in k)
+    other = math.prod(self.T[l] for l in order if l not in k)
+    if red >= TRANSPOSED_OPERAND_MIN_RED and other >= TRANSPOSED_OPERAND_MIN_OTHER:
+      return order
+    return dims
+
+  def _dot_operand_order(self, op: ir.Contraction, v: str
+                         ) -> Optional[tuple[tuple[str, ...], frozenset]]:
+    """(dim order, K loops) in which ``contraction_expr`` hands operand
+    ``v`` of ``op`` to ``tl.dot``, or None where ``op`` is not one
+    ``tl.dot`` or reads ``v`` twice. Mirrors its roles and operand swap."""
+    if (op.lhs == v) == (op.rhs == v):
+      return None
+    red_in = [l for l in op.reduce if self.T[l] > 1]
+    out_dims = self.bl(op.out)
+    dts = (self.vm[op.lhs].dtype, self.vm[op.rhs].dtype)
+    roles = tiling.dot_roles(self.bl(op.lhs), self.bl(op.rhs), out_dims, red_in, self.T, dts)
+    if roles is None:
+      return None
+    bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
+    left = op.lhs == v
+    accumulated = bool(set(op.reduce) & self.seq)   # emit_compute's test
+    if not accumulated and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims):
+      left, M, N = not left, N, M
+    return (tuple(bat + M + K) if left else tuple(bat + K + N)), frozenset(K)
 
   def emit_store(self, v: str) -> None:
     buf = self.outputs.get(v)

@@ -369,6 +369,7 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
     if spec is not None and rr.why_not is None:
       try:
         from jaxfuse.planner import cost_model, search  # pylint: disable=g-import-not-at-top
+        written = cost_model.writes_its_intermediates(region)
         why = cost_model.slower_than_unfused(region, best, spec)
         alternatives = getattr(res, "alternatives", ())
         rival = search.unsplit_rival(region, best, alternatives)
@@ -380,7 +381,9 @@ def _region_report(captured: Any, spec: Any, devices: Any, planner: Any,
         elif unsure and tied is not None:
           unsure += (f"; a plan the model predicts as fast is timed beside it, predicted "
                      f"{_us(tied.predicted.time_s)}: {tied}")
-        if why:
+        if written:
+          rr.why_not = f"{written}; left to XLA under tune='model' and 'auto'"
+        elif why:
           rr.why_not = f"{why}; left to XLA under tune='model'"
           if unsure:
             rr.why_not += (f"; tune='auto' times it on the GPU against the ops that "

@@ -41,7 +41,7 @@ __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
     "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots",
-    "xla_gemm_copies", "coalesce_loops",
+    "xla_gemm_copies", "written_intermediates", "coalesce_loops",
     "vector_dot_dims", "xla_vector_dot", "contraction_loops",
     "contiguous_strides", "dtype_itemsize",
     "WINDOW_ALIGN",
@@ -881,6 +881,30 @@ def xla_gemm_copies(region: "Region") -> "list[Buffer]":
       if not all(_mergeable(st, ext, [l for l in g if l in st]) for g in groups):
         out.append(b)
   return out
+
+
+def written_intermediates(region: "Region") -> "list[str]":
+  """The region's outputs that a later contraction of the region reads
+  (through elementwise ops and reductions) and that are as large as the
+  largest such intermediate: a training step's forward attention writes
+  its scores, exponentials and probabilities ([heads, queries, keys]) for
+  the backward. Small ones (an attention's row maxima and sums) are left
+  out. Empty for a region that writes only its results.
+
+  Example::
+
+      written_intermediates(region)   # ['t1', 't5', 't8']
+  """
+  ext = region.loop_extents
+  later = [op for op in region.contractions]
+  inner = {v for op in region.ops for v in op.inputs if region.producer(v) is not None}
+  feeding = [v for v in inner if any(region.computed_from(c.inputs, v) for c in later)]
+  if not feeding:
+    return []
+  size = lambda v: math.prod(ext[l] for l in region.value(v).loops)
+  largest = max(size(v) for v in feeding)
+  outs = set(region.output_names)
+  return [v for v in feeding if v in outs and size(v) >= largest]
 
 
 # XLA's DotMerger (run by its GPU compiler) merges two dots that read one

@@ -314,3 +314,23 @@ def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
   rival = note.split("the model's best unsplit plan is timed beside it, predicted ")[1]
   predicted = float(rival.split(" us")[0]) * 1e-6
   assert r.predicted_time_s <= predicted <= 1.6 * r.predicted_time_s and "split=" not in rival
+
+
+def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediates():
+  """The forward attention of a training step writes its scores and
+  probabilities for the backward; the report says so, and that it runs
+  XLA's ops under 'model' and 'auto' (``cost_model.writes_its_intermediates``)."""
+  def attention_loss(q, k, v, g):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(jnp.float32) * g)
+
+  x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.float16)
+  step = jax.grad(attention_loss, argnums=(0, 1, 2))
+  rep = inspection.inspect(step, x, x, x, x, device="h100")
+  [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
+  assert "writes its intermediates" in fwd.why_not
+  assert "tune='model' and 'auto'" in fwd.why_not
+  only = inspection.inspect(lambda q, k, v: jax.nn.softmax(
+      jnp.einsum("bqhd,bkhd->bhqk", q, k)), x, x, x, device="h100")
+  assert all("writes its intermediates" not in (r.why_not or "") for r in only.regions)

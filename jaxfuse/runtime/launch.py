@@ -816,8 +816,13 @@ def _candidate_plans(region: ir.Region, plan, *, backend: str = "interpret",
     if not mbci and len(region.contractions) > 1:
       raise LeftToXLA(f"not memory-bound: intensity {ai:.0f} FLOP/B >= ridge "
                       f"{ridge:.0f}; left to XLA")
+    from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
+    if not measured:
+      # Before any timing: timed alone, its ops write the same arrays.
+      why = cost_model.writes_its_intermediates(region)
+      if why:
+        raise LeftToXLA(f"{why}; left to XLA")
     if not measured and not (timing and keep_or_drop_timed(region, ranked)):
-      from jaxfuse.planner import cost_model  # pylint: disable=g-import-not-at-top
       why = cost_model.slower_than_unfused(region, ranked[0], dev)
       if why:
         raise LeftToXLA(f"{why}; left to XLA")

@@ -903,37 +903,43 @@ def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
 
 
 def _training_attention_regions():
-  """The regions jaxfuse captures in a training step's attention (softmax in
-  float32) and in the same forward alone, simplified."""
+  """The attention chains jaxfuse captures, simplified: in a training step
+  with the softmax in float32 ('train') or float16 ('train16'), and in the
+  forward alone."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top
 
-  def attention(q, k, v):
+  def attention(q, k, v, softmax_dtype=jnp.float32):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    p = jax.nn.softmax(s.astype(softmax_dtype), axis=-1).astype(q.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
-  def step(q, k, v, g):
-    return jax.grad(lambda *a: jnp.sum(attention(*a).astype(jnp.float32) * g),
+  def step(q, k, v, g, softmax_dtype=jnp.float32):
+    return jax.grad(lambda *a: jnp.sum(attention(*a, softmax_dtype).astype(jnp.float32) * g),
                     argnums=(0, 1, 2))(q, k, v)
 
   x = jax.ShapeDtypeStruct((2, 256, 4, 64), np.float16)
   chains = {}
-  for name, fn, args in (("train", step, (x, x, x, x)), ("forward", attention, (x, x, x))):
+  for name, fn, args in (("train", step, (x, x, x, x)),
+                         ("train16", lambda *a: step(*a, jnp.float16), (x, x, x, x)),
+                         ("forward", attention, (x, x, x))):
     regions = [ir.simplify(c.region) for c in capture.find_regions(jax.make_jaxpr(fn)(*args))]
     chains[name] = [r for r in regions if len(r.contractions) == 2
                     and r.einsum_summary().startswith("bmgk,bngk")]
   return chains
 
 
-def test_a_region_that_writes_its_intermediates_is_left_to_xla(monkeypatch):
-  """A training step's forward attention writes its scores, exponentials
-  (float32) and probabilities for the backward: fused, it saves none of
-  their traffic and measured slower in the step than XLA's ops (H100,
-  seventy-first session: 26.5 against 20.1 us per BERT-Base layer), while
-  timed alone it won. It is left to XLA under 'model' and 'auto', before
-  any timing; 'measure' still times it, the interpreter still runs it, and
-  the forward alone writes only its result."""
+def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypatch):
+  """A training step's forward attention with a float32 softmax writes its
+  float32 scores and exponentials and float16 probabilities for the
+  backward; fused, it measured slower in the step than XLA's ops, which
+  write the scores in float16 and recompute the rest (H100, seventy-first
+  session: 26.5 against 20.1 us per BERT-Base layer), while timed alone it
+  won. It is left to XLA under 'model' and 'auto', before any timing;
+  'measure' still times it and the interpreter still runs it. With a
+  float16 softmax its written intermediates are all float16 (fused it
+  measured faster: 16.4 against 21.9 us) and the forward alone writes only
+  its result: neither is left."""
   from jaxfuse.config import config
   from jaxfuse.devices import get_device
   from jaxfuse.planner import cost_model
@@ -941,7 +947,7 @@ def test_a_region_that_writes_its_intermediates_is_left_to_xla(monkeypatch):
   h100 = get_device("h100")
   monkeypatch.setattr(devices, "get_device", lambda *a, **k: h100)
   chains = _training_attention_regions()
-  [train], [fwd] = chains["train"], chains["forward"]
+  [train], [train16], [fwd] = chains["train"], chains["train16"], chains["forward"]
   written = ir.written_intermediates(train)
   vm = train.value_map
   assert len(written) == 3 and all(set(vm[v].loops) == {"b", "g", "m", "n"} for v in written)
@@ -949,14 +955,20 @@ def test_a_region_that_writes_its_intermediates_is_left_to_xla(monkeypatch):
   # The row maxima and sums it writes too are small: not counted.
   assert any(set(vm[v].loops) == {"b", "g", "m"} for v in train.output_names)
   assert ir.written_intermediates(fwd) == []
+  written16 = ir.written_intermediates(train16)
+  assert len(written16) == 3 and {train16.value_map[v].dtype for v in written16} == {"float16"}
   assert cost_model.writes_its_intermediates(fwd) is None
+  assert cost_model.writes_its_intermediates(train16) is None
   why = cost_model.writes_its_intermediates(train)
-  assert "MiB" in why and all(v in why for v in written)
+  wide = sorted(v for v in written if vm[v].dtype == "float32")
+  assert why.startswith(f"writes {', '.join(wide)} (") and "MiB" in why
   for tune in ("model", "auto"):
     with config.override(tune=tune):
-      with pytest.raises(launch.LeftToXLA, match="writes its intermediates.*left to XLA"):
+      with pytest.raises(launch.LeftToXLA, match="wider copies.*left to XLA"):
         launch._candidate_plans(train, None, backend="triton")
       assert launch._candidate_plans(fwd, None, backend="triton")
+  with config.override(tune="model"):
+    assert launch._candidate_plans(train16, None, backend="triton")
   with config.override(tune="auto"):
     assert launch._candidate_plans(train, None, backend="interpret")
   # 'measure' (its measured tuning replaced by the model's plans here).

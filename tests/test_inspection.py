@@ -317,9 +317,10 @@ def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
 
 
 def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediates():
-  """The forward attention of a training step writes its scores and
-  probabilities for the backward; the report says so, and that it runs
-  XLA's ops under 'model' and 'auto' (``cost_model.writes_its_intermediates``)."""
+  """The forward attention of a training step (softmax in float32) writes
+  float32 copies of its scores for the backward; the report says so, and
+  that it runs XLA's ops under 'model' and 'auto'
+  (``cost_model.writes_its_intermediates``)."""
   def attention_loss(q, k, v, g):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
     p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
@@ -329,8 +330,8 @@ def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediate
   step = jax.grad(attention_loss, argnums=(0, 1, 2))
   rep = inspection.inspect(step, x, x, x, x, device="h100")
   [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
-  assert "writes its intermediates" in fwd.why_not
+  assert "wider copies" in fwd.why_not
   assert "tune='model' and 'auto'" in fwd.why_not
   only = inspection.inspect(lambda q, k, v: jax.nn.softmax(
       jnp.einsum("bqhd,bkhd->bhqk", q, k)), x, x, x, device="h100")
-  assert all("writes its intermediates" not in (r.why_not or "") for r in only.regions)
+  assert all("wider copies" not in (r.why_not or "") for r in only.regions)

@@ -1315,31 +1315,42 @@ UNFUSED_MARGIN = 0.75
 
 
 def writes_its_intermediates(region: ir.Region) -> Optional[str]:
-  """Why ``region`` is left to XLA whatever its plan, or None: its kernel
-  would write intermediates as large as its largest (``ir.
-  written_intermediates``) because the program reads them after it.
+  """Why ``region`` is left to XLA whatever its plan, or None: among the
+  intermediates it must write because the program reads them after it
+  (``ir.written_intermediates``) are wider copies of a narrower product
+  (float32 scores of a float16 ``q @ k``), which XLA's program does not
+  write.
 
-  Why: fusing a chain saves the round trip of its large intermediate; a
-  region that writes it anyway saves nothing there, and it takes from XLA
-  the choice it makes in its own program, to write the narrow scores and
-  recompute the rest inside the kernels that read them. A training step's
-  forward attention writes its float32 scores and exponentials and its
-  probabilities for the backward. On the H100 (seventy-first session,
-  BERT training steps) the fused kernel took 26.5 us per layer against
-  XLA's 20.1 at Base batch 1 and 116 against 66 at Small batch 8; timed
-  alone against its own ops, which had to write the same three arrays, it
-  had won (116.5 against 162.7 us), so no timing can tell either. Over
-  the step the device time was 0.93x (Base) and 0.86x (Small) of XLA's.
+  Why: a training step's forward attention with its softmax in float32
+  writes its float32 scores and exponentials and its float16
+  probabilities for the backward (10 bytes a score). XLA's program writes
+  the float16 scores and probabilities (4 bytes) and recomputes the rest
+  inside the backward's kernels. On the H100 (seventy-first session, BERT
+  training steps) the fused kernel took 26.5 us per layer against XLA's
+  20.1 at Base batch 1, and 116 against 62 at Small batch 8. Timed alone
+  against its own ops, which had to write the same arrays, it had won
+  (116.5 against 162.7 us), so no timing of the region can tell. Over the
+  step the device time was 0.93x (Base) and 0.86x (Small) of XLA's. With
+  the softmax in float16 the region writes float16 scores, exponentials
+  and probabilities (6 bytes), and fused it ran 16.4 us per Base layer
+  against XLA's 21.9: such a region is not left.
   """
   written = ir.written_intermediates(region)
-  if not written:
-    return None
   vm = region.value_map
+  wide = []
+  for v in written:
+    width = ir.dtype_itemsize(vm[v].dtype)
+    sources = [c.out for c in region.contractions if region.computed_from(v, c.out)]
+    if sources and width > max(ir.dtype_itemsize(vm[c].dtype) for c in sources):
+      wide.append(v)
+  if not wide:
+    return None
   ext = region.loop_extents
   nbytes = sum(math.prod(ext[l] for l in vm[v].loops) * ir.dtype_itemsize(vm[v].dtype)
-               for v in written)
-  return (f"writes its intermediates {', '.join(sorted(written))} ({nbytes / 2**20:.1f} MiB), "
-          f"which the program reads after it: fusing saves no traffic there")
+               for v in wide)
+  return (f"writes {', '.join(sorted(wide))} ({nbytes / 2**20:.1f} MiB), wider copies of "
+          f"a product that the program reads after it: XLA's ops write the product "
+          f"narrow and recompute them where they are read")
 
 
 def slower_than_unfused(region: ir.Region, plan, device: DeviceSpec) -> Optional[str]:

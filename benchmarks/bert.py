@@ -20,7 +20,9 @@ training step instead: the loss ``sum(encoder(x) * g)`` (``g`` a random
 cotangent, float32 products; the softmax in float32, see
 ``make_train_step``) and its gradient with respect to every weight,
 ``jax.value_and_grad`` inside the compiled function (cases named
-``...-train``; FLOPs counted as three forward passes). Every call
+``...-train``; FLOPs counted as three forward passes; ``--calls=1`` keeps
+the unrolled programs at 1 and 4 steps: on an H100, Base b1 took 3.5
+minutes so, and had not finished in 5.5 at 2 and 8 steps). Every call
 of the timed function gets its own random input *and* its own weights, so
 weights cannot stay in L2 between calls. ``tiny`` (2 layers, hidden 64,
 sequence 32) is a smoke test for CI and not part of ``all``.
@@ -29,7 +31,7 @@ Example::
 
     python -m benchmarks.bert --cases=base-b1 --dtype=float16 --plot
     python -m benchmarks.bert --models=base --batch=1
-    python -m benchmarks.bert --cases=base-b1 --step=train
+    python -m benchmarks.bert --cases=base-b1 --step=train --calls=1
 """
 
 from __future__ import annotations

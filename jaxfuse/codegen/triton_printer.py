@@ -739,22 +739,36 @@ class _Printer:
   def _dot_operand_order(self, op: ir.Contraction, v: str
                          ) -> Optional[tuple[tuple[str, ...], frozenset]]:
     """(dim order, K loops) in which ``contraction_expr`` hands operand
-    ``v`` of ``op`` to ``tl.dot``, or None where ``op`` is not one
-    ``tl.dot`` or reads ``v`` twice. Mirrors its roles and operand swap."""
+    ``v`` of ``op`` to ``tl.dot`` (``dot_layout``), or None where ``op``
+    is not one ``tl.dot`` or reads ``v`` twice."""
     if (op.lhs == v) == (op.rhs == v):
       return None
-    red_in = [l for l in op.reduce if self.T[l] > 1]
+    accumulated = bool(set(op.reduce) & self.seq)   # emit_compute's test
+    layout = self.dot_layout(op, self.bl(op.lhs), self.bl(op.rhs), accumulated)
+    if layout is None:
+      return None
+    bat, M, N, K, swapped = layout
+    left = (op.lhs == v) != swapped
+    return (tuple(bat + M + K) if left else tuple(bat + K + N)), frozenset(K)
+
+  def dot_layout(self, op: ir.Contraction, lhs_loops, rhs_loops, accumulating: bool
+                 ) -> Optional[tuple[list, list, list, list, bool]]:
+    """``(batch, M, N, K, swapped)``: how ``op`` runs as one ``tl.dot`` on
+    operand tiles over ``lhs_loops`` and ``rhs_loops``, each role's loops in
+    region order; ``swapped``: the dot computes it as (rhs^T lhs^T)^T
+    (``_swap_dot_operands``; never when ``accumulating``), with M and N
+    already exchanged. None where ``op`` is not one ``tl.dot``."""
     out_dims = self.bl(op.out)
+    red_in = [l for l in op.reduce if self.T[l] > 1]
     dts = (self.vm[op.lhs].dtype, self.vm[op.rhs].dtype)
-    roles = tiling.dot_roles(self.bl(op.lhs), self.bl(op.rhs), out_dims, red_in, self.T, dts)
+    roles = tiling.dot_roles(set(lhs_loops), set(rhs_loops), out_dims, red_in, self.T, dts)
     if roles is None:
       return None
     bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
-    left = op.lhs == v
-    accumulated = bool(set(op.reduce) & self.seq)   # emit_compute's test
-    if not accumulated and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims):
-      left, M, N = not left, N, M
-    return (tuple(bat + M + K) if left else tuple(bat + K + N)), frozenset(K)
+    swapped = not accumulating and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims)
+    if swapped:
+      M, N = N, M
+    return bat, M, N, K, swapped
 
   def emit_store(self, v: str) -> None:
     buf = self.outputs.get(v)
@@ -949,13 +963,13 @@ class _Printer:
     out_dims = self.bl(op.out)
     A, B = set(a.order), set(b.order)
     dtA, dtB = self.vm[op.lhs].dtype, self.vm[op.rhs].dtype
-    roles = tiling.dot_roles(A, B, out_dims, red_in, self.T, (dtA, dtB))
-    use_dot = roles is not None
+    layout = self.dot_layout(op, A, B, acc is not None)
+    use_dot = layout is not None
     if use_dot:
-      bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
-      if acc is None and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims):
+      bat, M, N, K, swapped = layout
+      if swapped:
         # C = A.B as (B^T.A^T)^T: tl.dot yields C in its own order.
-        a, b, dtA, dtB, M, N = b, a, dtB, dtA, N, M
+        a, b, dtA, dtB = b, a, dtB, dtA
     pk = next((l for l in red_in if l in self.pieces), None)
     if pk is not None and not (use_dot and a.pieces and b.pieces):
       raise CodegenError(f"internal: pieced loop {pk} in {op.out}, which is not one tl.dot")

@@ -896,9 +896,9 @@ def written_intermediates(region: "Region") -> "list[str]":
       written_intermediates(region)   # ['t1', 't5', 't8']
   """
   ext = region.loop_extents
-  later = [op for op in region.contractions]
-  inner = {v for op in region.ops for v in op.inputs if region.producer(v) is not None}
-  feeding = [v for v in inner if any(region.computed_from(c.inputs, v) for c in later)]
+  # In op order, so that callers and messages see one order run to run.
+  feeding = [op.out for op in region.ops
+             if any(region.computed_from(c.inputs, op.out) for c in region.contractions)]
   if not feeding:
     return []
   size = lambda v: math.prod(ext[l] for l in region.value(v).loops)

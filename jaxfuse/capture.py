@@ -332,7 +332,20 @@ class _LevelAnalysis:
     self._const_like[p.idx] = ok
     return ok
 
-  def prologue_ok(self, p: Item, dep) -> bool:
+  def read_outside(self, p: Item, members: set[int]) -> bool:
+    """Is a result of ``p`` read by an op outside ``members`` (or returned)?"""
+    lvl = self.lvl
+    return any(o in lvl.out_set or any(c.idx not in members for c in lvl.consumers.get(o, ()))
+               for o in p.outvars)
+
+  def narrows(self, p: Item) -> bool:
+    """Does ``p`` read more bytes than it writes (a float32 -> float16 cast)?"""
+    def nbytes(a) -> int:
+      return int(np.prod(a.aval.shape, dtype=np.int64)) * np.dtype(a.aval.dtype).itemsize
+    read = sum(nbytes(a) for a in p.invars if isinstance(a, FVar) and not self.const_like(a))
+    return read > sum(nbytes(o) for o in p.outvars)
+
+  def prologue_ok(self, p: Item, dep, members: set[int]) -> bool:
     if p.prim in WINDOW_PRIMS:
       # A static window of a value computed outside: the kernel reads it in
       # place (the value becomes the region input; capture_ir.window_starts).
@@ -341,6 +354,14 @@ class _LevelAnalysis:
     if not _is_cheap(p) or p.prim in REDUCE_PRIMS or p.idx in self.taken:
       return False
     if dep(p):
+      return False
+    if self.narrows(p) and self.read_outside(p, members):
+      # XLA writes the narrow result for its other readers anyway (fused into
+      # its producer); the kernel reads that instead of the wide operand. A
+      # BERT training step's float32 residual cast for the q/k/v projection
+      # is also the weight gradient's operand: absorbed, the kernel read
+      # float32 and XLA ran the cast as a kernel of its own (H100, seventy-
+      # second session).
       return False
     if p.prim in LAYOUT_PRIMS or p.prim in ("convert_element_type", "iota"):
       return True
@@ -407,7 +428,7 @@ class _LevelAnalysis:
         if p is None or p.idx in members:
           continue
         if (prologue and len(members) - len(removed) < _MAX_PROLOGUE
-            and self.prologue_ok(p, dep)):
+            and self.prologue_ok(p, dep, members)):
           members.add(p.idx)
           if p.prim not in WINDOW_PRIMS:   # a window's operand stays an input
             stack.append(p)

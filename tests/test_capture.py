@@ -327,6 +327,26 @@ def test_prologue_scale_and_epilogue():
   check_region_matches_jaxpr(r, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_narrowing_cast_read_elsewhere_stays_outside(read_elsewhere):
+  # A float32 -> float16 cast of the chain's input is absorbed when the
+  # region is its only reader (the kernel reads float32 once). When another
+  # op reads the float16 value too, XLA writes it anyway, so the region must
+  # read that half-size copy rather than the float32 operand.
+  def f(x, w1, w2):
+    h = x.astype(jnp.float16)
+    y = jax.nn.relu(h @ w1) @ w2
+    return (y, h + 1) if read_elsewhere else y
+  x = rand(8, 16)
+  w1, w2 = rand(16, 32, dtype=jnp.float16), rand(32, 16, dtype=jnp.float16)
+  r = one_region(f, x, w1, w2)
+  want = "float16" if read_elsewhere else "float32"
+  assert r.region.value(r.region.inputs[0].value).dtype == want
+  assert any(getattr(op, "fn", None) == "convert" for op in r.region.ops) == (not read_elsewhere)
+  check_region_matches_jaxpr(r, rtol=1e-2, atol=1e-2)
+  _check_rewrite(f, x, w1, w2, expect_calls=1)
+
+
 # --------------------------------------------------------------------------
 # Nothing captured
 # --------------------------------------------------------------------------

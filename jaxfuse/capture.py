@@ -342,8 +342,11 @@ class _LevelAnalysis:
     """Does ``p`` read more bytes than it writes (a float32 -> float16 cast)?"""
     def nbytes(a) -> int:
       return int(np.prod(a.aval.shape, dtype=np.int64)) * np.dtype(a.aval.dtype).itemsize
-    read = sum(nbytes(a) for a in p.invars if isinstance(a, FVar) and not self.const_like(a))
-    return read > sum(nbytes(o) for o in p.outvars)
+    try:
+      read = sum(nbytes(a) for a in p.invars if isinstance(a, FVar) and not self.const_like(a))
+      return read > sum(nbytes(o) for o in p.outvars)
+    except TypeError:   # an extended dtype (PRNG keys) has no itemsize
+      return False
 
   def prologue_ok(self, p: Item, dep, members: set[int]) -> bool:
     if p.prim in WINDOW_PRIMS:

@@ -643,6 +643,8 @@ class _LevelAnalysis:
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
     taken = self.taken
+    chained: set[int] = set()   # id() of the regions found by attempt()
+    dropped: set[tuple] = set()   # chains whose region the final check dropped
 
     def attempt(chain: list[Item]):
       n = len(chain)
@@ -651,6 +653,8 @@ class _LevelAnalysis:
           sub = chain[start:start + length]
           if sum(len(self.members(d)) for d in sub) > self.limit:
             continue   # a joined group counts all its contractions
+          if tuple(d.idx for d in sub) in dropped:
+            continue
           f = None
           why = None
           for epi, split, pro in _VARIANTS:
@@ -688,6 +692,7 @@ class _LevelAnalysis:
             continue
           taken.update(f.removed)
           found.append(f)
+          chained.add(id(f))
           attempt(chain[:start])
           attempt(chain[start + length:])
           return
@@ -724,7 +729,10 @@ class _LevelAnalysis:
       found.append(f)
     # Each region's inputs must exist outside every region, or be another
     # region's output; drop regions that would read a value a neighbour
-    # computes internally (rare: overlapping prologues).
+    # computes internally, and try a dropped chain's shorter parts. (BERT's
+    # first layer chains its output projection, LayerNorm and MLP; that
+    # region read the attention's result before the layout ops the attention
+    # region took, and dropping it whole lost the layer's MLP region.)
     while True:
       removed = set().union(*(f.removed for f in found)) if found else set()
       exported = {o for f in found for o in f.outputs}
@@ -733,7 +741,14 @@ class _LevelAnalysis:
                     and a not in exported for a in f.input_src)]
       if not bad:
         break
-      found = [f for f in found if f is not bad[0]]
+      f = bad[0]
+      found = [g for g in found if g is not f]
+      taken.difference_update(f.removed)
+      if id(f) in chained:
+        logging.vlog(1, "jaxfuse capture: chain at eqn %d reads a value inside a neighbouring "
+                     "region; its shorter parts are tried", f.chain[0].idx)
+        dropped.add(tuple(d.idx for d in f.chain))
+        attempt(f.chain)
     found.sort(key=lambda f: f.chain[0].idx)
     return found
 

@@ -347,6 +347,34 @@ def test_narrowing_cast_read_elsewhere_stays_outside(read_elsewhere):
   _check_rewrite(f, x, w1, w2, expect_calls=1)
 
 
+def test_chain_reading_inside_a_neighbour_tries_its_parts():
+  # A transformer layer whose residual input is a plain argument: one chain
+  # runs from the attention through the output projection, LayerNorm and
+  # MLP. Its output-projection region reads the attention's result before
+  # the layout ops the attention region takes, so it is dropped; its
+  # shorter parts (projection + LayerNorm + up projection) must still be
+  # captured.
+  def layer(x, q, k, v, wo, w1, w2):
+    t, d = x.shape
+    p = jax.nn.softmax(jnp.einsum("hqd,hkd->hqk", q, k), axis=-1)
+    o = jnp.einsum("hqk,hkd->hqd", p, v).transpose(1, 0, 2).reshape(t, d)
+    y = (x + o @ wo).astype(jnp.float32)
+    mu = y.mean(-1, keepdims=True)
+    h = ((y - mu) * jax.lax.rsqrt(jnp.square(y - mu).mean(-1, keepdims=True) + 1e-6))
+    return jax.nn.gelu(h.astype(x.dtype) @ w1, approximate=False) @ w2
+
+  f16 = jnp.float16
+  args = [rand(16, 8, dtype=f16)] + [rand(2, 16, 4, dtype=f16, scale=0.5) for _ in range(3)] + [
+      rand(8, 8, dtype=f16, scale=0.3), rand(8, 32, dtype=f16, scale=0.3),
+      rand(32, 8, dtype=f16, scale=0.2)]
+  rs = regions_of(layer, *args)
+  assert [r.region.einsum_summary() for r in rs] == [
+      "bmk,bnk->bmn ; bmn,bnh->bmh", "mk,kn->mn ; mn,nh->mh"], [r.region for r in rs]
+  for r in rs:
+    check_region_matches_jaxpr(r, rtol=2e-2, atol=2e-2)
+  _check_rewrite(layer, *args, expect_calls=2)
+
+
 # --------------------------------------------------------------------------
 # Nothing captured
 # --------------------------------------------------------------------------

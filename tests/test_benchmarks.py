@@ -875,3 +875,26 @@ def test_fidelity_one_row_cases_capture_their_products():
   assert len(v.contractions) == 1 and len(g.contractions) == 2
   assert g.loop_extents == {"m": 1, "n": 4864, "k": 896}
   assert cases["VG-896x4864"].flops == 2 * 2.0 * 896 * 4864
+
+
+def test_predicted_time_counts_what_runs(monkeypatch):
+  # A region the model leaves to XLA adds its separate kernels' time to the
+  # row's prediction, not the fused plan it rejected.
+  from benchmarks import harness
+  import types
+
+  def region(pred, unfused, why):
+    return types.SimpleNamespace(
+        einsum="mk,kn->mn ; mn,nh->mh", source="f.py:1", loops={}, flops=1, min_bytes=1,
+        intensity=1.0, ridge=2.0, mbci=True, device="h100", plan="grid(m)",
+        predicted_time_s=pred, floor_time_s=None, unfused_time_s=unfused, why_not=why,
+        plan_time_s=0.01, tune_time_s=None, notes=[], lowered=None)
+
+  report = types.SimpleNamespace(regions=[region(5e-6, 2e-5, None),
+                                          region(6.4e-5, 2e-5, "predicted slower")])
+  api = types.SimpleNamespace(inspect=lambda fn, *a: report, fused_jaxpr=None, jit=None,
+                              config=None, errors={}, plan_region=None, find_regions=None)
+  monkeypatch.setattr(harness, "jaxfuse_api", lambda: api)
+  info = harness.jaxfuse_details(lambda x: x, (np.ones(2),), harness.Settings(reps=1))
+  assert info["predicted_s"] == pytest.approx(5e-6 + 2e-5)
+  assert info["plan_s"] == pytest.approx(0.02)

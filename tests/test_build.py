@@ -89,3 +89,26 @@ def test_version_agrees():
   import jaxfuse
   pyproject = (ROOT / "pyproject.toml").read_text()
   assert re.search(rf'^version = "{re.escape(jaxfuse.__version__)}"', pyproject, re.M)
+
+
+# The GPU machine receives a copy of the checkout's tracked files, at most
+# 64 MiB with whatever else a run carries (wheels, scripts); the seventy-
+# second session found the tree at 63 MB and gzipped raw results that no
+# text names. Keep room: store large raw data gzipped.
+TRACKED_TREE_LIMIT = 56 * 2**20
+
+
+def test_tracked_tree_leaves_room_for_a_device_copy():
+  import subprocess
+  import pytest
+  try:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+  except (OSError, subprocess.CalledProcessError):
+    pytest.skip("not a git checkout")
+  files = [f for f in out.stdout.decode().split("\0") if f]
+  sizes = {f: (ROOT / f).stat().st_size for f in files if (ROOT / f).is_file()}
+  total = sum(sizes.values())
+  biggest = sorted(sizes, key=sizes.get)[-5:]
+  assert total < TRACKED_TREE_LIMIT, (
+      f"tracked files take {total / 2**20:.1f} MiB (limit {TRACKED_TREE_LIMIT / 2**20:.0f}): "
+      f"gzip large raw results; largest: {biggest}")

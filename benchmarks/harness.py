@@ -125,6 +125,11 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
                       "Comma-separated implementations to compare with jaxfuse "
                       "('all', or 'none' for jaxfuse alone).")
   flags.DEFINE_integer("reps", 10, "Timing repetitions (median is reported).")
+  flags.DEFINE_integer("max_reps", 10,
+                       "While an implementation's per-call repetitions disagree "
+                       "(interquartile range, or range below 4 of them, over 10% of "
+                       "their median) it is repeated again, up to this many "
+                       "repetitions in all; at most --reps: exactly --reps.")
   flags.DEFINE_float("min_window_ms", 50.0,
                      "Each slope window repeats its program until it lasts this "
                      "long (a BERT forward program runs several ms).")
@@ -923,6 +928,7 @@ def tree_nbytes(tree) -> int:
 class Settings:
   dtype: str = "float16"
   reps: int = 10
+  max_reps: int = 10
   min_window_ms: float = 50.0
   calls: int = 0
   mem_budget_gb: float = 4.0
@@ -939,7 +945,8 @@ class Settings:
 
   @classmethod
   def from_flags(cls) -> "Settings":
-    return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), calls=FLAGS.calls,
+    return cls(dtype=FLAGS.dtype, reps=max(1, FLAGS.reps), max_reps=FLAGS.max_reps,
+               calls=FLAGS.calls,
                min_window_ms=max(0.0, FLAGS.min_window_ms),
                mem_budget_gb=FLAGS.mem_budget_gb, profile=FLAGS.profile,
                tune=FLAGS.tune, call_outputs=FLAGS.call_outputs,
@@ -976,7 +983,8 @@ def choose_calls(bytes_per_set: int, settings: Settings, floor_s: float = 0.0) -
 
 
 def slope_time(runner: Callable[[list], Any], block: Callable[[Any], None],
-               sets: list, k: int, reps: int, min_window_ms: float = 50.0) -> dict:
+               sets: list, k: int, reps: int, min_window_ms: float = 50.0,
+               max_reps: int = 0) -> dict:
   """Per-call seconds: slope between K and 4K calls, median over reps
   (``jaxfuse.runtime.timing.slope``: each window repeats the program until
   it lasts ``min_window_ms``, at most 256 times).
@@ -985,18 +993,21 @@ def slope_time(runner: Callable[[list], Any], block: Callable[[Any], None],
   program of 8 calls runs 8 ms, so a 10 ms window held one or two
   executions, and one slow execution decided the rep (jaxfuse per-call
   spread 0.70 on the H100, benchmarks/RESULTS.md).
+
+  ``max_reps``: repetitions taken while they disagree (``timing.slopes``).
   """
-  return slope_times([(runner, block, sets)], k, reps, min_window_ms)[0]
+  return slope_times([(runner, block, sets)], k, reps, min_window_ms, max_reps)[0]
 
 
 def slope_times(timed: Sequence[tuple[Callable[[list], Any], Callable[[Any], None], list]],
-                k: int, reps: int, min_window_ms: float = 50.0) -> list[dict]:
+                k: int, reps: int, min_window_ms: float = 50.0,
+                max_reps: int = 0) -> list[dict]:
   """``slope_time`` of several (runner, block, sets), their windows
   interleaved repetition by repetition (``jaxfuse.runtime.timing.slopes``)."""
   from jaxfuse.runtime import timing  # pylint: disable=g-import-not-at-top
   return timing.slopes([lambda n, r=r, s=s: r(s[:n]) for r, _, s in timed],
                        [b for _, b, _ in timed], lo=k, hi=4 * k, reps=reps,
-                       min_window_s=min_window_ms * 1e-3)
+                       min_window_s=min_window_ms * 1e-3, max_reps=max_reps)
 
 
 def _derived(res: dict, case: Case, roof: Roof) -> None:
@@ -1249,7 +1260,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
           res["slope_order"] = "interleaved"
         else:
           res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
-                                settings.min_window_ms))
+                                settings.min_window_ms, settings.max_reps))
           res["slope_order"] = "alone"
         res["call_outputs"] = settings.call_outputs if timed is not runner else "returned"
         res["slope_inputs"] = "separate" if stacked is None else "stacked"
@@ -1293,7 +1304,7 @@ def _time_together(together: list[tuple["Impl", Callable, list, dict]], k: int,
     return
   try:
     times = slope_times([(t, impl.block, p) for impl, t, p, _ in ok], k, settings.reps,
-                        settings.min_window_ms)
+                        settings.min_window_ms, settings.max_reps)
   except Exception as e:  # pylint: disable=broad-except  (then one by one)
     logging.warning("%s: interleaved timing failed (%s: %s); timing each alone",
                     case.name, type(e).__name__, e)
@@ -1303,7 +1314,7 @@ def _time_together(together: list[tuple["Impl", Callable, list, dict]], k: int,
       if times is None:
         res["slope_order"] = "alone"
         res.update(slope_time(timed, impl.block, prepared, k, settings.reps,
-                              settings.min_window_ms))
+                              settings.min_window_ms, settings.max_reps))
       else:
         res.update(times[i])
       _derived(res, case, roof)
@@ -1653,7 +1664,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
       "jaxfuse_config": (dataclasses.asdict(cfg) if dataclasses.is_dataclass(
           cfg := jaxfuse_api().config) else None),
       "method": ("per-call = slope between K and 4K unrolled independent calls "
-                 f"(median of reps; call outputs {settings.call_outputs}; inputs "
+                 f"(median of {settings.reps} reps, up to {max(settings.reps, settings.max_reps)} "
+                 f"while they disagree; call outputs {settings.call_outputs}; inputs "
                  f"{settings.slope_inputs}); kernel = "
                  "profiler GPU kernel time per call (outputs returned)"),
   }

@@ -166,6 +166,43 @@ def test_slopes_interleave_the_programs_windows(monkeypatch):
                       reps=2)["per_call_s"] == pytest.approx(3e-6)
 
 
+def test_slopes_repeat_while_the_repetitions_disagree(monkeypatch):
+  from jaxfuse.runtime import timing
+  clock = [0.0]
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+  def program(per_call_us):
+    # Each repetition's per-call cost in turn (after the warm-up and sizing
+    # runs); a repetition's two windows see the same cost.
+    costs = iter([5] * 3 + per_call_us)
+    cur = [next(costs)]
+
+    def run(n):
+      clock[0] += 10e-6 + n * cur[0] * 1e-6
+      if n == 16:
+        cur[0] = next(costs, 5)
+      return n
+    return run
+
+  def timed(max_reps, noisy=(9, 9, 5)):
+    return timing.slopes([program(list(noisy)), program([5, 5, 5])], [lambda out: None] * 2,
+                         lo=4, hi=16, reps=3, min_window_s=1e-9, max_reps=max_reps)
+
+  # Two slow repetitions of three decide the median unless more are taken.
+  noisy, steady = timed(0)
+  assert noisy["per_call_s"] == pytest.approx(9e-6) and noisy["per_call_reps"] == 3
+  noisy, steady = timed(10)
+  assert noisy["per_call_s"] == pytest.approx(5e-6)
+  assert noisy["per_call_reps"] == 9   # interquartile range 0 from the ninth on
+  assert steady["per_call_reps"] == 3 and steady["per_call_s"] == pytest.approx(5e-6)
+  noisy, _ = timed(6)
+  assert noisy["per_call_reps"] == 6 and noisy["per_call_s"] == pytest.approx(5e-6)
+  assert noisy["per_call_spread"] == pytest.approx(4 / 5)
+  assert timing.settled_spread([5.0, 5.0, 5.0, 9.0, 5.0]) == 0.0
+  assert timing.settled_spread([4.0, 6.0]) == pytest.approx(0.4)
+  assert timing.settled_spread([7.0]) == 0.0
+
+
 def test_consume_outputs_keeps_every_output_whole_and_returns_samples():
   import jax
   import jax.numpy as jnp

@@ -643,7 +643,7 @@ class _LevelAnalysis:
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
     taken = self.taken
-    chained: set[int] = set()   # id() of the regions found by attempt()
+    chained: dict[int, _Found] = {}   # the regions attempt() found, by id() (kept alive)
     dropped: set[tuple] = set()   # chains whose region the final check dropped
 
     def attempt(chain: list[Item]):
@@ -692,7 +692,7 @@ class _LevelAnalysis:
             continue
           taken.update(f.removed)
           found.append(f)
-          chained.add(id(f))
+          chained[id(f)] = f
           attempt(chain[:start])
           attempt(chain[start + length:])
           return

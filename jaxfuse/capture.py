@@ -332,11 +332,10 @@ class _LevelAnalysis:
     self._const_like[p.idx] = ok
     return ok
 
-  def read_outside(self, p: Item, members: set[int]) -> bool:
-    """Is a result of ``p`` read by an op outside ``members`` (or returned)?"""
+  def read_outside(self, v: FVar, members: set[int]) -> bool:
+    """Is ``v`` read by an op outside ``members`` (or returned)?"""
     lvl = self.lvl
-    return any(o in lvl.out_set or any(c.idx not in members for c in lvl.consumers.get(o, ()))
-               for o in p.outvars)
+    return v in lvl.out_set or any(c.idx not in members for c in lvl.consumers.get(v, ()))
 
   def narrows(self, p: Item) -> bool:
     """Does ``p`` read more bytes than it writes (a float32 -> float16 cast)?"""
@@ -358,7 +357,7 @@ class _LevelAnalysis:
       return False
     if dep(p):
       return False
-    if self.narrows(p) and self.read_outside(p, members):
+    if self.narrows(p) and any(self.read_outside(o, members) for o in p.outvars):
       # XLA writes the narrow result for its other readers anyway (fused into
       # its producer); the kernel reads that instead of the wide operand. A
       # BERT training step's float32 residual cast for the q/k/v projection
@@ -512,7 +511,7 @@ class _LevelAnalysis:
     outputs: list[FVar] = []
     for i in sorted(removed):
       for o in self.items[i].outvars:
-        if o in lvl.out_set or any(c.idx not in removed for c in lvl.consumers.get(o, ())):
+        if self.read_outside(o, removed):
           outputs.append(o)
     if not outputs:
       raise Reject("the region's results are unused")

@@ -73,6 +73,13 @@ def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any]
   interleaved: each repetition times every program's ``lo`` and ``hi``
   windows in turn.
 
+  Why: timed one after another, two implementations of a call are seconds
+  apart (compiles and profiles between them), and the host's speed may
+  drift in between; interleaved, drift falls on all of them alike. (On the
+  H100 host, where a fused call read 5.2 and 8.9 us per call in two
+  processes, interleaving did not narrow the spread of such host-bound
+  calls: benchmarks/RESULTS.md, fifty-sixth session.)
+
   ``max_reps`` > ``reps``: a program whose repetitions disagree
   (``settled_spread`` over ``SETTLED_SPREAD``) is repeated again, up to
   ``max_reps`` times in all, and its median taken over every repetition.
@@ -80,13 +87,6 @@ def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any]
   read 235 us per call against a fastest repetition of 152 us and 151-157
   us in earlier runs; H100, seventy-second session). Each result has
   ``per_call_reps``, the repetitions it took.
-
-  Why: timed one after another, two implementations of a call are seconds
-  apart (compiles and profiles between them), and the host's speed may
-  drift in between; interleaved, drift falls on all of them alike. (On the
-  H100 host, where a fused call read 5.2 and 8.9 us per call in two
-  processes, interleaving did not narrow the spread of such host-bound
-  calls: benchmarks/RESULTS.md, fifty-sixth session.)
 
   Example::
 
@@ -117,22 +117,22 @@ def slopes(runs: Sequence[Callable[[int], Any]], blocks: Sequence[Callable[[Any]
     return int(min(max_executions, max(1, math.ceil(min_window_s / max(one, 1e-9)))))
   executions = [executions_for(i) for i in range(len(runs))]
   slopes_, naive = [[] for _ in runs], [[] for _ in runs]
+
+  def repeat(i: int) -> None:
+    t_lo = window(i, lo, executions[i])
+    t_hi = window(i, hi, executions[i])
+    slopes_[i].append((t_hi - t_lo) / (hi - lo))
+    naive[i].append(t_lo / lo)
   for _ in range(reps):
-    for i, e in enumerate(executions):
-      t_lo = window(i, lo, e)
-      t_hi = window(i, hi, e)
-      slopes_[i].append((t_hi - t_lo) / (hi - lo))
-      naive[i].append(t_lo / lo)
+    for i in range(len(runs)):
+      repeat(i)
   while True:
     noisy = [i for i in range(len(runs)) if len(slopes_[i]) < max_reps
              and settled_spread(slopes_[i]) > SETTLED_SPREAD]
     if not noisy:
       break
     for i in noisy:
-      t_lo = window(i, lo, executions[i])
-      t_hi = window(i, hi, executions[i])
-      slopes_[i].append((t_hi - t_lo) / (hi - lo))
-      naive[i].append(t_lo / lo)
+      repeat(i)
   out = []
   for i, e in enumerate(executions):
     xs = slopes_[i]

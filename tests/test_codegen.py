@@ -402,12 +402,16 @@ def test_dot_hazard_matches_the_measured_miscompiles():
   from jaxfuse.codegen.triton_printer import dot_hazard
   r = T.gemm_chain(M=256, N=256, K=80, H=80, B=16)
   bad = [dict(b=1, m=128, n=256, k=128, h=16), dict(b=1, m=128, n=256, k=128, h=32)]
-  good = [dict(b=1, m=128, n=256, k=128, h=64), dict(b=1, m=64, n=256, k=128, h=16),
+  good = [dict(b=1, m=128, n=256, k=128, h=64),
           dict(b=1, m=128, n=128, k=128, h=16), dict(b=1, m=256, n=64, k=128, h=16)]
   for t in bad:
     assert dot_hazard(r, t, tf32=False), t
   for t in good:   # float32 chain: its TF32 spill check is tested in test_planner
     assert dot_hazard(r, t, tf32=False) is None, t
+  # Measured correct in the eleventh session, but straight-line code of the
+  # family MCFuser G3 later failed in (64 rows, a whole 256-wide middle, 16
+  # columns): refused since the seventy-third session.
+  assert "no reduction loop" in dot_hazard(r, dict(b=1, m=64, n=256, k=128, h=16), tf32=False)
 
 
 def test_hazardous_plan_is_refused_and_the_next_plan_runs():
@@ -440,14 +444,21 @@ def test_straight_line_chained_dot_is_refused():
   in the first dot, or 64 columns, or fewer rows, was correct."""
   att = T.attention(M=128, N=128, D=64, B=1, heads=8, dtype="float16", scale=0.125)
   chain = T.gemm_chain(M=512, N=64, K=64, H=64, B=2, dtype="float16")
+  # MCFuser G3: a whole 256-wide middle, 16 columns wrong (1.34), 32 columns
+  # an illegal memory access (H100, sixty-ninth to seventy-third sessions).
+  g3 = T.gemm_chain(M=512, N=256, K=64, H=256, B=1, dtype="float16")
   bad = [(att, dict(b=1, g=1, m=64, n=128, d=64, e=16)),
          (att, dict(b=1, g=1, m=128, n=128, d=64, e=32)),
-         (chain, dict(b=1, m=64, n=64, k=64, h=32))]
+         (chain, dict(b=1, m=64, n=64, k=64, h=32)),
+         (g3, dict(b=1, m=64, n=256, k=64, h=16)),
+         (g3, dict(b=1, m=64, n=256, k=64, h=32))]
   good = [(att, dict(b=1, g=1, m=64, n=128, d=32, e=16)),    # a d loop before the dot
           (att, dict(b=1, g=1, m=64, n=64, d=64, e=16)),     # an n loop (streaming)
           (att, dict(b=1, g=1, m=64, n=128, d=64, e=64)),
           (att, dict(b=1, g=1, m=32, n=128, d=64, e=32)),
-          (chain, dict(b=1, m=64, n=64, k=32, h=32))]
+          (chain, dict(b=1, m=64, n=64, k=32, h=32)),
+          (g3, dict(b=1, m=64, n=128, k=64, h=16)),            # G3's pick: an n loop
+          (g3, dict(b=1, m=64, n=256, k=64, h=64))]
   for r, t in bad:
     assert "no reduction loop" in (pruning.dot_hazard(r, t) or ""), t
   for r, t in good:
@@ -457,8 +468,9 @@ def test_straight_line_chained_dot_is_refused():
     generate(chain, plan, interpret=True)
   # The planner's pick for 128-token attention avoids the corner.
   from jaxfuse.planner import plan_region   # pylint: disable=import-outside-toplevel
-  best = plan_region(att, "h100", use_cache=False).best
-  assert pruning.dot_hazard(att, best.tile_map) is None, best
+  for r in (att, g3):
+    best = plan_region(r, "h100", use_cache=False).best
+    assert pruning.dot_hazard(r, best.tile_map) is None, best
 
 
 def test_planner_pick_with_a_batch_of_one_uses_tl_dot():

@@ -127,7 +127,9 @@ def test_rule5_drops_tf32_dots_over_a_256_wide_computed_reduction():
   g2 = examples.gemm_chain(1, 512, 256, 64, 128, dtype="float32")
   spill = dict(b=1, m=32, n=256, k=64, h=16)
   assert "spills registers" in pruning.dot_hazard(g2, spill)
-  assert "spills registers" in pruning.dot_hazard(g2, dict(spill, m=64))
+  # (64 rows into 16 columns is also straight-line code Triton miscompiles;
+  # 64 columns keeps this check on the spill alone.)
+  assert "spills registers" in pruning.dot_hazard(g2, dict(spill, m=64, h=64))
   for ok in (dict(spill, n=128), dict(spill, m=64, n=128)):   # no-spill neighbours
     assert pruning.dot_hazard(g2, ok) is None, ok
   # 16-bit operands, IEEE dots, and the printer (a slow plan still runs) are exempt.

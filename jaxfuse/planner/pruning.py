@@ -195,10 +195,14 @@ CHAIN3_MIN_ROWS, CHAIN3_MIN_RED, CHAIN3_MAX_COLS = 64, 64, 32
 # the corner was correct, among them the same tiles with a first-dot
 # reduction loop (a 32-wide tile of a 64-wide reduction), or with the
 # columns looped in the kernel. The interpreter runs them correctly
-# (benchmarks/RESULTS.md, fiftieth session). The eleventh session measured
-# 64 rows with a whole 256-wide reduction into 16 columns correct, hence
-# the reduction bound (the failures had 64 and 128).
-STRAIGHT_MIN_ROWS, STRAIGHT_MAX_RED, STRAIGHT_MAX_COLS = 64, 128, 32
+# (benchmarks/RESULTS.md, fiftieth session). The bound was 128 (the eleventh
+# session had measured a whole 256-wide reduction into 16 columns correct,
+# on a chain whose first reduction was 80 wide)
+# until MCFuser G3 (512 x 256 x 64 x 256), whose first two picks were in the
+# corner with a whole 256-wide middle: 16 columns returned an error of 1.34,
+# 32 columns an illegal memory access, in the self-check of three sessions'
+# runs (sixty-ninth, seventieth, seventy-third).
+STRAIGHT_MIN_ROWS, STRAIGHT_MAX_RED, STRAIGHT_MAX_COLS = 64, 256, 32
 # TF32 dots (float32 operands, precision other than "ieee") of a computed
 # tile with a reduction of at least this many: the converted float32 tile
 # is held in registers, and the kernel spills. MCFuser G2

@@ -41,7 +41,7 @@ from absl import logging
 from jaxfuse import ir
 from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
-    flatten, hoist_consts, is_lit, shard_map_like, trace)
+    flatten, hoist_consts, is_lit, live_code, shard_map_like, trace)
 from jaxfuse.capture_ir import (
     CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
     Reject, build_region, window_starts)
@@ -1182,7 +1182,7 @@ def find_regions(closed_jaxpr: ClosedJaxpr, *,
                     f"{type(closed_jaxpr).__name__}")
   limit = _check_limit(max_contractions)
   out: list[CapturedRegion] = []
-  _collect(closed_jaxpr, "", out, limit)
+  _collect(live_code(closed_jaxpr), "", out, limit)
   return out
 
 
@@ -1233,10 +1233,10 @@ def rewrite(closed_jaxpr: ClosedJaxpr,
     raise TypeError("rewrite: bind_region must be callable")
   limit = _check_limit(max_contractions)
   try:
-    new, _ = _rewrite_closed(closed_jaxpr, bind_region, "", limit)
+    new, changed = _rewrite_closed(live_code(closed_jaxpr), bind_region, "", limit)
   except Exception as e:  # pylint: disable=broad-except
     # Never break the user's program: keep the original ops.
     logging.warning("jaxfuse capture: rewrite failed, regions left to XLA (%s: %s)",
                     type(e).__name__, e, exc_info=True)
     return closed_jaxpr
-  return new
+  return new if changed else closed_jaxpr

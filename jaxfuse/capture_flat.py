@@ -348,6 +348,28 @@ def trace(fn: Callable, avals: Sequence) -> ClosedJaxpr:
   return jax.make_jaxpr(fn)(*[spec_of(a) for a in avals])
 
 
+def live_code(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """``closed`` without equations whose results nothing reads.
+
+  ``jax.grad`` leaves dead equations in the jaxpr it traces (the JVP of a
+  ``reduce_max`` compares the whole input against its maximum, and
+  nothing reads the result). XLA drops them later, but a region that
+  absorbs their producer would write its value for them: a whole
+  [B, T, T] score tensor in an attention's training step. Equations with
+  effects stay; so do all inputs, so the signature does not change. Where
+  jax's dead-code pass is missing or fails, ``closed`` comes back as is.
+  """
+  try:
+    from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+    jx, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars),
+                         instantiate=True)
+  except Exception:  # pylint: disable=broad-except
+    return closed
+  if len(jx.eqns) == len(closed.jaxpr.eqns):
+    return closed
+  return ClosedJaxpr(jx, closed.consts)
+
+
 def hoist_consts(closed: ClosedJaxpr, in_avals: Sequence | None = None
                  ) -> tuple[ClosedJaxpr, list]:
   """Returns an equivalent ClosedJaxpr without consts that takes the consts as

@@ -315,6 +315,33 @@ def test_extra_output_and_const_input():
   _check_rewrite(f, q, k, v, expect_calls=2)
 
 
+def test_dead_code_is_not_a_reader_but_effects_are():
+  """An intermediate that only dead equations read (``jax.grad`` leaves
+  such: the JVP of ``reduce_max`` compares its input with the maximum) is
+  not written by the region; one read by an effect (a debug callback) is."""
+  def f(a, b, d, effect=False):
+    t = jnp.tanh(a @ b)
+    dead = jnp.sum(t * 3.0)  # pylint: disable=unused-variable
+    if effect:
+      jax.debug.callback(lambda x: None, t)
+    return t @ d
+  a, b, d = rand(8, 16), rand(16, 32), rand(32, 4)
+  closed = jax.make_jaxpr(f)(a, b, d)
+  assert any(e.primitive.name == "reduce_sum" for e in closed.jaxpr.eqns)
+  r = one_region(f, a, b, d)
+  assert len(r.region.outputs) == 1
+  assert r.region.value(r.region.outputs[0].value).loops == ("m", "h")
+  check_region_matches_jaxpr(r)
+  new = _check_rewrite(f, a, b, d, expect_calls=1)
+  assert all(e.primitive.name != "reduce_sum" for e in new.jaxpr.eqns)
+  g = lambda *xs: f(*xs, effect=True)
+  r = one_region(g, a, b, d)
+  assert len(r.region.outputs) == 2
+  closed = jax.make_jaxpr(g)(a, b, d)
+  new = capture.rewrite(closed, lambda cap, *xs: jaxpr_as_fun(cap.jaxpr)(*xs))
+  assert new is not closed and "debug_callback" in str(new)
+
+
 def test_prologue_scale_and_epilogue():
   def f(q, k, v, bias):
     s = (q * 0.5) @ jnp.swapaxes(k, -1, -2).astype(jnp.float32)

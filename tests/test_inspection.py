@@ -327,7 +327,7 @@ def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediate
     return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(jnp.float32) * g)
 
   x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.float16)
-  step = jax.grad(attention_loss, argnums=(0, 1, 2))
+  step = jax.value_and_grad(attention_loss, argnums=(0, 1, 2))
   rep = inspection.inspect(step, x, x, x, x, device="h100")
   [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
   assert "wider copies" in fwd.why_not

@@ -109,14 +109,6 @@ class _Found:
   sub_items: dict = dataclasses.field(default_factory=dict)   # idx -> Item reading inputs
   group_invars: dict = dataclasses.field(default_factory=dict)  # custom call -> its args
   captured: CapturedRegion | None = None
-  # Region items also re-emitted after it, from its outputs, for the ops
-  # outside that read their values (``_LevelAnalysis.recomputed_outside``).
-  outside: list = dataclasses.field(default_factory=list)
-
-  @property
-  def exported(self) -> list:
-    """Values the region makes available to the rest of the level."""
-    return list(self.outputs) + [o for it in self.outside for o in it.outvars]
 
 
 def _dtype(a) -> str:
@@ -523,93 +515,10 @@ class _LevelAnalysis:
           outputs.append(o)
     if not outputs:
       raise Reject("the region's results are unused")
-    outputs, outside = self.recomputed_outside(chain, outputs, removed, set(input_src))
     region = build_region([sub_items[i] for i in order], inputs, outputs,
                           [sub_items[d.idx] for d in chain])
     return _Found(chain, order, removed, inputs, input_src, outputs, region,
-                  sub_items, group_invars, outside=outside)
-
-  def recomputed_outside(self, chain: list[Item], outputs: list[FVar], removed: set[int],
-                         read: set) -> tuple[list[FVar], list[Item]]:
-    """The region's outputs with its wide intermediates replaced by the
-    narrow values they are computed from, and the items that recompute
-    them after the region (in order).
-
-    A wide intermediate is an output that a later contraction of the chain
-    reads, computed pointwise from a narrower value of the region (float32
-    exponentials of float16 scores: ``exp(f32(s) - max)``), and read after
-    the region only by ops XLA fuses it into (pointwise ops, reductions),
-    not returned. The region writes the narrow value and the small ones
-    the recomputation also reads (row maxima) instead; XLA recomputes the
-    wide one inside the kernels that read it, as its own program does.
-    Why: a training step's forward attention with its softmax in float32
-    wrote 10 bytes a score for the backward, XLA's ops 4 (its float16
-    scores and probabilities), and fused it ran slower in the step than
-    XLA's ops (``cost_model.writes_its_intermediates``). Applied only
-    where it writes fewer bytes. ``read``: the level values the region
-    reads (all that the recomputation may read besides its outputs).
-    """
-    lvl = self.lvl
-    inside = lambda a: (isinstance(a, FVar) and (p := lvl.producer.get(a)) is not None
-                        and p.idx in removed)
-    size = lambda a: int(np.prod(a.aval.shape, dtype=np.int64))
-    width = lambda a: np.dtype(a.aval.dtype).itemsize
-    nbytes = lambda a: size(a) * width(a)
-    fusible = POINTWISE_PRIMS | LAYOUT_PRIMS | REDUCE_PRIMS
-    # Values a contraction of the chain reads after the first one's.
-    feeding: set = set()
-    for d in chain[1:]:
-      stack = [a for a in d.invars if inside(a)]
-      while stack:
-        v = stack.pop()
-        if v not in feeding:
-          feeding.add(v)
-          stack.extend(a for a in lvl.producer[v].invars if inside(a))
-    try:
-      dot_width = max(width(o) for d in chain for o in d.outvars)
-      big = max(size(o) for o in outputs)
-    except TypeError:   # an extended dtype (PRNG keys) has no itemsize
-      return outputs, []
-    keep = set(outputs)
-    recompute: set[int] = set()
-    for o in outputs:
-      if (o not in feeding or o in lvl.out_set or size(o) < big or width(o) <= dot_width
-          or any(c.idx not in removed and (c.prim not in fusible or c.eqn.effects)
-                 for c in lvl.consumers.get(o, ()))):
-        continue
-      items, bases, stack, ok = set(), set(), [o], True
-      while stack and ok:
-        v = stack.pop()
-        p = lvl.producer[v]
-        if p.idx in items:
-          continue
-        if (p.prim not in POINTWISE_PRIMS | LAYOUT_PRIMS or p.groups or p.eqn.effects
-            or len(p.outvars) != 1):
-          ok = False
-          break
-        items.add(p.idx)
-        for a in p.invars:
-          if not isinstance(a, FVar):
-            continue          # a literal
-          if not inside(a):
-            ok = ok and a in read   # a region input: read as is
-            continue
-          if size(a) < size(o) or width(a) < width(o):
-            bases.add(a)      # small (row statistics) or narrow: the region writes it
-          else:
-            stack.append(a)
-      if not ok:
-        continue
-      added = [b for b in bases if b not in keep]
-      if sum(nbytes(b) for b in added) >= nbytes(o):
-        continue
-      keep.discard(o)
-      keep.update(added)
-      recompute |= items
-    if not recompute:
-      return outputs, []
-    order = [o for i in sorted(removed) for o in self.items[i].outvars if o in keep]
-    return order, [self.items[i] for i in sorted(recompute)]
+                  sub_items, group_invars)
 
   def reread_after(self, d: Item) -> bool:
     """Cheap pre-check for single contractions: is a value computed
@@ -727,9 +636,8 @@ class _LevelAnalysis:
       group_invars.update(f.group_invars)
       items.update(f.items)
       removed |= f.removed
-    outside = sorted((it for f in members for it in f.outside), key=lambda it: it.idx)
     return _Found(list(ds), sorted(items), removed, inputs, input_src, outputs, region,
-                  sub_items, group_invars, outside=outside)
+                  sub_items, group_invars)
 
   def regions(self) -> list[_Found]:
     found: list[_Found] = []
@@ -826,7 +734,7 @@ class _LevelAnalysis:
     # region took, and dropping it whole lost the layer's MLP region.)
     while True:
       removed = set().union(*(f.removed for f in found)) if found else set()
-      exported = {o for f in found for o in f.exported}
+      exported = {o for f in found for o in f.outputs}
       bad = [f for f in found
              if any((p := self.lvl.producer.get(a)) is not None and p.idx in removed
                     and a not in exported for a in f.input_src)]
@@ -1118,8 +1026,6 @@ class _Emitter:
       self.changed = True
     for o, v in zip(f.outputs, res):
       env[o] = v
-    for it in f.outside:
-      self.emit_item(it, env, original=True)
 
   # -- the level -----------------------------------------------------------
   def emit_level(self, env: dict) -> None:
@@ -1144,7 +1050,7 @@ class _Emitter:
         units.append((it.idx, "item", it, list(it.invars), list(it.outvars),
                       bool(it.eqn.effects)))
     for f in self.found:
-      units.append((max(f.removed), "region", f, list(f.input_src), f.exported, False))
+      units.append((max(f.removed), "region", f, list(f.input_src), list(f.outputs), False))
     prod = {}
     for u, unit in enumerate(units):
       for o in unit[4]:

@@ -315,51 +315,6 @@ def test_extra_output_and_const_input():
   _check_rewrite(f, q, k, v, expect_calls=2)
 
 
-def _softmax32_attention(q, k, v):
-  s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
-  e = jnp.exp(s.astype(jnp.float32) - jnp.max(s.astype(jnp.float32), -1, keepdims=True))
-  p = e / jnp.sum(e, -1, keepdims=True)
-  return jnp.einsum("bqk,bkd->bqd", p.astype(q.dtype), v), e
-
-
-def test_wide_intermediates_are_recomputed_after_the_region():
-  """A training step's forward attention reads its float32 exponentials in
-  the backward: the region writes its float16 scores and row maxima, and
-  the exponentials are recomputed after it (2 + small bytes a score
-  instead of 4), with results identical to the program's. Not where an op
-  XLA cannot fuse them into reads them (a dot), nor where they are
-  returned."""
-  q, k, v, g = (rand(2, 16, 8, dtype=jnp.float16) for _ in range(4))
-
-  def step(q, k, v, g, read_by=None):
-    def loss(q, k, v):
-      o, e = _softmax32_attention(q, k, v)
-      return jnp.sum(o.astype(jnp.float32) * g), e
-    (l, e), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    if read_by == "dot":
-      return l, grads, jnp.einsum("bqk,bkd->bqd", e, v.astype(jnp.float32))
-    return (l, grads, e) if read_by == "output" else (l, grads)
-
-  def attention_region(read_by):
-    closed = jax.make_jaxpr(lambda *a: step(*a, read_by=read_by))(q, k, v, g)
-    rs = [r for r in capture.find_regions(closed) if len(r.region.contractions) == 2
-          and r.region.einsum_summary().startswith("bmk,bnk->bmn")]
-    assert len(rs) == 1, [r.region.einsum_summary() for r in capture.find_regions(closed)]
-    reg = rs[0].region
-    big = [reg.value(b.value) for b in reg.outputs if len(b.shape) == 3 and b.shape[2] == 16]
-    return rs[0], sorted(x.dtype for x in big)
-
-  r, big = attention_region(None)
-  assert big == ["float16", "float16"]          # scores and probabilities
-  check_region_matches_jaxpr(r, rtol=2e-3, atol=2e-3)
-  new = _check_rewrite(lambda *a: step(*a), q, k, v, g)
-  assert "exp" in str(new)                      # the recomputation, after the region
-  for read_by in ("dot", "output"):
-    _, big = attention_region(read_by)
-    assert "float32" in big, read_by
-    _check_rewrite(lambda *a, read_by=read_by: step(*a, read_by=read_by), q, k, v, g)
-
-
 def test_dead_code_is_not_a_reader_but_effects_are():
   """An intermediate that only dead equations read (``jax.grad`` leaves
   such: the JVP of ``reduce_max`` compares its input with the maximum) is

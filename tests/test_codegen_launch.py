@@ -941,32 +941,28 @@ def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
 
 def _training_attention_regions():
   """The attention chains jaxfuse captures, simplified: in a training step
-  with the softmax in float32 ('train') or float16 ('train16'), the float32
-  one also returning its float32 probabilities ('train_probs'), and in the
+  with the softmax in float32 ('train') or float16 ('train16'), and in the
   forward alone."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top
 
   def attention(q, k, v, softmax_dtype=jnp.float32):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-    p = jax.nn.softmax(s.astype(softmax_dtype), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(q.dtype), v), p
+    p = jax.nn.softmax(s.astype(softmax_dtype), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
-  def step(q, k, v, g, softmax_dtype=jnp.float32, probs=False):
+  def step(q, k, v, g, softmax_dtype=jnp.float32):
     # The loss too, as a training step returns it: under jax.grad alone the
     # forward's P @ V is dead code, which capture drops.
-    def loss(*a):
-      o, p = attention(*a, softmax_dtype)
-      return jnp.sum(o.astype(jnp.float32) * g), p
-    (l, p), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return (l, grads, p) if probs else (l, grads)
+    return jax.value_and_grad(
+        lambda *a: jnp.sum(attention(*a, softmax_dtype).astype(jnp.float32) * g),
+        argnums=(0, 1, 2))(q, k, v)
 
   x = jax.ShapeDtypeStruct((2, 256, 4, 64), np.float16)
   chains = {}
   for name, fn, args in (("train", step, (x, x, x, x)),
                          ("train16", lambda *a: step(*a, jnp.float16), (x, x, x, x)),
-                         ("train_probs", lambda *a: step(*a, probs=True), (x, x, x, x)),
-                         ("forward", lambda *a: attention(*a)[0], (x, x, x))):
+                         ("forward", attention, (x, x, x))):
     regions = [ir.simplify(c.region) for c in capture.find_regions(jax.make_jaxpr(fn)(*args))]
     chains[name] = [r for r in regions if len(r.contractions) == 2
                     and r.einsum_summary().startswith("bmgk,bngk")]
@@ -974,19 +970,16 @@ def _training_attention_regions():
 
 
 def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypatch):
-  """A training step's forward attention with a float32 softmax reads its
-  float32 exponentials in the backward. Written by the region (4 bytes a
-  score, with its float16 probabilities 6), it measured slower in the step
-  than XLA's ops, which write the scores in float16 and recompute the rest
-  (H100, seventy-first session: 26.5 against 20.1 us per BERT-Base layer),
-  while timed alone it won. So the region writes its float16 scores and
-  row maxima instead and the exponentials are recomputed after it
-  (``capture._LevelAnalysis.recomputed_outside``): 4 bytes a score, as
-  XLA's. Where they cannot be (the program returns the float32
-  probabilities) the region is left to XLA under 'model' and 'auto',
-  before any timing; 'measure' still times it and the interpreter still
-  runs it. With a float16 softmax (fused it measured faster: 16.4 against
-  21.9 us) and in the forward alone nothing is wide: neither is left."""
+  """A training step's forward attention with a float32 softmax writes its
+  float32 scores and exponentials and float16 probabilities for the
+  backward; fused, it measured slower in the step than XLA's ops, which
+  write the scores in float16 and recompute the rest (H100, seventy-first
+  session: 26.5 against 20.1 us per BERT-Base layer), while timed alone it
+  won. It is left to XLA under 'model' and 'auto', before any timing;
+  'measure' still times it and the interpreter still runs it. With a
+  float16 softmax its written intermediates are all float16 (fused it
+  measured faster: 16.4 against 21.9 us) and the forward alone writes only
+  its result: neither is left."""
   from jaxfuse.config import config
   from jaxfuse.devices import get_device
   from jaxfuse.planner import cost_model
@@ -994,37 +987,32 @@ def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypat
   h100 = get_device("h100")
   monkeypatch.setattr(devices, "get_device", lambda *a, **k: h100)
   chains = _training_attention_regions()
-  [train], [train16], [probs], [fwd] = (chains[k] for k in ("train", "train16", "train_probs",
-                                                             "forward"))
-  big = {"b", "g", "m", "n"}
-  for r in (train, train16):
-    written = ir.written_intermediates(r)
-    vm = r.value_map
-    # The scores and the probabilities, both float16; the row maxima and
-    # sums it writes too are small: not counted.
-    assert len(written) == 2 and {vm[v].dtype for v in written} == {"float16"}
-    assert all(set(vm[v].loops) == big for v in written)
-    assert {"b", "g", "m"} in [set(vm[v].loops) for v in r.output_names]
-    assert cost_model.writes_its_intermediates(r) is None
-  written = ir.written_intermediates(probs)
-  vm = probs.value_map
-  assert all(set(vm[v].loops) == big for v in written)
-  wide = sorted(v for v in written if vm[v].dtype == "float32")
-  assert wide
+  [train], [train16], [fwd] = chains["train"], chains["train16"], chains["forward"]
+  written = ir.written_intermediates(train)
+  vm = train.value_map
+  # Its exponentials (float32) and probabilities (float16). Its float32
+  # scores are read only by the dead compare of reduce_max's JVP: not written.
+  assert len(written) == 2 and all(set(vm[v].loops) == {"b", "g", "m", "n"} for v in written)
+  assert sorted(vm[v].dtype for v in written) == ["float16", "float32"]
+  # The row maxima and sums it writes too are small: not counted.
+  assert any(set(vm[v].loops) == {"b", "g", "m"} for v in train.output_names)
   assert ir.written_intermediates(fwd) == []
+  written16 = ir.written_intermediates(train16)
+  assert len(written16) == 2 and {train16.value_map[v].dtype for v in written16} == {"float16"}
   assert cost_model.writes_its_intermediates(fwd) is None
-  why = cost_model.writes_its_intermediates(probs)
+  assert cost_model.writes_its_intermediates(train16) is None
+  why = cost_model.writes_its_intermediates(train)
+  wide = sorted(v for v in written if vm[v].dtype == "float32")
   assert why.startswith(f"writes {', '.join(wide)} (") and "MiB" in why
   for tune in ("model", "auto"):
     with config.override(tune=tune):
       with pytest.raises(launch.LeftToXLA, match="wider copies.*left to XLA"):
-        launch._candidate_plans(probs, None, backend="triton")
+        launch._candidate_plans(train, None, backend="triton")
       assert launch._candidate_plans(fwd, None, backend="triton")
-      assert launch._candidate_plans(train, None, backend="triton")
   with config.override(tune="model"):
     assert launch._candidate_plans(train16, None, backend="triton")
   with config.override(tune="auto"):
-    assert launch._candidate_plans(probs, None, backend="interpret")
+    assert launch._candidate_plans(train, None, backend="interpret")
   # 'measure' (its measured tuning replaced by the model's plans here).
   model_plans = launch._planned(train, False)
   monkeypatch.setattr(launch, "_planned", lambda region, measured: model_plans)

@@ -887,13 +887,13 @@ def written_intermediates(region: "Region") -> "list[str]":
   """The region's outputs that a later contraction of the region reads
   (through elementwise ops and reductions) and that are as large as the
   largest such intermediate: a training step's forward attention writes
-  its scores, exponentials and probabilities ([heads, queries, keys]) for
-  the backward. Small ones (an attention's row maxima and sums) are left
+  its exponentials and probabilities ([heads, queries, keys]) for the
+  backward. Small ones (an attention's row maxima and sums) are left
   out. Empty for a region that writes only its results.
 
   Example::
 
-      written_intermediates(region)   # ['t1', 't5', 't8']
+      written_intermediates(region)   # ['t5', 't8']
   """
   ext = region.loop_extents
   # In op order, so that callers and messages see one order run to run.

@@ -1318,19 +1318,24 @@ def writes_its_intermediates(region: ir.Region) -> Optional[str]:
   """Why ``region`` is left to XLA whatever its plan, or None: among the
   intermediates it must write because the program reads them after it
   (``ir.written_intermediates``) are wider copies of a narrower product
-  (float32 scores of a float16 ``q @ k``), which XLA's program does not
-  write.
+  (float32 exponentials of float16 ``q @ k`` scores), which XLA's
+  program does not write.
 
   Why: a training step's forward attention with its softmax in float32
-  writes its float32 scores and exponentials and its float16
-  probabilities for the backward (10 bytes a score). XLA's program writes
-  the float16 scores and probabilities (4 bytes) and recomputes the rest
-  inside the backward's kernels. On the H100 (seventy-first session, BERT
-  training steps) the fused kernel took 26.5 us per layer against XLA's
-  20.1 at Base batch 1, and 116 against 62 at Small batch 8. Timed alone
-  against its own ops, which had to write the same arrays, it had won
-  (116.5 against 162.7 us), so no timing of the region can tell. Over the
-  step the device time was 0.93x (Base) and 0.86x (Small) of XLA's. With
+  wrote its float32 scores and exponentials and its float16 probabilities
+  for the backward (10 bytes a score; 6 since capture drops the dead code
+  that read the scores). XLA's program writes the float16 scores and
+  probabilities (4 bytes) and recomputes the rest inside the backward's
+  kernels. On the H100 (seventy-first session, BERT training steps) the
+  fused kernel took 26.5 us per layer against XLA's 20.1 at Base batch 1,
+  and 116 against 62 at Small batch 8. Timed alone against its own ops,
+  which had to write the same arrays, it had won (116.5 against 162.7
+  us), so no timing of the region can tell. Over the step the device time
+  was 0.93x (Base) and 0.86x (Small) of XLA's. Writing the float16 scores
+  instead and recomputing the exponentials after the region (4 bytes) did
+  not help either: the region, which must hold whole rows to write the
+  probabilities, ran 16.0 us per Base layer and 73.8 per Small-b8 layer,
+  and the steps ran slower than without it (seventy-fourth session). With
   the softmax in float16 the region writes float16 scores, exponentials
   and probabilities (6 bytes), and fused it ran 16.4 us per Base layer
   against XLA's 21.9: such a region is not left.

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
 try:  # jax >= 0.4.30
   from jax.extend import core as jex_core
@@ -363,7 +364,8 @@ def live_code(closed: ClosedJaxpr) -> ClosedJaxpr:
     from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
     jx, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars),
                          instantiate=True)
-  except Exception:  # pylint: disable=broad-except
+  except Exception as e:  # pylint: disable=broad-except
+    logging.vlog(1, "jaxfuse capture: dead-code pass skipped (%s: %s)", type(e).__name__, e)
     return closed
   if len(jx.eqns) == len(closed.jaxpr.eqns):
     return closed

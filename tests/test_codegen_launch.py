@@ -971,10 +971,10 @@ def _training_attention_regions():
 
 def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypatch):
   """A training step's forward attention with a float32 softmax writes its
-  float32 exponentials and float16 probabilities for the backward; fused, it measured slower in the step than XLA's ops, which
-  write the scores in float16 and recompute the rest (H100, seventy-first
-  session: 26.5 against 20.1 us per BERT-Base layer), while timed alone it
-  won. It is left to XLA under 'model' and 'auto', before any timing;
+  float32 exponentials and float16 probabilities for the backward; fused,
+  it measured slower in the step than XLA's ops, which write the scores in
+  float16 and recompute the rest (H100, seventy-first session: 26.5
+  against 20.1 us per BERT-Base layer), while timed alone it won. It is left to XLA under 'model' and 'auto', before any timing;
   'measure' still times it and the interpreter still runs it. With a
   float16 softmax its written intermediates are all float16 (fused it
   measured faster: 16.4 against 21.9 us) and the forward alone writes only

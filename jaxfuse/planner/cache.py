@@ -77,8 +77,10 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # 28: plans carry their kernel form (Plan.form): softmax attention on Hopper
 # may rank the warp-specialized Gluon kernel (planner.kernel_forms) first;
 # 29: measured tuning times that kernel too (kernel_forms.FormTiming); 30:
-# entries keep the model's best plan of each other structure (``Entry.alternatives``).
-FORMAT_VERSION = 30
+# entries keep the model's best plan of each other structure (``Entry.alternatives``);
+# 31: the Gluon attention form priced from its own schedule
+# (``kernel_forms.gluon_attention_time``).
+FORMAT_VERSION = 31
 
 
 def _version() -> str:

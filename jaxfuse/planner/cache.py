@@ -79,8 +79,9 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # 29: measured tuning times that kernel too (kernel_forms.FormTiming); 30:
 # entries keep the model's best plan of each other structure (``Entry.alternatives``);
 # 31: the Gluon attention form priced from its own schedule
-# (``kernel_forms.gluon_attention_time``).
-FORMAT_VERSION = 31
+# (``kernel_forms.gluon_attention_time``); 32: XLA's softmax priced as the
+# one row kernel it runs (cached verdicts compare against that price).
+FORMAT_VERSION = 32
 
 
 def _version() -> str:

@@ -1174,6 +1174,66 @@ def _computed_from(region: ir.Region, sources) -> set:
   return found
 
 
+def _fused_reads(region: ir.Region, value: str) -> frozenset:
+  """The values a kernel of XLA's reads to compute ``value``: those as
+  large as it that it is computed from through elementwise ops, which XLA
+  fuses into the kernel that reads them (contraction results, reductions'
+  results, region inputs). Smaller ones (an attention's row maxima) are
+  left out.
+
+  Why: a float32 softmax over float16 scores reads the scores, 2 bytes an
+  element, and converts them in registers; and XLA runs a softmax's two
+  reductions as one kernel that reads the scores once (a Triton softmax
+  kernel on Hopper; seventieth session). Priced as two kernels over the
+  4-byte converted values, XLA's ops of a BERT training step's forward
+  attention came to 29.1 us per Base-b1 layer and 144.3 per Small-b8
+  layer, where XLA ran them in 20.1 and 62 (seventy-first and
+  seventy-fourth sessions); MCFuser's S1-S9 at 1.05-1.82x XLA's kernel
+  time, large attention at 2x.
+  """
+  vm, ext = region.value_map, region.loop_extents
+  size = lambda v: math.prod(ext[l] for l in vm[v].loops)
+  producer = {op.out: op for op in region.ops}
+  n = size(value)
+  reads, seen, stack = set(), set(), [value]
+  while stack:
+    v = stack.pop()
+    if v in seen:
+      continue
+    seen.add(v)
+    op = producer.get(v)
+    if isinstance(op, ir.Elementwise):
+      stack.extend(a for a in op.inputs if size(a) >= n)
+    elif not isinstance(op, ir.Iota):   # an index is computed, not read
+      reads.add(v)
+  return frozenset(reads)
+
+
+def _innermost_in_all(region: ir.Region, loop: str, values) -> bool:
+  """Whether ``loop`` is the innermost dimension of each of ``values`` as
+  XLA holds them: a contraction's result in its loops' order (the order of
+  the GEMM's output), a region input by its strides.
+
+  Why: XLA fuses a softmax into one row-reduction kernel only where the
+  reduced dimension is the minor one. On the H100 (seventy-fourth session)
+  head-major attention's softmax ran as one kernel that read the scores
+  once (D256-T4096: 370 us), token-major attention's, whose scores the
+  GEMM writes keys before queries, as a maximum, an exponential with its
+  sum and a transpose (1148 us)."""
+  vm = region.value_map
+  inputs = {b.value: b for b in region.inputs}
+  producer = {op.out: op for op in region.ops}
+  for v in values:
+    if v in inputs:
+      st = dict(inputs[v].strides)
+      if st.get(loop, 0) != 1:
+        return False
+    elif isinstance(producer.get(v), ir.Contraction):
+      if vm[v].loops[-1] != loop:
+        return False
+  return True
+
+
 def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   """The region as XLA runs it unfused: each contraction one library GEMM
   (``_library_gemm_time``; those XLA merges, ``ir.xla_merged_dots``, one
@@ -1210,6 +1270,7 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
   # shared lhs) or rows (a shared rhs) summed.
   merged: dict[str, tuple[int, int, int, int]] = {}
   priced_with_first: set = set()
+  reduced: set = set()
   for group in ir.xla_merged_dots(region):
     dims = [_gemm_dims(region, c, ext) for c in group]
     rows, cols, batch, red = dims[0]
@@ -1231,9 +1292,21 @@ def unfused_time(region: ir.Region, device: DeviceSpec) -> float:
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)
       total += _library_gemm_time(rows, cols, batch, red, itemsize, peak, device)
     elif isinstance(op, ir.Reduction):
-      src = vm[op.inputs[0]]
-      n = math.prod(ext[l] for l in src.loops)
-      total += 2 * n * ir.dtype_itemsize(src.dtype) / device.mem_bandwidth_Bps + device.min_kernel_s
+      n = math.prod(ext[l] for l in vm[op.inputs[0]].loops)
+      reads = _fused_reads(region, op.inputs[0])
+      if _innermost_in_all(region, op.loop, reads):
+        # Reductions over one loop of what the same values compute (a
+        # softmax's maximum and sum) are one kernel of XLA's (_fused_reads).
+        if (op.loop, reads) in reduced:
+          continue
+        reduced.add((op.loop, reads))
+        width = sum(ir.dtype_itemsize(vm[v].dtype) for v in reads)
+      else:
+        # Reduced across rows (token-major attention's scores, whose GEMM
+        # writes keys before queries): XLA runs each reduction as a kernel
+        # of its own over the value it reduces.
+        width = ir.dtype_itemsize(vm[op.inputs[0]].dtype)
+      total += 2 * n * width / device.mem_bandwidth_Bps + device.min_kernel_s
   # Elementwise kernels of their own: (op outputs, traffic s, launches).
   own: list[tuple[set, float, int]] = []
   placed: set = set()

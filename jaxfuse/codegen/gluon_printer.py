@@ -66,7 +66,8 @@ from jaxfuse.codegen import streaming
 from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel
 
 __all__ = ["GLUON_ATTENTION", "AttentionForm", "BandCode", "attention_form", "band_code", "key_blocks",
-           "print_kernel", "tile_sizes", "ROWS_PER_WARPGROUP", "SCRATCH_PER_PROGRAM"]
+           "print_kernel", "smem_bytes", "tile_sizes", "ROWS_PER_WARPGROUP",
+           "SCRATCH_PER_PROGRAM"]
 
 # Plan.form of this kernel.
 GLUON_ATTENTION = "gluon-ws"
@@ -380,6 +381,13 @@ def tile_sizes(form: AttentionForm) -> tuple[int, int]:
   while stages > 2 and fixed + stages * bn * (D + E) * item > _SMEM_BYTES:
     stages -= 1
   return bn, stages
+
+
+def smem_bytes(form: AttentionForm, bn: int, stages: int) -> int:
+  """Shared memory of the kernel: the query/output tile, ``stages`` K/V
+  slots of ``bn`` keys, and 1 KB of barriers."""
+  _, _, D, E = form.extents
+  return BLOCK_M * max(D, E) * 2 + stages * bn * (D + E) * 2 + 1024
 
 
 _TEMPLATE = string.Template('''\
@@ -764,7 +772,7 @@ def print_kernel(region: ir.Region, plan, *, sm_count: int) -> PrintedKernel:
   if plan.tile(form.m) != BLOCK_M or N % bn or bn not in (64, 128):
     raise CodegenError(f"tiles m={plan.tile(form.m)}, n={bn}: the kernel takes m={BLOCK_M}, "
                        f"n=64 or 128 dividing {N}")
-  smem = BLOCK_M * max(D, E) * 2 + stages * bn * (D + E) * 2 + 1024
+  smem = smem_bytes(form, bn, stages)
   if smem > _SMEM_BYTES:
     raise CodegenError(f"{stages} stages of {bn}-key tiles need {smem} bytes of shared memory")
   name = "jaxfuse_gluon_attention_" + region.signature()[:12].replace("-", "_")

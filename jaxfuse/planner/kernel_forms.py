@@ -119,7 +119,7 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
       pred.time_s
   """
   from jaxfuse.codegen import gluon_printer  # pylint: disable=g-import-not-at-top
-  m_ext, n_ext, d_ext, e_ext = form.extents
+  _, _, d_ext, e_ext = form.extents
   bm = gluon_printer.BLOCK_M
   bn, stages = gluon_printer.tile_sizes(form)
   sms = dev.sm_count
@@ -131,13 +131,16 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
   if form.cap is not None:
     ops, sfu_ops = ops + GLUON_CAP_OPS[0], sfu_ops + GLUON_CAP_OPS[1]
 
+  def softmax(extra_ops: int) -> float:
+    return bm * bn * ((ops + extra_ops) / vector + sfu_ops / sfu)
+
   def block(extra_ops: int) -> float:
-    t_soft = bm * bn * ((ops + extra_ops) / vector + sfu_ops / sfu)
+    t_soft = softmax(extra_ops)
     return max(t_dots, t_soft) + (1.0 - GLUON_OVERLAP) * min(t_dots, t_soft)
 
   t_block, t_cut = block(0), block(GLUON_MASK_OPS)
   band = form.band
-  per_tile, blocks = [], 0
+  per_tile, blocks, cuts = [], 0, 0
   for i, (lo, hi) in enumerate(gluon_printer.key_blocks(form, bn)):
     r0, r1 = i * bm, i * bm + bm - 1
     cut = 0
@@ -148,6 +151,7 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
                 or (band.lower is not None and j * bn < r1 + band.lower))
     per_tile.append((hi - lo - cut) * t_block + cut * t_cut + GLUON_TILE_S)
     blocks += hi - lo
+    cuts += cut
   heads = math.prod(x for _, x in form.batch)
   causal = band is not None and band.upper is not None and band.lower is None
   if causal and gluon_printer.CAUSAL_TILE_ORDER == "pairs" and len(per_tile) % 2 == 0:
@@ -161,12 +165,15 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
   flops = 2 * bm * bn * (d_ext + e_ext) * blocks * heads
   item = 2
   moved = heads * (len(per_tile) * bm * (d_ext + e_ext) + blocks * bn * (d_ext + e_ext)) * item
-  t_comp = t_dots * blocks * heads / sms
-  return Prediction(time_s=t_program, t_mem_s=moved / dev.mem_bandwidth_Bps, t_comp_s=t_comp,
-                    alpha=1.0, bytes_moved=int(moved), flops=int(flops),
-                    smem_bytes=bm * max(d_ext, e_ext) * item + stages * bn * (d_ext + e_ext) * item + 1024,
+  # Tensor-core and vector work of the whole grid spread over the SMs.
+  t_dot = t_dots * blocks * heads / sms
+  t_vec = (softmax(0) * (blocks - cuts) + softmax(GLUON_MASK_OPS) * cuts) * heads / sms
+  t_mem = moved / dev.mem_bandwidth_Bps
+  return Prediction(time_s=t_program, t_mem_s=t_mem, t_comp_s=t_dot + t_vec,
+                    alpha=t_program / (t_mem + t_dot + t_vec), bytes_moved=int(moved),
+                    flops=int(flops), smem_bytes=gluon_printer.smem_bytes(form, bn, stages),
                     programs=programs, t_program_s=t_program, steps=len(units[::programs]),
-                    t_dot_s=t_comp, t_vector_s=0.0, t_traffic_s=moved / dev.mem_bandwidth_Bps,
+                    t_dot_s=t_dot, t_vector_s=t_vec, t_traffic_s=t_mem,
                     waves=1)
 
 

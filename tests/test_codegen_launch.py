@@ -65,7 +65,15 @@ def test_gemm_chain_property(M, N, K, H, tm, tn, tk, order, dtype):
     tiles["h"] = next_pow2(H)
   k = generate(r, T.simple_plan(r, grid, tree, tiles), interpret=True)
   xs = launch.random_inputs(r, seed=M * 1000 + N)
-  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  [got], [ref] = launch.run_interpreted(k, xs), ir.evaluate(r, xs)
+  # The error against the products' magnitudes (the chain of |A|, |B|,
+  # |D|), as a dot's rounding is bounded: where an output cancels to near
+  # zero, float32's TF32 dots (2^-11) read large against the output alone
+  # (M=6, N=20, K=1, H=1: 8e-3 against it, each output off by the same
+  # factor, the rounded terms of one cancelling sum).
+  scale = ir.evaluate(r, [np.abs(x) for x in xs])[0]
+  err = (np.linalg.norm(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+         / np.linalg.norm(np.asarray(scale, np.float64)))
   assert err <= launch.tolerance(r), (err, k.plan)
 
 

@@ -447,7 +447,8 @@ def test_an_index_read_as_a_bias_is_not_a_mask():
 def test_the_printed_band_keeps_exactly_the_band(lower, upper, m, n, bn):
   """Evaluates the kernel's printed block ranges, per-block mask decision
   and keep predicate over every (query, key) and compares them with the
-  band itself, and ``key_blocks`` with the blocks that hold a kept key."""
+  band itself, ``key_blocks`` with the blocks that hold a kept key, and
+  ``masked_blocks`` (the price's count) with the printed mask decisions."""
   import types
   import numpy as np
   band = streaming.Band("m", lower, upper)
@@ -463,7 +464,9 @@ def test_the_printed_band_keeps_exactly_the_band(lower, upper, m, n, bn):
   got = np.zeros((m, n), bool)
   form = dataclasses.replace(_FORM, extents=(m, n, 64, 64), band=band)
   spans = gp.key_blocks(form, bn)
+  masked = gp.masked_blocks(form, bn)
   for t, m0 in enumerate(range(0, m, gp.BLOCK_M)):
+    halves = 0
     lo = eval(code.blk_lo, dict(env, m0=m0))   # pylint: disable=eval-used
     hi = eval(code.blk_hi, dict(env, m0=m0))   # pylint: disable=eval-used
     assert spans[t] == (lo, hi)
@@ -476,10 +479,12 @@ def test_the_printed_band_keeps_exactly_the_band(lower, upper, m, n, bn):
         kb = blk * bn
         sl = (slice(r0, r0 + gp.ROWS_PER_WARPGROUP), slice(kb, kb + bn))
         if eval(code.need, dict(env, kb=kb, r0=r0)):   # pylint: disable=eval-used
+          halves += 1
           rel = i[:, sl[1]] - o[sl[0]]
           got[sl] = eval(code.keep, dict(rel=rel))   # pylint: disable=eval-used
         else:
           got[sl] = True
+    assert masked[t] == halves / 2, (m0, masked[t], halves)
   np.testing.assert_array_equal(got, want)
 
 

@@ -66,7 +66,7 @@ from jaxfuse.codegen import streaming
 from jaxfuse.codegen.triton_printer import CodegenError, PrintedKernel
 
 __all__ = ["GLUON_ATTENTION", "AttentionForm", "BandCode", "attention_form", "band_code", "key_blocks",
-           "print_kernel", "smem_bytes", "tile_sizes", "ROWS_PER_WARPGROUP",
+           "masked_blocks", "print_kernel", "smem_bytes", "tile_sizes", "ROWS_PER_WARPGROUP",
            "SCRATCH_PER_PROGRAM"]
 
 # Plan.form of this kernel.
@@ -597,6 +597,23 @@ def key_blocks(form: AttentionForm, bn: int) -> list[tuple[int, int]]:
     if form.band is not None and form.band.lower is not None:
       lo = max(lo, (m0 + form.band.lower) // bn)
     out.append((lo, hi))
+  return out
+
+
+def masked_blocks(form: AttentionForm, bn: int) -> list[float]:
+  """Per query tile, the key blocks (of ``bn``) in which the kernel applies
+  ``form.band``'s mask, counted in halves: each warpgroup masks a block
+  where one of its rows drops a key (``band_code``'s ``need``)."""
+  band = form.band
+  out = []
+  for m0, (lo, hi) in zip(range(0, form.extents[0], BLOCK_M), key_blocks(form, bn)):
+    halves = 0
+    if band is not None:
+      for r0 in range(m0, m0 + BLOCK_M, ROWS_PER_WARPGROUP):
+        halves += sum(1 for j in range(lo, hi)
+                      if (band.upper is not None and j * bn + bn - 1 - r0 > band.upper)
+                      or (band.lower is not None and j * bn - r0 - (ROWS_PER_WARPGROUP - 1) < band.lower))
+    out.append(halves / (BLOCK_M // ROWS_PER_WARPGROUP))
   return out
 
 

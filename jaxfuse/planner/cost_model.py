@@ -1193,7 +1193,6 @@ def _fused_reads(region: ir.Region, value: str) -> frozenset:
   """
   vm, ext = region.value_map, region.loop_extents
   size = lambda v: math.prod(ext[l] for l in vm[v].loops)
-  producer = {op.out: op for op in region.ops}
   n = size(value)
   reads, seen, stack = set(), set(), [value]
   while stack:
@@ -1201,7 +1200,7 @@ def _fused_reads(region: ir.Region, value: str) -> frozenset:
     if v in seen:
       continue
     seen.add(v)
-    op = producer.get(v)
+    op = region.producer(v)
     if isinstance(op, ir.Elementwise):
       stack.extend(a for a in op.inputs if size(a) >= n)
     elif not isinstance(op, ir.Iota):   # an index is computed, not read
@@ -1222,13 +1221,12 @@ def _innermost_in_all(region: ir.Region, loop: str, values) -> bool:
   sum and a transpose (1148 us)."""
   vm = region.value_map
   inputs = {b.value: b for b in region.inputs}
-  producer = {op.out: op for op in region.ops}
   for v in values:
     if v in inputs:
       st = dict(inputs[v].strides)
       if st.get(loop, 0) != 1:
         return False
-    elif isinstance(producer.get(v), ir.Contraction):
+    elif isinstance(region.producer(v), ir.Contraction):
       if vm[v].loops[-1] != loop:
         return False
   return True

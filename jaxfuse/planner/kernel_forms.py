@@ -140,15 +140,8 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
 
   t_block, t_cut = block(0), block(GLUON_MASK_OPS)
   band = form.band
-  per_tile, blocks, cuts = [], 0, 0
-  for i, (lo, hi) in enumerate(gluon_printer.key_blocks(form, bn)):
-    r0, r1 = i * bm, i * bm + bm - 1
-    cut = 0
-    if band is not None:
-      # Blocks where some row of the tile drops a key: the kernel masks there.
-      cut = sum(1 for j in range(lo, hi)
-                if (band.upper is not None and j * bn + bn - 1 > r0 + band.upper)
-                or (band.lower is not None and j * bn < r1 + band.lower))
+  per_tile, blocks, cuts = [], 0, 0.0
+  for (lo, hi), cut in zip(gluon_printer.key_blocks(form, bn), gluon_printer.masked_blocks(form, bn)):
     per_tile.append((hi - lo - cut) * t_block + cut * t_cut + GLUON_TILE_S)
     blocks += hi - lo
     cuts += cut

@@ -690,6 +690,59 @@ def test_dot_product_attention_local_window_runs_the_window_only(left, right, ca
   assert f"tl.maximum(0, (pid_{o} * BLOCK_{o.upper()} - {left}) // BLOCK_{n}" in k.source
 
 
+def _attention_with_epilogue(name):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  dpa = jax.nn.dot_product_attention
+  return {
+      "residual": lambda q, k, v, n: dpa(q, k, v) + q,
+      "scale": lambda q, k, v, n: dpa(q, k, v) * 2.0,
+      "tanh": lambda q, k, v, n: jnp.tanh(dpa(q, k, v, is_causal=True)),
+      # Padded queries: the result's rows past each sequence's length are zeroed.
+      "query_lengths": lambda q, k, v, n: dpa(q, k, v, query_seq_lengths=n,
+                                              key_value_seq_lengths=n),
+  }[name]
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "scale", "tanh", "query_lengths"])
+def test_attention_with_an_epilogue_on_its_result_streams_the_keys(epilogue):
+  """Ops on attention's result (a residual add, a scale, an activation, the
+  query-padding mask of ``query_seq_lengths``) read P.V after the key loop
+  divides it by the softmax sum. Placement treated them as producers of that
+  deferred sum, so no plan was legal and the whole region went to XLA. Now
+  planned with the keys streamed, and the kernels match the IR."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  sd = jax.ShapeDtypeStruct((2, 200, 4, 16), np.float32)
+  lengths = jax.ShapeDtypeStruct((2,), np.int32)
+  fn = _attention_with_epilogue(epilogue)
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(sd, sd, sd, lengths))
+  r = cap.region
+  res = plan_region(r, "h100", use_cache=False)
+  assert res.best is not None, res.why_not
+  streamed = [p for p in res.ranked if p.tile("n") < r.extent("n")]
+  assert streamed, res.ranked
+  for plan in streamed[:2]:
+    run_and_check(r, plan)
+
+
+def test_decoding_attention_with_an_epilogue_splits_its_keys():
+  """One query per head over 4096 keys: the keys are split across programs,
+  and the combine pass applies the residual add after the division."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  q = jax.ShapeDtypeStruct((1, 1, 8, 64), np.float32)
+  kv = jax.ShapeDtypeStruct((1, 4096, 8, 64), np.float32)
+  lengths = jax.ShapeDtypeStruct((1,), np.int32)
+  fn = _attention_with_epilogue("residual")
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(q, kv, kv, lengths))
+  best = plan_region(cap.region, "h100", use_cache=False).best
+  assert best is not None and best.split, best
+  run_and_check(cap.region, best)
+
+
 @pytest.mark.parametrize("mask", ["or", "additive -1e3", "data"])
 def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
   """A disjunction of compares, an additive fill too close to the scores

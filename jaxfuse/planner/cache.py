@@ -80,8 +80,10 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # entries keep the model's best plan of each other structure (``Entry.alternatives``);
 # 31: the Gluon attention form priced from its own schedule
 # (``kernel_forms.gluon_attention_time``); 32: XLA's softmax priced as the
-# one row kernel it runs (cached verdicts compare against that price).
-FORMAT_VERSION = 32
+# one row kernel it runs (cached verdicts compare against that price); 33: an
+# epilogue on attention's result no longer makes every plan illegal (cached
+# "no legal plan" verdicts would keep such regions on XLA).
+FORMAT_VERSION = 33
 
 
 def _version() -> str:

@@ -933,12 +933,13 @@ def _deferred_pairs(region) -> frozenset[tuple[str, str]]:
   for st in info.streamed.values():
     for v, _ in st.deferred:
       sc = st.scale_of(v)
-      for _, factor in (sc.deferred if sc else ()):
-        pairs.add((v, factor))
-        # The factor's own producers (a convert of the sum, ...) are post
-        # values too: anything in ``post`` may follow the deferred value.
-      for p in st.post:
-        pairs.add((v, p))
+      factors = [factor for _, factor in (sc.deferred if sc else ())]
+      pairs.update((v, factor) for factor in factors)
+      # The factors' own producers after the loop (a convert of the sum, ...)
+      # may follow the deferred value too. Other post values, such as an
+      # epilogue of the P.V accumulator (``o * mask``, ``o + x``), read the
+      # result and so must come after it.
+      pairs.update((v, p) for p in st.post if region.computed_from(factors, p))
   return frozenset(pairs)
 
 

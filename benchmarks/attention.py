@@ -29,7 +29,12 @@ the library baselines), and Gemma-2's attention: causal, grouped heads,
 scores soft-capped as ``cap * tanh(s / cap)`` (``GEMMA2-<size>-T<seq>``,
 group ``softcap``; no library call takes the cap, so ``jax.jit`` is the one
 baseline), and head dimension 256 without the cap (``D256-T<seq>-h<heads>-
-kv<kv>`` and its causal variant, group ``d256``). The
+kv<kv>`` and its causal variant, group ``d256``), and batches of padded
+sequences (``PAD-B<batch>-T<seq>-h<heads>-d<dim>``, group ``padded``: each
+sequence has its own length, drawn between a quarter of ``T`` and ``T``;
+keys past it are masked and the result's rows past it are zeroed, as
+``jax.nn.dot_product_attention(query_seq_lengths=..,
+key_value_seq_lengths=..)`` does, which the library baselines call). The
 plain function of a grouped case folds each key/value head's query heads
 into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
 ``jax.nn.dot_product_attention``'s XLA path does. Causal masks are top-left
@@ -125,6 +130,10 @@ GEMMA2 = {"GEMMA2-2B-T4096": (1, 8, 4, 4096, 256, 256 ** -0.5, 50.0, 0),
 # (batch, heads, kv heads, T, d): head dimension 256 without the cap, where
 # cuDNN competes.
 D256 = {"D256-T4096-h16-kv8": (1, 16, 8, 4096, 256)}
+# (batch, heads, T, d): padded batches, sequences of their own lengths (BERT-
+# Base's inference at 512 tokens, and longer prompts at 2048).
+PADDED = {"PAD-B8-T512-h12-d64": (8, 12, 512, 64),
+          "PAD-B4-T2048-h16-d128": (4, 16, 2048, 128)}
 
 
 def unpack_qkv(qkv, heads: int):
@@ -135,14 +144,17 @@ def unpack_qkv(qkv, heads: int):
 
 
 def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
-                   kv_heads: int = 0, window: int = 0, softcap: float = 0.0) -> Callable:
+                   kv_heads: int = 0, window: int = 0, softcap: float = 0.0,
+                   padded: bool = False) -> Callable:
   """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile).
 
   ``kv_heads`` below ``heads``: grouped-query attention; k and v have
   ``kv_heads`` heads, each shared by ``heads // kv_heads`` query heads.
   ``window`` (with ``causal``): query i sees keys i - window .. i.
   ``softcap``: scaled scores become ``softcap * tanh(s / softcap)`` before
-  the mask (Gemma 2)."""
+  the mask (Gemma 2). ``padded``: the function takes a fourth argument, the
+  int32 length of each sequence [B]; keys at or past it are masked and the
+  result's rows at or past it are zero."""
   if layout == "packed":
     inner = make_attention(causal, scale, "bthd", window=window, softcap=softcap)
     return lambda qkv: inner(*unpack_qkv(qkv, heads))
@@ -155,7 +167,7 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
     qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
     pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
 
-  def attention(q, k, v):
+  def attention(q, k, v, lengths=None):
     shape = q.shape
     if grouped:
       b = shape[0]
@@ -172,9 +184,26 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
       if window:
         keep = keep & (qi - ki <= window)
       s = jnp.where(keep, s, -jnp.inf)
+    if padded:
+      # [B, 1.., N] against the scores' [B, .., M, N]: key j of sequence b
+      # counts while j < lengths[b].
+      ki = jax.lax.broadcasted_iota(jnp.int32, (1,) * (s.ndim - 1) + (s.shape[-1],), s.ndim - 1)
+      s = jnp.where(ki < lengths.reshape((-1,) + (1,) * (s.ndim - 1)), s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum(pv, p, v).reshape(shape[:-1] + (v.shape[-1],))
+    o = jnp.einsum(pv, p, v).reshape(shape[:-1] + (v.shape[-1],))
+    if padded:
+      t_axis = 2 if layout == "bhtd" else 1
+      qi = jax.lax.broadcasted_iota(jnp.int32, o.shape, t_axis)
+      o = jnp.where(qi < lengths.reshape((-1,) + (1,) * (o.ndim - 1)), o, 0).astype(o.dtype)
+    return o
   return attention
+
+
+def sequence_lengths(b: int, t: int) -> list[int]:
+  """Lengths of a padded batch's ``b`` sequences, evenly spread from t/4 to
+  t (the same in every input set, so each call does the same work)."""
+  lo = max(1, t // 4)
+  return [lo + (t - lo) * i // max(1, b - 1) for i in range(b)]
 
 
 def causal_pairs(m: int, n: int, window: int = 0) -> int:
@@ -186,7 +215,7 @@ def causal_pairs(m: int, n: int, window: int = 0) -> int:
 def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
               causal: bool, layout: str, group: str, dtype: str, kv_heads: int = 0,
               window: int = 0, softcap: float = 0.0, scale: float = 0.0,
-              extra: dict | None = None) -> harness.Case:
+              padded: bool = False, extra: dict | None = None) -> harness.Case:
   scale = scale or 1.0 / math.sqrt(dk)
   kv = kv_heads or h
   if h % kv:
@@ -198,7 +227,10 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
                      f"N={n}, K={dk}, H={dv}, {kv} of {h} heads")
   if window and not causal:
     raise ValueError(f"case {name}: a sliding window is measured with a causal mask")
-  fn = make_attention(causal, scale, layout, h, kv, window, softcap)
+  if padded and (layout == "packed" or m != n):
+    raise ValueError(f"case {name}: padded sequences are measured as self-attention "
+                     "(M == N) in the bhtd or bthd layout")
+  fn = make_attention(causal, scale, layout, h, kv, window, softcap, padded)
 
   def shape(heads, t, d):
     return (b, heads, t, d) if layout == "bhtd" else (b, t, heads, d)
@@ -207,16 +239,22 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
     kq, kk, kvk = jax.random.split(key, 3)
     if layout == "packed":
       return (harness.normal(kq, (b, m, 3 * h * dk), dt),)
-    return (harness.normal(kq, shape(h, m, dk), dt), harness.normal(kk, shape(kv, n, dk), dt),
-            harness.normal(kvk, shape(kv, n, dv), dt))
+    qkv = (harness.normal(kq, shape(h, m, dk), dt), harness.normal(kk, shape(kv, n, dk), dt),
+           harness.normal(kvk, shape(kv, n, dv), dt))
+    # An array, not a constant: the compiled programs cannot specialize on it.
+    return qkv + (jnp.asarray(sequence_lengths(b, n), jnp.int32),) if padded else qkv
 
-  pairs = causal_pairs(m, n, window) if causal else m * n
+  if padded:   # useful work: each sequence's own length squared
+    pairs = sum(x * x for x in sequence_lengths(b, n)) / b
+  else:
+    pairs = causal_pairs(m, n, window) if causal else m * n
   item = jnp.dtype(dtype).itemsize
   flops = 2.0 * b * h * pairs * (dk + dv)
-  nbytes = float(item * b * (h * m * dk + kv * n * dk + kv * n * dv + h * m * dv))
+  kept = sum(sequence_lengths(b, n)) / (b * n) if padded else 1.0   # rows past a length are not read
+  nbytes = float(item * b * (kept * (h * m * dk + kv * n * dk + kv * n * dv) + h * m * dv))
   params = {"batch": b, "heads": h, "kv_heads": kv, "M": m, "N": n, "K": dk, "H": dv,
             "causal": causal, "window": window, "layout": layout, "scale": scale,
-            "softcap": softcap}
+            "softcap": softcap, "padded": padded}
   params.update(extra or {})
   return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
 
@@ -228,7 +266,7 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
             "gqa": [], "gqa-causal": [], "decode": [], "window": [], "softcap": [],
-            "d256": [], "shapes": []}
+            "d256": [], "padded": [], "shapes": []}
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
@@ -273,6 +311,11 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                       layout=layout, kv_heads=kv, group="head dimension 256", dtype=dtype)
         cases[c.name] = c
         groups["d256"].append(c.name)
+    for s, (b, h, t, d) in PADDED.items():
+      c = make_case(s, b, h, t, t, d, d, causal=False, layout=layout, padded=True,
+                    group="padded sequences", dtype=dtype)
+      cases[c.name] = c
+      groups["padded"].append(c.name)
   for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
     causal = sfx == "c"
     kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""
@@ -345,7 +388,10 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   # Everything below but the plain function wants [B, T, N, H] (jax) or
   # [B, N, T, H] (torch); convert outside timing (for 'packed': q, k and v
   # split into their own arrays, each baseline's best case).
-  to_btnh = (lambda q, k, v: (_swap(q), _swap(k), _swap(v))) if layout == "bhtd" else None
+  padded = p.get("padded", False)
+  unpadded = "takes no sequence lengths" if padded else None
+  to_btnh = ((lambda q, k, v, *lengths: (_swap(q), _swap(k), _swap(v), *lengths))
+             if layout == "bhtd" else None)
   from_btnh = _swap if layout == "bhtd" else None
   if layout == "packed":
     to_btnh = lambda qkv: unpack_qkv(qkv, p["heads"])
@@ -354,8 +400,11 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
   local = {"local_window_size": (window, 0)} if window else {}
 
   def dpa(impl):
-    return lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=causal, implementation=impl, **local)
+    def call(q, k, v, lengths=None):
+      lens = {"query_seq_lengths": lengths, "key_value_seq_lengths": lengths} if padded else {}
+      return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                          implementation=impl, **local, **lens)
+    return call
 
   def pallas(q, k, v):
     from jax.experimental.pallas.ops.gpu import attention as pa  # pylint: disable=g-import-not-at-top
@@ -394,13 +443,16 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
                       restore=from_btnh, check=lambda: capped or _dpa_xla_check(),
                       note="jaxfuse.jit of jax.nn.dot_product_attention(implementation='xla')"),
       harness.JaxImpl("pallas", pallas, prepare=to_btnh, restore=from_btnh,
-                      needs_gpu=True, check=lambda: capped or _pallas_check(grouped, window),
+                      needs_gpu=True,
+                      check=lambda: capped or (unpadded and f"pallas mha {unpadded}")
+                      or _pallas_check(grouped, window),
                       note="jax.experimental.pallas.ops.gpu.attention.mha"),
   ]
   for name, backend in (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION")):
     impls.append(harness.TorchImpl(
         name, torch_sdpa, prepare=torch_prep, restore=torch_restore,
-        check=lambda b=backend: capped or _torch_backend_check(b, window)(),
+        check=lambda b=backend: capped or (unpadded and f"torch SDPA {unpadded}")
+        or _torch_backend_check(b, window)(),
         context=_torch_context(backend),
         note=f"torch SDPA {backend} (eager)"))
   return impls

@@ -341,6 +341,43 @@ def test_attention_window_cases_match_dot_product_attention(kv_heads):
   assert "window" in attention._torch_backend_check("FLASH_ATTENTION", 5)()  # pylint: disable=protected-access
 
 
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_attention_padded_cases_match_dot_product_attention_with_lengths(layout):
+  """The padded group: each sequence of the batch has its own length (an
+  int32 input); the plain function masks the keys past it and zeroes the
+  result's rows past it, which is what ``jax.nn.dot_product_attention``
+  computes with ``query_seq_lengths`` and ``key_value_seq_lengths``, the
+  call the library baselines make. jaxfuse fuses it into one region (the
+  row mask on the result is the kernel's epilogue), and the baselines that
+  take no lengths are skipped with a reason."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases(layout, "float32")
+  assert groups["padded"] == list(attention.PADDED)
+  assert attention.sequence_lengths(4, 40) == [10, 20, 30, 40]
+  full = cases["PAD-B8-T512-h12-d64"]
+  assert full.params["padded"] and full.flops < 2 * 8 * 12 * 512 * 512 * 128
+  case = attention.make_case("pad", 4, 2, 40, 40, 16, 16, causal=False, layout=layout,
+                             group="padded", dtype="float32", padded=True)
+  q, k, v, lengths = case.make_inputs(jax.random.key(3), "float32")
+  assert lengths.dtype == np.int32 and list(lengths) == [10, 20, 30, 40]
+  want = jax.jit(case.fn)(q, k, v, lengths)
+  t_axis = 2 if layout == "bhtd" else 1
+  assert not np.asarray(jax.numpy.take(want, np.arange(10, 40), axis=t_axis)[0]).any()
+  impls = {i.name: i for i in attention.impls_for(case)}
+  dpa = impls["dpa-xla"]
+  [got] = dpa.per_call_numpy(dpa.build()([dpa.prepare((q, k, v, lengths))]), [0])[0]
+  np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+  prims = [e.primitive.name for e in jaxfuse.fused_jaxpr(case.fn)(q, k, v, lengths).jaxpr.eqns]
+  assert prims == ["jaxfuse_region"]
+  for name in ("pallas", "torch-flash", "torch-cudnn"):
+    assert "sequence lengths" in impls[name]._check(), name   # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="padded"):
+    attention.make_case("p", 1, 2, 32, 48, 16, 16, causal=False, layout=layout,
+                        group="padded", dtype="float32", padded=True)
+
+
 def test_attention_softcap_and_d256_cases():
   """The softcap group: Gemma 2's causal grouped attention with scores
   capped as ``cap * tanh(s / cap)`` (the plain function computes what

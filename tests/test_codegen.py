@@ -743,6 +743,82 @@ def test_decoding_attention_with_an_epilogue_splits_its_keys():
   run_and_check(cap.region, best)
 
 
+def _padded_attention(fill, cmp="lt"):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v, lengths):   # [B, T, heads, D] and [B]
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    ki = jnp.arange(k.shape[1])[None, None, None, :]
+    n = lengths[:, None, None, None]
+    keep = {"lt": lambda: ki < n, "le": lambda: ki + 1 <= n, "ge": lambda: ki >= n}[cmp]()
+    s = jnp.where(keep, s, fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+  return attend
+
+
+def _capture_padded(fn, b, m, n, heads=2, d=16):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  q = jax.ShapeDtypeStruct((b, m, heads, d), np.float32)
+  kv = jax.ShapeDtypeStruct((b, n, heads, d), np.float32)
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(q, kv, kv, jax.ShapeDtypeStruct((b,), np.int32)))
+  return cap.region
+
+
+def _run_with_lengths(r, plan, lengths):
+  """The kernel against the IR on random inputs with the given lengths."""
+  k = generate(r, plan, interpret=True)
+  xs = launch.random_inputs(r, 0)
+  [i] = [j for j, b in enumerate(r.inputs) if r.value_map[b.value].dtype == "int32"]
+  xs[i] = np.asarray(lengths, np.int32)
+  err = launch.compare(r, launch.run_interpreted(k, xs), ir.evaluate(r, xs))
+  assert err <= launch.tolerance(r), f"relative error {err:.3g}\nplan: {plan}\n{k.source}"
+  return k
+
+
+@pytest.mark.parametrize("fill", [-np.inf, -1e30])
+def test_padded_attention_stops_each_sequence_at_its_length(fill):
+  """Keys at or past each sequence's length (an int32 input) are masked:
+  the key loop stops at the length, which the kernel loads per program.
+  Where a length is 0 or below no key is kept; with a finite fill the IR
+  then averages every value, so those programs run every tile. Matches the
+  IR in Triton's interpreter for lengths that are empty, one key, inside
+  a tile, whole and past the end."""
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  r = _capture_padded(_padded_attention(fill), 6, 48, 200)
+  lb = streaming.length_bound(r, streaming.analyze(r).streamed["n"])
+  assert lb is not None and r.value_map[lb.length].dtype == "int32" and lb.offset == 0
+  plans = [p for p in plan_region(r, "h100", use_cache=False).ranked if p.tile("n") < 200]
+  assert plans
+  k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
+  assert "tl.where(len_n > 0, tl.minimum(N, len_n), N)" in k.source
+
+
+def test_padded_attention_length_forms():
+  """``k + 1 <= n`` is the same bound as ``k < n``; keys kept from the
+  length on (``k >= n``) are not a length, and the loop runs whole."""
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+
+  def bound(cmp):
+    r = _capture_padded(_padded_attention(-np.inf, cmp), 2, 16, 64)
+    return streaming.length_bound(r, streaming.analyze(r).streamed["n"])
+  assert bound("le") == bound("lt") and bound("lt").offset == 0
+  assert bound("ge") is None
+
+
+def test_padded_decoding_step_splits_its_keys_past_the_length():
+  """One query over 4096 keys, split across programs: parts wholly past a
+  sequence's length run no tile, and the combine pass skips them."""
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  r = _capture_padded(_padded_attention(-np.inf), 4, 1, 4096, heads=4, d=64)
+  best = plan_region(r, "h100", use_cache=False).best
+  assert best is not None and best.split, best
+  k = _run_with_lengths(r, best, [1, 700, 4096, 2049])
+  assert "len_n" in k.source
+
+
 @pytest.mark.parametrize("mask", ["or", "additive -1e3", "data"])
 def test_masks_that_do_not_hide_whole_tiles_run_every_tile(mask):
   """A disjunction of compares, an additive fill too close to the scores

@@ -48,9 +48,9 @@ from typing import Optional
 
 from jaxfuse import ir
 
-__all__ = ["Band", "Compare", "Keep", "Masked", "Scale", "StreamedLoop", "StreamingInfo", "analyze", "iota_relation",
-           "keep_predicate", "masked_value", "masked_tile_relation", "masked_tile_relations",
-           "relation_to"]
+__all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
+           "StreamingInfo", "analyze", "iota_relation", "keep_predicate", "length_bound",
+           "masked_value", "masked_tile_relation", "masked_tile_relations", "relation_to"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -629,3 +629,91 @@ def masked_tile_relations(region: ir.Region) -> dict[str, Band]:
   """Loop -> ``Band`` for every streamed loop of ``region`` whose
   masked tiles the code generator skips (``masked_tile_relation``)."""
   return analyze(region).masked_tiles(region)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthBound:
+  """A streamed loop's indices ``i`` that a mask keeps while ``i < length +
+  offset``, where ``length`` is a region input read at run time (each
+  sequence's own length in a padded batch). Its tiles past the bound
+  contribute nothing and may be skipped, as ``masked_tile_relation``'s may;
+  the bound is a value, not a constant, so only the kernel knows how many."""
+  length: str
+  offset: int = 0
+
+
+def _length_compare(region: ir.Region, p, loop: str) -> Optional[tuple[str, str, int]]:
+  """``(cmp, length, k)`` when boolean ``p`` is ``iota(loop) + k cmp length``
+  (either side), ``length`` an integer region input."""
+  op = region.producer(p) if isinstance(p, str) else None
+  if not (isinstance(op, ir.Elementwise) and op.fn in _FLIP and len(op.args) == 2):
+    return None
+  inputs = set(region.input_names)
+  for i in (0, 1):
+    idx, other = _index_form(region, op.args[i]), op.args[1 - i]
+    if (idx is None or idx[0] != {loop: 1} or not isinstance(other, str) or other not in inputs
+        or not region.value_map[other].dtype.startswith(("int", "uint"))):
+      continue
+    return (op.fn if i == 0 else _FLIP[op.fn]), other, idx[1]
+  return None
+
+
+def _length_masked(region: ir.Region, x, loop: str) -> Optional[tuple[float, LengthBound]]:
+  """``(fill, bound)`` when value ``x`` is a score kept below a length and
+  ``fill`` past it: ``select(i + k < n, fill, s)`` or ``select(i + k >= n,
+  s, fill)`` (and ``<=`` / ``>``)."""
+  op = region.producer(x) if isinstance(x, str) else None
+  if not (isinstance(op, ir.Elementwise) and op.fn == "select" and isinstance(op.args[0], str)):
+    return None
+  p, on_false, on_true = op.args
+  fill, keep_when = _literal(on_false), True
+  if fill is None or not isinstance(on_true, str):
+    fill, keep_when = _literal(on_true), False
+    if fill is None or not isinstance(on_false, str):
+      return None
+  c = _length_compare(region, p, loop)
+  if c is None:
+    return None
+  cmp, length, k = c
+  if not keep_when:
+    cmp = _NEGATE[cmp]
+  # i + k < n  <=>  i < n - k;  i + k <= n  <=>  i < n - k + 1. A lower
+  # bound (>, >=) keeps the far end: not a length.
+  if cmp == "lt":
+    return fill, LengthBound(length, -k)
+  if cmp == "le":
+    return fill, LengthBound(length, 1 - k)
+  return None
+
+
+def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
+  """The ``LengthBound`` of streamed loop ``st.loop`` past which every
+  contribution is masked out, under the conditions of
+  ``masked_tile_relation``: every running max reads the one length-masked
+  score, every shift subtracts from it, and every accumulator is rescaled
+  by those maxima. None otherwise.
+
+  A finite fill (at most ``MASK_FILL_MAX``) stands for -inf only where a
+  row keeps some index, i.e. where the length is positive; the kernel runs
+  every tile where it is not (``triton_printer``), which is exact for
+  either fill."""
+  if not st.online:
+    return None
+  for v, sc in st.accumulators:
+    if sc is None and v not in st.running_max:
+      return None
+    if sc is not None and sc.max not in st.running_max:
+      return None
+  res = None
+  for mx in st.running_max:
+    x = region.producer(mx).arg
+    m = _length_masked(region, x, st.loop)
+    if m is None or not m[0] <= MASK_FILL_MAX:
+      return None
+    for z, s in st.shifted:
+      if s.max == mx and region.producer(z).args[0] != x:
+        return None
+    if res is not None and res != m[1]:
+      return None
+    res = m[1]
+  return res

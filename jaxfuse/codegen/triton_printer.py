@@ -1258,7 +1258,32 @@ class _Printer:
         # A negative start rounds to a tile start <= 0 whether // floors
         # (the interpreter) or truncates (compiled); lo >= 0 takes over.
         lo = f"tl.maximum({lo}, ({_plus(first, band.lower)}) // {bl} * {bl})"
+    length = self.length_skip(l, lp)
+    if length is not None:
+      # Stop past the length; where it is not positive no row keeps an
+      # index, and a finite fill is no -inf: run every tile, as the IR does.
+      var, off = length
+      hi = f"tl.where({var} > 0, tl.minimum({hi}, {_plus(var, off)}), {hi})"
     return lo, hi
+
+  def length_skip(self, l: str, lp: _Open) -> Optional[tuple[str, int]]:
+    """(a scalar variable holding the length, offset) when loop ``l``'s
+    tiles past a length read at run time contribute nothing
+    (``streaming.length_bound``), and that length is one value per program:
+    every loop of its buffer is a grid loop of tile 1. Emits its load."""
+    if lp.stream is None:
+      return None
+    bound = streaming.length_bound(self.r, lp.stream)
+    buf = bound and self.inputs.get(bound.length)
+    if buf is None:
+      return None
+    loops = [x for x in self.vm[buf.value].loops if buf.stride(x) != 0 and x != buf.part_loop]
+    if any(self.kind.get(x) != "grid" or self.T[x] != 1 for x in loops):
+      return None
+    var = self.fresh(f"len_{l}")
+    big = buf.size >= 2 ** 31
+    self.emit(f"{var} = tl.load({self._sanitize(buf.value)}_ptr + {self.address(buf, (), big)})")
+    return var, bound.offset
 
   def iota_relation(self, pred, l: str) -> Optional[streaming.Band]:
     """``streaming.iota_relation`` of this region."""

@@ -743,17 +743,26 @@ def test_decoding_attention_with_an_epilogue_splits_its_keys():
   run_and_check(cap.region, best)
 
 
-def _padded_attention(fill, cmp="lt"):
+def _padded_attention(fill, cmp="lt", rows=""):
+  """Attention over padded sequences ([B, T, heads, D], lengths [B]); with
+  ``rows`` 'select' or 'mul' the result's rows past the length are zeroed
+  by a select or by a product with the mask."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  def attend(q, k, v, lengths):   # [B, T, heads, D] and [B]
+  def attend(q, k, v, lengths):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
     ki = jnp.arange(k.shape[1])[None, None, None, :]
     n = lengths[:, None, None, None]
     keep = {"lt": lambda: ki < n, "le": lambda: ki + 1 <= n, "ge": lambda: ki >= n}[cmp]()
     s = jnp.where(keep, s, fill)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    qi = jnp.arange(q.shape[1])[None, :, None, None]
+    if rows == "select":
+      o = jnp.where(qi < n, o, 0.0)
+    elif rows == "mul":
+      o = o * (qi < n).astype(o.dtype)
+    return o
   return attend
 
 
@@ -796,6 +805,25 @@ def test_padded_attention_stops_each_sequence_at_its_length(fill):
   assert "tl.where(len_n > 0, tl.minimum(N, len_n), N)" in k.source
 
 
+@pytest.mark.parametrize("rows", ["select", "mul"])
+def test_padded_attention_runs_no_tile_for_rows_past_the_length(rows):
+  """The result's rows past each length are zeroed. Where that is a select,
+  a program whose query tile lies wholly past the length keeps nothing the
+  key loop computes (the select drops even an empty softmax's NaN), so its
+  key loop runs no tile. A product with the mask would turn that NaN into
+  the result (NaN x 0): there every row still runs its keys."""
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  r = _capture_padded(_padded_attention(-np.inf, rows=rows), 6, 200, 200)
+  bound = streaming.output_length_bound(r)
+  assert (bound is not None) == (rows == "select")
+  plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
+           if p.tile("n") < 200 and 1 < p.tile("m") < 200]
+  assert plans
+  k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
+  assert ("pid_m * BLOCK_M >= len_n" in k.source) == (rows == "select")
+
+
 def test_padded_attention_length_forms():
   """``k + 1 <= n`` is the same bound as ``k < n``; keys kept from the
   length on (``k >= n``) are not a length, and the loop runs whole."""
@@ -812,10 +840,10 @@ def test_padded_decoding_step_splits_its_keys_past_the_length():
   """One query over 4096 keys, split across programs: parts wholly past a
   sequence's length run no tile, and the combine pass skips them."""
   from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
-  r = _capture_padded(_padded_attention(-np.inf), 4, 1, 4096, heads=4, d=64)
+  r = _capture_padded(_padded_attention(-np.inf, rows="select"), 5, 1, 4096, heads=4, d=64)
   best = plan_region(r, "h100", use_cache=False).best
   assert best is not None and best.split, best
-  k = _run_with_lengths(r, best, [1, 700, 4096, 2049])
+  k = _run_with_lengths(r, best, [1, 700, 4096, 2049, 0])
   assert "len_n" in k.source
 
 

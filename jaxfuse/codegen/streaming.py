@@ -50,6 +50,7 @@ from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
            "StreamingInfo", "analyze", "iota_relation", "keep_predicate", "length_bound",
+           "output_length_bound",
            "masked_value", "masked_tile_relation", "masked_tile_relations", "relation_to"]
 
 
@@ -658,18 +659,19 @@ def _length_compare(region: ir.Region, p, loop: str) -> Optional[tuple[str, str,
   return None
 
 
-def _length_masked(region: ir.Region, x, loop: str) -> Optional[tuple[float, LengthBound]]:
-  """``(fill, bound)`` when value ``x`` is a score kept below a length and
-  ``fill`` past it: ``select(i + k < n, fill, s)`` or ``select(i + k >= n,
-  s, fill)`` (and ``<=`` / ``>``)."""
+def _length_select(region: ir.Region, x, loop: str
+                   ) -> Optional[tuple[ir.Literal, LengthBound, str]]:
+  """``(fill, bound, kept)`` when value ``x`` is ``kept`` below a length
+  along ``loop`` and literal ``fill`` past it: ``select(i + k < n, fill,
+  kept)`` or ``select(i + k >= n, kept, fill)`` (and ``<=`` / ``>``)."""
   op = region.producer(x) if isinstance(x, str) else None
   if not (isinstance(op, ir.Elementwise) and op.fn == "select" and isinstance(op.args[0], str)):
     return None
   p, on_false, on_true = op.args
-  fill, keep_when = _literal(on_false), True
-  if fill is None or not isinstance(on_true, str):
-    fill, keep_when = _literal(on_true), False
-    if fill is None or not isinstance(on_false, str):
+  fill, kept, keep_when = on_false, on_true, True
+  if not isinstance(fill, ir.Literal) or not isinstance(kept, str):
+    fill, kept, keep_when = on_true, on_false, False
+    if not isinstance(fill, ir.Literal) or not isinstance(kept, str):
       return None
   c = _length_compare(region, p, loop)
   if c is None:
@@ -680,10 +682,35 @@ def _length_masked(region: ir.Region, x, loop: str) -> Optional[tuple[float, Len
   # i + k < n  <=>  i < n - k;  i + k <= n  <=>  i < n - k + 1. A lower
   # bound (>, >=) keeps the far end: not a length.
   if cmp == "lt":
-    return fill, LengthBound(length, -k)
+    return fill, LengthBound(length, -k), kept
   if cmp == "le":
-    return fill, LengthBound(length, 1 - k)
+    return fill, LengthBound(length, 1 - k), kept
   return None
+
+
+def output_length_bound(region: ir.Region) -> Optional[tuple[str, LengthBound]]:
+  """``(loop, bound)`` when every output of ``region`` is a literal past one
+  length along ``loop`` (``_length_select``: the rows of a padded batch's
+  result past each sequence's length, zeroed). A program whose tile of
+  ``loop`` lies wholly past the length computes nothing it keeps, so its
+  reduction loops may run no tile: a select drops even the NaN of an empty
+  softmax. None otherwise."""
+  res = None
+  for b in region.outputs:
+    vm = region.value_map[b.value]
+    hits = [(l, _length_select(region, b.value, l)) for l in vm.loops]
+    hits = [(l, h[1]) for l, h in hits if h is not None]
+    if len(hits) != 1 or (res is not None and res != hits[0]):
+      return None
+    res = hits[0]
+  return res
+
+
+def _length_masked(region: ir.Region, x, loop: str) -> Optional[tuple[float, LengthBound]]:
+  """``(fill, bound)`` when value ``x`` is a score kept below a length and a
+  literal ``fill`` past it (``_length_select``)."""
+  m = _length_select(region, x, loop)
+  return None if m is None else (float(m[0].value), m[1])
 
 
 def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:

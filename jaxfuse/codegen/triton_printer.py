@@ -1258,23 +1258,30 @@ class _Printer:
         # A negative start rounds to a tile start <= 0 whether // floors
         # (the interpreter) or truncates (compiled); lo >= 0 takes over.
         lo = f"tl.maximum({lo}, ({_plus(first, band.lower)}) // {bl} * {bl})"
-    length = self.length_skip(l, lp)
-    if length is not None:
-      # Stop past the length; where it is not positive no row keeps an
-      # index, and a finite fill is no -inf: run every tile, as the IR does.
-      var, off = length
-      hi = f"tl.where({var} > 0, tl.minimum({hi}, {_plus(var, off)}), {hi})"
+    if lp.stream is not None:
+      loaded: dict[str, Optional[str]] = {}
+      length = lambda v: loaded[v] if v in loaded else loaded.setdefault(
+          v, self.program_length(v, l))
+      bound = streaming.length_bound(self.r, lp.stream)
+      var = bound and length(bound.length)
+      if var:
+        # Stop past the length; where it is not positive no row keeps an
+        # index, and a finite fill is no -inf: run every tile, as the IR does.
+        hi = f"tl.where({var} > 0, tl.minimum({hi}, {_plus(var, bound.offset)}), {hi})"
+      rows = streaming.output_length_bound(self.r)
+      span = rows and rows[0] != l and self.index_span(rows[0])
+      var = span and length(rows[1].length)
+      if var:
+        # Every row of this program's tile lies past the length: the result
+        # there is the literal whatever the loop computes, so run no tile.
+        hi = f"tl.where({span[0]} >= {_plus(var, rows[1].offset)}, {lo}, {hi})"
     return lo, hi
 
-  def length_skip(self, l: str, lp: _Open) -> Optional[tuple[str, int]]:
-    """(a scalar variable holding the length, offset) when loop ``l``'s
-    tiles past a length read at run time contribute nothing
-    (``streaming.length_bound``), and that length is one value per program:
-    every loop of its buffer is a grid loop of tile 1. Emits its load."""
-    if lp.stream is None:
-      return None
-    bound = streaming.length_bound(self.r, lp.stream)
-    buf = bound and self.inputs.get(bound.length)
+  def program_length(self, value: str, l: str) -> Optional[str]:
+    """A scalar variable holding input ``value`` (a sequence's length,
+    ``streaming.LengthBound``) where it is one value per program: every loop
+    of its buffer a grid loop of tile 1. Emits its load; None otherwise."""
+    buf = self.inputs.get(value)
     if buf is None:
       return None
     loops = [x for x in self.vm[buf.value].loops if buf.stride(x) != 0 and x != buf.part_loop]
@@ -1283,7 +1290,7 @@ class _Printer:
     var = self.fresh(f"len_{l}")
     big = buf.size >= 2 ** 31
     self.emit(f"{var} = tl.load({self._sanitize(buf.value)}_ptr + {self.address(buf, (), big)})")
-    return var, bound.offset
+    return var
 
   def iota_relation(self, pred, l: str) -> Optional[streaming.Band]:
     """``streaming.iota_relation`` of this region."""

@@ -836,6 +836,20 @@ def test_padded_attention_length_forms():
   assert bound("ge") is None
 
 
+def test_tuning_times_padded_attention_on_whole_lengths():
+  """Random inputs give a length input a value that keeps every key: timed
+  on small random integers, a kernel that stops at the length would skip
+  nearly all of its work, and tuning would rank and keep it on that."""
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  r = _capture_padded(_padded_attention(-np.inf, rows="select"), 3, 40, 200)
+  [name] = streaming.length_inputs(r)
+  xs = launch.random_inputs(r, 0)
+  [lengths] = [x for x, b in zip(xs, r.inputs) if b.value == name]
+  assert (lengths >= 200).all()
+  r2 = _capture_padded(_padded_attention(-np.inf, cmp="ge"), 3, 40, 200)
+  assert streaming.length_inputs(r2) == {}
+
+
 def test_padded_decoding_step_splits_its_keys_past_the_length():
   """One query over 4096 keys, split across programs: parts wholly past a
   sequence's length run no tile, and the combine pass skips them."""

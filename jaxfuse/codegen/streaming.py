@@ -50,7 +50,7 @@ from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
            "StreamingInfo", "analyze", "iota_relation", "keep_predicate", "length_bound",
-           "output_length_bound",
+           "output_length_bound", "length_inputs",
            "masked_value", "masked_tile_relation", "masked_tile_relations", "relation_to"]
 
 
@@ -657,6 +657,23 @@ def _length_compare(region: ir.Region, p, loop: str) -> Optional[tuple[str, str,
       continue
     return (op.fn if i == 0 else _FLIP[op.fn]), other, idx[1]
   return None
+
+
+def length_inputs(region: ir.Region) -> dict[str, int]:
+  """Integer inputs that bound a loop's indices from above (``iota(l) + k <
+  n`` or ``<=``: a sequence's length), each with a value at which every
+  index of every loop it bounds is kept. Measured tuning times kernels on
+  such lengths: the whole work, which the cost model prices; random small
+  integers would let a kernel that stops at the length skip most of it."""
+  out: dict[str, int] = {}
+  for op in region.ops:
+    if not isinstance(op, ir.Elementwise):
+      continue
+    for l in region.value_map[op.out].loops:
+      c = _length_compare(region, op.out, l)
+      if c is not None and c[0] in ("lt", "le"):
+        out[c[1]] = max(out.get(c[1], 0), region.extent(l) + abs(c[2]) + 1)
+  return out
 
 
 def _length_select(region: ir.Region, x, loop: str

@@ -111,6 +111,11 @@ class _Found:
   captured: CapturedRegion | None = None
 
 
+# An op with several operands computed outside joins a region's prologue when
+# each is at most this fraction of its result (``prologue_ok``).
+_SMALL_OPERAND_RATIO = 16
+
+
 def _dtype(a) -> str:
   return np.dtype(a.aval.dtype).name
 
@@ -368,7 +373,13 @@ class _LevelAnalysis:
     if p.prim in LAYOUT_PRIMS or p.prim in ("convert_element_type", "iota"):
       return True
     big = [a for a in p.invars if not self.const_like(a)]
-    return len(big) <= 1
+    # Several operands computed outside are taken only where each is a small
+    # broadcast of the result (a padding mask's row and key halves, [B, T, 1]
+    # and [B, 1, T] for [B, T, T]): the kernel then computes what XLA would
+    # otherwise write and it would read.
+    size = lambda a: int(np.prod(a.aval.shape, dtype=np.int64))
+    return len(big) <= 1 or all(size(a) * _SMALL_OPERAND_RATIO <= size(p.outvars[0])
+                                for a in big)
 
   def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool,
                 prologue: bool = True) -> _Found:

@@ -811,17 +811,71 @@ def test_padded_attention_runs_no_tile_for_rows_past_the_length(rows):
   a program whose query tile lies wholly past the length keeps nothing the
   key loop computes (the select drops even an empty softmax's NaN), so its
   key loop runs no tile. A product with the mask would turn that NaN into
-  the result (NaN x 0): there every row still runs its keys."""
+  the result (NaN x 0): there the loop runs one tile."""
   from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
   from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
   r = _capture_padded(_padded_attention(-np.inf, rows=rows), 6, 200, 200)
-  bound = streaming.output_length_bound(r)
-  assert (bound is not None) == (rows == "select")
+  loop, _, how = streaming.output_length_bound(r)
+  assert loop == "m" and how == rows
   plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
            if p.tile("n") < 200 and 1 < p.tile("m") < 200]
   assert plans
   k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
-  assert ("pid_m * BLOCK_M >= len_n" in k.source) == (rows == "select")
+  past = "0, " if rows == "select" else "tl.minimum("
+  assert f"tl.where(pid_m * BLOCK_M >= len_n, {past}" in k.source
+  assert ("0 + BLOCK_N)" in k.source) == (rows == "mul")
+
+
+@pytest.mark.parametrize("fill", [-np.inf, float(np.finfo(np.float32).min) * 0.7])
+def test_dot_product_attention_with_lengths_stops_at_them(fill):
+  """``jax.nn.dot_product_attention(query_seq_lengths=n,
+  key_value_seq_lengths=n)`` masks with ``and(i < n, j < n)`` and a finite
+  fill, and multiplies the result by ``i < n``. Capture computes the mask
+  in the kernel (it was a [B, T, T] input XLA wrote); the key loop stops at
+  the length, which changes only the rows the product zeroes, and query
+  tiles past it run one key tile. Matches the IR in Triton's interpreter,
+  and against the library call itself."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  if np.isinf(fill):
+    def fn(q, k, v, n):   # the library's masks with -inf
+      s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+      qi, ki = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
+      keep = (qi[None, :, None] < n[:, None, None]) & (ki[None, None, :] < n[:, None, None])
+      o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep[:, None], s, fill), -1), v)
+      return o * (qi[None, :, None, None] < n[:, None, None, None]).astype(o.dtype)
+  else:
+    def fn(q, k, v, n):
+      return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=n, key_value_seq_lengths=n)
+  r = _capture_padded(fn, 6, 200, 200)
+  assert all(r.value_map[b.value].dtype != "bool" for b in r.inputs)   # no mask input
+  lb = streaming.length_bound(r, streaming.analyze(r).streamed["n"])
+  assert lb is not None and lb.offset == 0
+  assert streaming.output_length_bound(r)[2] == "mul"
+  plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
+           if p.tile("n") < 200 and 1 < p.tile("m") < 200]
+  k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
+  assert "tl.minimum(N, len_n)" in k.source
+
+
+def test_a_row_length_the_outputs_keep_stops_no_key_loop():
+  """A mask ``and(i < n, j < n)`` whose rows past the length reach the
+  result (no product or select discards them): those rows average every
+  value under the finite fill, so the key loop may not stop at the length."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+
+  def fn(q, k, v, n):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    qi, ki = jnp.arange(q.shape[1]), jnp.arange(k.shape[1])
+    keep = (qi[None, :, None] < n[:, None, None]) & (ki[None, None, :] < n[:, None, None])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep[:, None], s, -1e30), -1), v)
+  r = _capture_padded(fn, 2, 64, 64)
+  assert streaming.output_length_bound(r) is None
+  assert streaming.length_bound(r, streaming.analyze(r).streamed["n"]) is None
 
 
 def test_padded_attention_length_forms():

@@ -676,58 +676,114 @@ def length_inputs(region: ir.Region) -> dict[str, int]:
   return out
 
 
-def _length_select(region: ir.Region, x, loop: str
-                   ) -> Optional[tuple[ir.Literal, LengthBound, str]]:
-  """``(fill, bound, kept)`` when value ``x`` is ``kept`` below a length
-  along ``loop`` and literal ``fill`` past it: ``select(i + k < n, fill,
-  kept)`` or ``select(i + k >= n, kept, fill)`` (and ``<=`` / ``>``)."""
-  op = region.producer(x) if isinstance(x, str) else None
-  if not (isinstance(op, ir.Elementwise) and op.fn == "select" and isinstance(op.args[0], str)):
-    return None
-  p, on_false, on_true = op.args
-  fill, kept, keep_when = on_false, on_true, True
-  if not isinstance(fill, ir.Literal) or not isinstance(kept, str):
-    fill, kept, keep_when = on_true, on_false, False
-    if not isinstance(fill, ir.Literal) or not isinstance(kept, str):
-      return None
+def _upper_bound(region: ir.Region, p, loop: str, keep_when: bool = True
+                 ) -> Optional[LengthBound]:
+  """The ``LengthBound`` that boolean ``p`` (or ``not p`` when
+  ``keep_when`` is False) keeps along ``loop``: ``iota(loop) + k < n`` or
+  ``<=`` (``_length_compare``). A lower bound (>, >=) keeps the far end:
+  not a length."""
   c = _length_compare(region, p, loop)
   if c is None:
     return None
   cmp, length, k = c
   if not keep_when:
     cmp = _NEGATE[cmp]
-  # i + k < n  <=>  i < n - k;  i + k <= n  <=>  i < n - k + 1. A lower
-  # bound (>, >=) keeps the far end: not a length.
+  # i + k < n  <=>  i < n - k;  i + k <= n  <=>  i < n - k + 1.
   if cmp == "lt":
-    return fill, LengthBound(length, -k), kept
+    return LengthBound(length, -k)
   if cmp == "le":
-    return fill, LengthBound(length, 1 - k), kept
+    return LengthBound(length, 1 - k)
   return None
 
 
-def output_length_bound(region: ir.Region) -> Optional[tuple[str, LengthBound]]:
-  """``(loop, bound)`` when every output of ``region`` is a literal past one
-  length along ``loop`` (``_length_select``: the rows of a padded batch's
-  result past each sequence's length, zeroed). A program whose tile of
-  ``loop`` lies wholly past the length computes nothing it keeps, so its
-  reduction loops may run no tile: a select drops even the NaN of an empty
-  softmax. None otherwise."""
-  res = None
+def _conjuncts(region: ir.Region, p, depth: int = 0) -> list:
+  """The operands of a tree of ``and``s (``p`` itself when it is none)."""
+  op = region.producer(p) if isinstance(p, str) else None
+  if (depth < 8 and isinstance(op, ir.Elementwise) and op.fn == "and"
+      and all(isinstance(a, str) for a in op.args)):
+    return [c for a in op.args for c in _conjuncts(region, a, depth + 1)]
+  return [p]
+
+
+def _select_parts(region: ir.Region, x) -> Optional[tuple[str, ir.Literal, str, bool]]:
+  """``(predicate, fill, kept, keep_when)`` of ``x = select(..)`` with one
+  literal side: ``kept`` where the predicate is ``keep_when``."""
+  op = region.producer(x) if isinstance(x, str) else None
+  if not (isinstance(op, ir.Elementwise) and op.fn == "select" and isinstance(op.args[0], str)):
+    return None
+  p, on_false, on_true = op.args
+  if isinstance(on_false, ir.Literal) and isinstance(on_true, str):
+    return p, on_false, on_true, True
+  if isinstance(on_true, ir.Literal) and isinstance(on_false, str):
+    return p, on_true, on_false, False
+  return None
+
+
+def output_length_bound(region: ir.Region) -> Optional[tuple[str, LengthBound, str]]:
+  """``(loop, bound, how)`` when every output of ``region`` discards its
+  entries past one length along ``loop`` (the rows of a padded batch's
+  result past each sequence's length): ``how`` is 'select' where each
+  output is a literal there (``select(i < n, 0, o)``), 'mul' where some
+  output is a product with the mask (``o * (i < n)``, as
+  ``jax.nn.dot_product_attention`` writes it). None otherwise.
+
+  A program whose tile of ``loop`` lies wholly past the length keeps
+  nothing its reduction loops compute. Under 'select' they may run no
+  tile: a select drops even the NaN of an empty softmax. Under 'mul' they
+  must run one, so that the product is 0 x a finite value."""
+  res, how = None, "select"
   for b in region.outputs:
-    vm = region.value_map[b.value]
-    hits = [(l, _length_select(region, b.value, l)) for l in vm.loops]
-    hits = [(l, h[1]) for l, h in hits if h is not None]
-    if len(hits) != 1 or (res is not None and res != hits[0]):
+    hits = []
+    for l in region.value_map[b.value].loops:
+      sel = _select_parts(region, b.value)
+      bound = sel and _upper_bound(region, sel[0], l, sel[3])
+      if bound is not None:
+        hits.append((l, bound, "select"))
+        continue
+      op = region.producer(b.value)
+      if isinstance(op, ir.Elementwise) and op.fn == "mul" and len(op.args) == 2:
+        for a in op.args:
+          cv = region.producer(a) if isinstance(a, str) else None
+          pred = cv.args[0] if isinstance(cv, ir.Elementwise) and cv.fn == "convert" else None
+          bound = pred is not None and _upper_bound(region, pred, l)
+          if bound:
+            hits.append((l, bound, "mul"))
+            break
+    if len(hits) != 1 or (res is not None and res != hits[0][:2]):
       return None
-    res = hits[0]
-  return res
+    res = hits[0][:2]
+    if hits[0][2] == "mul":
+      how = "mul"
+  return None if res is None else (*res, how)
 
 
-def _length_masked(region: ir.Region, x, loop: str) -> Optional[tuple[float, LengthBound]]:
-  """``(fill, bound)`` when value ``x`` is a score kept below a length and a
-  literal ``fill`` past it (``_length_select``)."""
-  m = _length_select(region, x, loop)
-  return None if m is None else (float(m[0].value), m[1])
+def _length_masked(region: ir.Region, x, loop: str
+                   ) -> Optional[tuple[float, LengthBound, list[tuple[str, LengthBound]]]]:
+  """``(fill, bound, rows)`` when value ``x`` is a score kept below a length
+  along ``loop`` and a literal ``fill`` past it: ``select(keep, fill, s)``
+  where ``keep`` is ``i + k < n`` (or ``<=``), or the negation of a lower
+  bound on the other side; or a conjunction of such a compare with upper
+  length bounds on other loops, ``rows`` (``jax.nn.dot_product_attention``'s
+  query and key masks, joined by ``and``)."""
+  sel = _select_parts(region, x)
+  if sel is None:
+    return None
+  p, fill, _, keep_when = sel
+  parts = _conjuncts(region, p) if keep_when else [p]
+  bound, rows = None, []
+  for c in parts:
+    b = _upper_bound(region, c, loop, keep_when)
+    if b is not None and bound is None:
+      bound = b
+      continue
+    other = [(l, _upper_bound(region, c, l)) for l in region.value_map[c].loops if l != loop]
+    other = [(l, ob) for l, ob in other if ob is not None]
+    if len(other) != 1:
+      return None
+    rows.append(other[0])
+  if bound is None:
+    return None
+  return float(fill.value), bound, rows
 
 
 def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
@@ -740,7 +796,9 @@ def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
   A finite fill (at most ``MASK_FILL_MAX``) stands for -inf only where a
   row keeps some index, i.e. where the length is positive; the kernel runs
   every tile where it is not (``triton_printer``), which is exact for
-  either fill."""
+  either fill. A mask that also bounds the rows by a length
+  (``_length_masked``) needs every output to discard the rows past it
+  (``output_length_bound``)."""
   if not st.online:
     return None
   for v, sc in st.accumulators:
@@ -754,6 +812,13 @@ def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
     m = _length_masked(region, x, st.loop)
     if m is None or not m[0] <= MASK_FILL_MAX:
       return None
+    # Rows that another length keeps nothing of average what the loop
+    # reads (a finite fill): stopping at this length changes them, so
+    # every output must discard them.
+    for l, b in m[2]:
+      out = output_length_bound(region)
+      if out is None or out[:2] != (l, b):
+        return None
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != x:
         return None

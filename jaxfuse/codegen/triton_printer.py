@@ -1272,9 +1272,12 @@ class _Printer:
       span = rows and rows[0] != l and self.index_span(rows[0])
       var = span and length(rows[1].length)
       if var:
-        # Every row of this program's tile lies past the length: the result
-        # there is the literal whatever the loop computes, so run no tile.
-        hi = f"tl.where({span[0]} >= {_plus(var, rows[1].offset)}, {lo}, {hi})"
+        # Every row of this program's tile lies past the length, where the
+        # outputs discard what the loop computes: a select takes no tile, a
+        # product with the mask one (0 x a finite value; none would be NaN).
+        bl = self.BLK[l] if self.T[l] > 1 else "1"
+        past = lo if rows[2] == "select" else f"tl.minimum({hi}, {lo} + {bl})"
+        hi = f"tl.where({span[0]} >= {_plus(var, rows[1].offset)}, {past}, {hi})"
     return lo, hi
 
   def program_length(self, value: str, l: str) -> Optional[str]:

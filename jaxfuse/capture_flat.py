@@ -229,13 +229,34 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
   constvars = []
   env.update(zip(jaxpr.invars, invars))
 
+  # Each reader of an iota gets its own: ``i = jnp.arange(T)`` read as rows
+  # and as columns (``i[:, None] >= i[None, :]``, a causal mask) is two
+  # loops, which one shared value cannot index (capture_ir would unify them).
+  iota_eqns: dict = {}     # an iota item's output -> its equation
+  iota_read: set = set()   # those some equation has read
+
   def iota_of(aval, value, gpath: tuple) -> FVar | None:
     """The output of a new iota item when constant ``value`` is a range."""
     if not _is_arange(value, aval):
       return None
     out = FVar(aval)
-    items.append(Item(len(items), _iota_eqn(np.dtype(aval.dtype), aval.shape[0]),
-                      [], [out], gpath))
+    eqn = _iota_eqn(np.dtype(aval.dtype), aval.shape[0])
+    items.append(Item(len(items), eqn, [], [out], gpath))
+    iota_eqns[out] = eqn
+    return out
+
+  def own_iota(v, gpath: tuple):
+    """``v``, or a fresh copy of it for a second reader of an iota."""
+    eqn = iota_eqns.get(v) if isinstance(v, FVar) else None
+    if eqn is None:
+      return v
+    if v not in iota_read:
+      iota_read.add(v)
+      return v
+    out = FVar(v.aval)
+    items.append(Item(len(items), eqn, [], [out], gpath))
+    iota_eqns[out] = eqn
+    iota_read.add(out)
     return out
 
   def const(aval, value, gpath: tuple) -> FVar:
@@ -277,10 +298,13 @@ def flatten(closed: ClosedJaxpr, opaque: frozenset = frozenset()) -> Level:
           if not _is_drop(v):
             e[v] = o
         continue
+      invals = [own_iota(a, gpath) for a in invals]
       outs = [FVar(v.aval) for v in eqn.outvars]
       for v, o in zip(eqn.outvars, outs):
         if not _is_drop(v):
           e[v] = o
+      if name == "iota":
+        iota_eqns[outs[0]] = eqn
       items.append(Item(len(items), eqn, invals, outs, gpath, key))
 
   walk(jaxpr, env, (), ())

@@ -254,6 +254,7 @@ class _Builder:
     self.ops: list = []
     self.counters: dict[str, int] = {}
     self.squeezed: dict[tuple, str] = {}
+    self.iotas: dict[str, str] = {}      # loop -> its Iota's value
     # Window inputs: the outputs each input's window op yields to the
     # region, in input order, and each such output's start index.
     self.window_outs: dict[Any, list] = {}
@@ -721,8 +722,12 @@ class _Builder:
     ls = [l for dd in self.axes[o][d] for l in leaves(dd)]
     idx = None
     for l in ls:
-      t = self.fresh("i", [l.name], "int32")
-      self.ops.append(ir.Iota(t, l.name))
+      # One index value per loop: capture gives each reader of an iota its
+      # own (capture_flat), which here may land on the same loop again.
+      t = self.iotas.get(l.name)
+      if t is None:
+        t = self.iotas[l.name] = self.fresh("i", [l.name], "int32")
+        self.ops.append(ir.Iota(t, l.name))
       if idx is None:
         idx = t
       else:

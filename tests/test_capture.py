@@ -951,3 +951,31 @@ def test_sliding_window_mask_of_ranges_is_computed_in_the_region():
   [cap] = capture.find_regions(jp)
   assert len(cap.region.inputs) == 3
   assert sum(isinstance(op, ir.Iota) for op in cap.region.ops) == 2
+
+
+def test_one_arange_read_as_rows_and_columns_is_two_loops():
+  """``i = jnp.arange(T); i[:, None] >= i[None, :]`` (a causal mask from one
+  range, as users write it) reads one iota as the query and as the key
+  index. Each reader gets its own iota, so the mask is compares the kernel
+  computes: before, the region was refused with its mask ops and read a
+  [B, H, T, T] boolean mask and a [B, H, T, T] float32 -inf fill that XLA
+  wrote."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+
+  def attend(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    i = jnp.arange(q.shape[1])
+    s = jnp.where((i[:, None] >= i[None, :])[None, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+  x = jax.ShapeDtypeStruct((2, 64, 2, 16), np.float32)
+  [cap] = capture.find_regions(jax.make_jaxpr(attend)(x, x, x))
+  r = cap.region
+  assert [b.operand_shape for b in r.inputs] == [(2, 64, 2, 16)] * 3
+  [(loop, band)] = streaming.masked_tile_relations(r).items()
+  assert loop == "n" and (band.lower, band.upper) == (None, 0)
+  got = jaxfuse.jit(attend)(*[np.random.default_rng(i).standard_normal(x.shape, np.float32)
+                              for i in range(3)])
+  want = jax.jit(attend)(*[np.random.default_rng(i).standard_normal(x.shape, np.float32)
+                           for i in range(3)])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

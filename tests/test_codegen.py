@@ -860,6 +860,37 @@ def test_dot_product_attention_with_lengths_stops_at_them(fill):
   assert "tl.minimum(N, len_n)" in k.source
 
 
+@pytest.mark.parametrize("fill", [-np.inf, -1e30])
+def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill):
+  """A causal mask and a padding mask joined by ``and`` (one ``jnp.arange``
+  read as rows and as columns): with -inf, the key loop skips the tiles
+  past the diagonal and past the length, as either mask alone would; a row
+  the two leave empty is NaN whatever runs. With a finite fill such a row
+  (length 0) averages every value, so neither skip is taken. Matches the IR
+  in Triton's interpreter."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+
+  def fn(q, k, v, n):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    i = jnp.arange(q.shape[1])
+    keep = (i[:, None] >= i[None, :])[None, None] & (i[None, None, None, :] < n[:, None, None, None])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, fill), -1), v)
+  r = _capture_padded(fn, 6, 200, 200)
+  st = streaming.analyze(r).streamed["n"]
+  band, length = streaming.masked_tile_relation(r, st), streaming.length_bound(r, st)
+  if np.isinf(fill):
+    assert (band.lower, band.upper) == (None, 0) and length is not None
+  else:
+    assert band is None and length is None
+  plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
+           if p.tile("n") < 200 and 1 < p.tile("m") < 200]
+  k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
+  assert ("len_n" in k.source) == bool(np.isinf(fill))
+
+
 def test_a_row_length_the_outputs_keep_stops_no_key_loop():
   """A mask ``and(i < n, j < n)`` whose rows past the length reach the
   result (no product or select discards them): those rows average every

@@ -475,13 +475,18 @@ def _literal(a) -> Optional[float]:
   return float(a.value) if isinstance(a, ir.Literal) else None
 
 
-def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
+def keep_predicate(region: ir.Region, v, depth: int = 0, partial: bool = False
+                   ) -> Optional[Keep]:
   """The ``Keep`` (a conjunction of ``Compare``) that boolean value ``v``
   is, seen through the forms masks take: a compare of two iotas, each plus
   an integer literal; ``and``; ``not``; ``select(c, False, True)`` /
   ``select(c, True, False)``; and ``x == k`` / ``x != k`` of
   ``x = select(c, k0, k1)`` with literal ``k``, ``k0``, ``k1``
-  (``jnp.tril(jnp.ones((T, T))) == 0``). None otherwise."""
+  (``jnp.tril(jnp.ones((T, T))) == 0``). None otherwise.
+
+  ``partial``: conjuncts of an ``and`` that are none of these (a padding
+  mask's ``j < lengths[b]``) are dropped, so the result keeps a superset of
+  what ``v`` keeps: enough to know where nothing is kept, never what is."""
   op = region.producer(v) if isinstance(v, str) else None
   if not isinstance(op, ir.Elementwise) or depth > 8:
     return None
@@ -504,9 +509,10 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
       if op.fn not in fns:
         return None
       when_c, when_not_c = fns[op.fn](k1), fns[op.fn](k0)
-      return _predicate_of_select(region, sel.args[0], when_c, when_not_c, depth)
+      return _predicate_of_select(region, sel.args[0], when_c, when_not_c, depth, partial)
     return None
   if op.fn == "not":
+    # The negation of a superset is no superset: strict below.
     return _negate(keep_predicate(region, args[0], depth + 1))
   if op.fn == "and" and len(args) == 2:
     parts = []
@@ -515,22 +521,24 @@ def keep_predicate(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
         if not _literal(a):
           return None      # keeps nothing
         continue
-      k = keep_predicate(region, a, depth + 1)
-      if k is None:
+      k = keep_predicate(region, a, depth + 1, partial)
+      if k is None and not partial:
         return None
-      parts.extend(k)
+      parts.extend(k or ())
     return tuple(parts) or None
   if op.fn == "select" and _literal(args[1]) is not None and _literal(args[2]) is not None:
     return _predicate_of_select(region, args[0], bool(_literal(args[2])),
-                                bool(_literal(args[1])), depth)
+                                bool(_literal(args[1])), depth, partial)
   return None
 
 
-def _predicate_of_select(region, c, when_c: bool, when_not_c: bool, depth: int):
+def _predicate_of_select(region, c, when_c: bool, when_not_c: bool, depth: int,
+                         partial: bool = False):
   if when_c == when_not_c:
     return None
-  r = keep_predicate(region, c, depth + 1)
-  return r if when_c else _negate(r)
+  if when_c:
+    return keep_predicate(region, c, depth + 1, partial)
+  return _negate(keep_predicate(region, c, depth + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,20 +550,21 @@ class Masked:
   kept: str
 
 
-def masked_value(region: ir.Region, x) -> Optional[Masked]:
+def masked_value(region: ir.Region, x, partial: bool = False) -> Optional[Masked]:
   """How value ``x`` keeps a score ``s`` where ``keep`` (a
   ``keep_predicate``) holds and replaces it by literal ``fill`` otherwise:
   ``select(p, fill, s)``, ``select(p, s, fill)`` (fill where p), or the
   additive ``s + select(p, fill, 0)`` / ``s + select(p, 0, fill)``; None
   for anything else (a fill where a conjunction holds keeps a
-  disjunction, which is not read)."""
+  disjunction, which is not read). ``partial``: ``keep`` may be a superset
+  (``keep_predicate``)."""
   op = region.producer(x) if isinstance(x, str) else None
   if not isinstance(op, ir.Elementwise):
     return None
   if op.fn == "select" and isinstance(op.args[0], str):
     p, on_false, on_true = op.args
     if _literal(on_false) is not None and isinstance(on_true, str):
-      keep = keep_predicate(region, p)
+      keep = keep_predicate(region, p, partial=partial)
       return None if keep is None else Masked(_literal(on_false), keep, on_true)
     if _literal(on_true) is not None and isinstance(on_false, str):
       keep = _negate(keep_predicate(region, p))
@@ -570,11 +579,11 @@ def masked_value(region: ir.Region, x) -> Optional[Masked]:
       f0, f1 = _literal(sel.args[1]), _literal(sel.args[2])
       if f0 is None or f1 is None or 0.0 not in (f0, f1) or f0 == f1:
         continue
-      keep = keep_predicate(region, sel.args[0])
       kept = op.args[1 - i]
       if f1 == 0.0:     # 0 where p: p keeps
+        keep = keep_predicate(region, sel.args[0], partial=partial)
         return None if keep is None else Masked(f0, keep, kept)
-      keep = _negate(keep)
+      keep = _negate(keep_predicate(region, sel.args[0]))
       return None if keep is None else Masked(f1, keep, kept)
   return None
 
@@ -604,7 +613,13 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
     x = region.producer(mx).arg
     m = masked_value(region, x)
     if m is None:
-      return None
+      # A mask with more conjuncts than the band (a causal mask and a
+      # padding mask): tiles outside the band are masked all the same. Only
+      # with -inf: a row the other conjuncts empty is NaN whatever runs,
+      # where a finite fill would average every value, skipped ones too.
+      m = masked_value(region, x, partial=True)
+      if m is None or m.fill != -math.inf:
+        return None
     fill, keep = m.fill, m.keep
     if not fill <= MASK_FILL_MAX:
       return None
@@ -778,9 +793,13 @@ def _length_masked(region: ir.Region, x, loop: str
       continue
     other = [(l, _upper_bound(region, c, l)) for l in region.value_map[c].loops if l != loop]
     other = [(l, ob) for l, ob in other if ob is not None]
-    if len(other) != 1:
+    if len(other) == 1:
+      rows.append(other[0])
+    elif float(fill.value) != -math.inf:
+      # Any other conjunct (a causal mask) only masks more: past the length
+      # nothing is kept either way. With -inf a row it empties is NaN
+      # whatever runs; a finite fill would average what the loop reads.
       return None
-    rows.append(other[0])
   if bound is None:
     return None
   return float(fill.value), bound, rows

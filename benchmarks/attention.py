@@ -30,7 +30,7 @@ scores soft-capped as ``cap * tanh(s / cap)`` (``GEMMA2-<size>-T<seq>``,
 group ``softcap``; no library call takes the cap, so ``jax.jit`` is the one
 baseline), and head dimension 256 without the cap (``D256-T<seq>-h<heads>-
 kv<kv>`` and its causal variant, group ``d256``), and batches of padded
-sequences (``PAD-B<batch>-T<seq>-h<heads>-d<dim>``, group ``padded``: each
+sequences (``PAD-B<batch>-T<seq>-h<heads>-d<dim>[-causal]``, group ``padded``: each
 sequence has its own length, drawn between a quarter of ``T`` and ``T``;
 keys past it are masked and the result's rows past it are zeroed, as
 ``jax.nn.dot_product_attention(query_seq_lengths=..,
@@ -130,10 +130,12 @@ GEMMA2 = {"GEMMA2-2B-T4096": (1, 8, 4, 4096, 256, 256 ** -0.5, 50.0, 0),
 # (batch, heads, kv heads, T, d): head dimension 256 without the cap, where
 # cuDNN competes.
 D256 = {"D256-T4096-h16-kv8": (1, 16, 8, 4096, 256)}
-# (batch, heads, T, d): padded batches, sequences of their own lengths (BERT-
-# Base's inference at 512 tokens, and longer prompts at 2048).
-PADDED = {"PAD-B8-T512-h12-d64": (8, 12, 512, 64),
-          "PAD-B4-T2048-h16-d128": (4, 16, 2048, 128)}
+# (batch, heads, T, d, causal): padded batches, sequences of their own
+# lengths (BERT-Base's inference at 512 tokens, longer prompts at 2048, and
+# a decoder's causal prefill of them).
+PADDED = {"PAD-B8-T512-h12-d64": (8, 12, 512, 64, False),
+          "PAD-B4-T2048-h16-d128": (4, 16, 2048, 128, False),
+          "PAD-B4-T2048-h16-d128-causal": (4, 16, 2048, 128, True)}
 
 
 def unpack_qkv(qkv, heads: int):
@@ -244,8 +246,8 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
     # An array, not a constant: the compiled programs cannot specialize on it.
     return qkv + (jnp.asarray(sequence_lengths(b, n), jnp.int32),) if padded else qkv
 
-  if padded:   # useful work: each sequence's own length squared
-    pairs = sum(x * x for x in sequence_lengths(b, n)) / b
+  if padded:   # useful work: each sequence's own length squared (causal: its triangle)
+    pairs = sum(x * (x + 1) // 2 if causal else x * x for x in sequence_lengths(b, n)) / b
   else:
     pairs = causal_pairs(m, n, window) if causal else m * n
   item = jnp.dtype(dtype).itemsize
@@ -311,8 +313,8 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
                       layout=layout, kv_heads=kv, group="head dimension 256", dtype=dtype)
         cases[c.name] = c
         groups["d256"].append(c.name)
-    for s, (b, h, t, d) in PADDED.items():
-      c = make_case(s, b, h, t, t, d, d, causal=False, layout=layout, padded=True,
+    for s, (b, h, t, d, causal) in PADDED.items():
+      c = make_case(s, b, h, t, t, d, d, causal=causal, layout=layout, padded=True,
                     group="padded sequences", dtype=dtype)
       cases[c.name] = c
       groups["padded"].append(c.name)

@@ -861,13 +861,15 @@ def test_dot_product_attention_with_lengths_stops_at_them(fill):
 
 
 @pytest.mark.parametrize("fill", [-np.inf, -1e30])
-def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill):
-  """A causal mask and a padding mask joined by ``and`` (one ``jnp.arange``
-  read as rows and as columns): with -inf, the key loop skips the tiles
-  past the diagonal and past the length, as either mask alone would; a row
-  the two leave empty is NaN whatever runs. With a finite fill such a row
-  (length 0) averages every value, so neither skip is taken. Matches the IR
-  in Triton's interpreter."""
+@pytest.mark.parametrize("join", ["and", "nested"])
+def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill, join):
+  """A causal mask and a padding mask, joined by ``and`` (one ``jnp.arange``
+  read as rows and as columns) or applied one after the other (two
+  ``jnp.where``): with -inf, the key loop skips the tiles past the diagonal
+  and past the length, as either mask alone would; a row the two leave
+  empty is NaN whatever runs. With a finite fill such a row (length 0)
+  averages every value, so neither skip is taken. Matches the IR in
+  Triton's interpreter."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
@@ -876,8 +878,13 @@ def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill):
   def fn(q, k, v, n):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
     i = jnp.arange(q.shape[1])
-    keep = (i[:, None] >= i[None, :])[None, None] & (i[None, None, None, :] < n[:, None, None, None])
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, fill), -1), v)
+    causal = (i[:, None] >= i[None, :])[None, None]
+    padded = i[None, None, None, :] < n[:, None, None, None]
+    if join == "and":
+      s = jnp.where(causal & padded, s, fill)
+    else:
+      s = jnp.where(padded, jnp.where(causal, s, fill), fill)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
   r = _capture_padded(fn, 6, 200, 200)
   st = streaming.analyze(r).streamed["n"]
   band, length = streaming.masked_tile_relation(r, st), streaming.length_bound(r, st)

@@ -565,6 +565,11 @@ def masked_value(region: ir.Region, x, partial: bool = False) -> Optional[Masked
     p, on_false, on_true = op.args
     if _literal(on_false) is not None and isinstance(on_true, str):
       keep = keep_predicate(region, p, partial=partial)
+      if keep is None and partial and _literal(on_false) == -math.inf:
+        # Masks applied one after the other (two jnp.where): an outer mask
+        # this cannot read only masks more, to the same -inf.
+        inner = masked_value(region, on_true, partial=True)
+        return inner if inner is not None and inner.fill == -math.inf else None
       return None if keep is None else Masked(_literal(on_false), keep, on_true)
     if _literal(on_true) is not None and isinstance(on_false, str):
       keep = _negate(keep_predicate(region, p))
@@ -783,7 +788,7 @@ def _length_masked(region: ir.Region, x, loop: str
   sel = _select_parts(region, x)
   if sel is None:
     return None
-  p, fill, _, keep_when = sel
+  p, fill, kept, keep_when = sel
   parts = _conjuncts(region, p) if keep_when else [p]
   bound, rows = None, []
   for c in parts:
@@ -800,8 +805,19 @@ def _length_masked(region: ir.Region, x, loop: str
       # nothing is kept either way. With -inf a row it empties is NaN
       # whatever runs; a finite fill would average what the loop reads.
       return None
-  if bound is None:
+  if bound is not None and float(fill.value) != -math.inf and (
+      _select_parts(region, kept) is not None or masked_value(region, kept) is not None):
+    # A finite fill over another mask: a row that one empties averages
+    # every value, past the length too.
     return None
+  if bound is None:
+    if float(fill.value) != -math.inf:
+      return None
+    # Masks applied one after the other: the length may be an inner one.
+    inner = _length_masked(region, kept, loop)
+    if inner is None or inner[0] != -math.inf:
+      return None
+    return inner[0], inner[1], rows + inner[2]
   return float(fill.value), bound, rows
 
 

@@ -868,8 +868,9 @@ def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill, joi
   ``jnp.where``): with -inf, the key loop skips the tiles past the diagonal
   and past the length, as either mask alone would; a row the two leave
   empty is NaN whatever runs. With a finite fill such a row (length 0)
-  averages every value, so neither skip is taken. Matches the IR in
-  Triton's interpreter."""
+  averages every value: joined by ``and`` the skips apply only where the
+  length is positive, and over another mask none applies. Matches the IR
+  in Triton's interpreter."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
@@ -888,14 +889,51 @@ def test_causal_padded_attention_skips_both_masks_only_under_minus_inf(fill, joi
   r = _capture_padded(fn, 6, 200, 200)
   st = streaming.analyze(r).streamed["n"]
   band, length = streaming.masked_tile_relation(r, st), streaming.length_bound(r, st)
+  guarded = streaming.guarded_band(r, st)
   if np.isinf(fill):
-    assert (band.lower, band.upper) == (None, 0) and length is not None
+    assert (band.lower, band.upper) == (None, 0) and length is not None and guarded is None
+  elif join == "and":
+    # Both skips, where the length is positive (see the next test).
+    assert band is None and length is not None and guarded[0].upper == 0
   else:
-    assert band is None and length is None
+    # A finite fill over another mask: no skip.
+    assert band is None and length is None and guarded is None
   plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
            if p.tile("n") < 200 and 1 < p.tile("m") < 200]
   k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
-  assert ("len_n" in k.source) == bool(np.isinf(fill))
+  assert ("len_n" in k.source) == (np.isinf(fill) or join == "and")
+
+
+@pytest.mark.parametrize("lengths", ["key", "query and key"])
+def test_causal_dot_product_attention_with_lengths_skips_where_the_length_is_positive(lengths):
+  """``jax.nn.dot_product_attention(is_causal=True, ..lengths)``: a causal
+  band joined to the lengths under a finite fill. Where the key length is
+  positive every row keeps key 0, the fill weighs nothing, and the key loop
+  skips the tiles past the diagonal and past the length; where it is not,
+  it runs every tile, as the IR averages them. A sliding window keeps no
+  fixed key in every row: no skip. Matches the IR in Triton's interpreter
+  on lengths 0, 1, 57, 200, 300 and -3."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
+  kw = {"key_value_seq_lengths": None}
+  if lengths != "key":
+    kw["query_seq_lengths"] = None
+
+  def fn(q, k, v, n, window=None):
+    return jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=window, **{a: n for a in kw})
+  r = _capture_padded(fn, 6, 200, 200)
+  st = streaming.analyze(r).streamed["n"]
+  assert streaming.masked_tile_relation(r, st) is None
+  band, bound = streaming.guarded_band(r, st)
+  assert (band.lower, band.upper) == (None, 0) and bound == streaming.length_bound(r, st)
+  plans = [p for p in plan_region(r, "h100", use_cache=False).ranked
+           if p.tile("n") < 200 and 1 < p.tile("m") < 200]
+  k = _run_with_lengths(r, plans[0], [0, 1, 57, 200, 300, -3])
+  assert "tl.where(len_n > 0, tl.minimum(tl.minimum(N, len_n), (pid_m + 1) * BLOCK_M), N)" in k.source
+  w = _capture_padded(lambda q, k, v, n: fn(q, k, v, n, (20, 0)), 2, 64, 64)
+  assert streaming.guarded_band(w, streaming.analyze(w).streamed["n"]) is None
 
 
 def test_a_row_length_the_outputs_keep_stops_no_key_loop():

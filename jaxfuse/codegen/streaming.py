@@ -50,7 +50,7 @@ from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
            "StreamingInfo", "analyze", "iota_relation", "keep_predicate", "length_bound",
-           "output_length_bound", "length_inputs",
+           "output_length_bound", "length_inputs", "guarded_band",
            "masked_value", "masked_tile_relation", "masked_tile_relations", "relation_to"]
 
 
@@ -778,19 +778,27 @@ def output_length_bound(region: ir.Region) -> Optional[tuple[str, LengthBound, s
 
 
 def _length_masked(region: ir.Region, x, loop: str
-                   ) -> Optional[tuple[float, LengthBound, list[tuple[str, LengthBound]]]]:
-  """``(fill, bound, rows)`` when value ``x`` is a score kept below a length
-  along ``loop`` and a literal ``fill`` past it: ``select(keep, fill, s)``
-  where ``keep`` is ``i + k < n`` (or ``<=``), or the negation of a lower
-  bound on the other side; or a conjunction of such a compare with upper
-  length bounds on other loops, ``rows`` (``jax.nn.dot_product_attention``'s
-  query and key masks, joined by ``and``)."""
+                   ) -> Optional[tuple[float, LengthBound, list[tuple[str, LengthBound]],
+                                       Optional[Band]]]:
+  """``(fill, bound, rows, band)`` when value ``x`` is a score kept below a
+  length along ``loop`` and a literal ``fill`` past it: ``select(keep, fill,
+  s)`` where ``keep`` is ``i + k < n`` (or ``<=``), or the negation of a
+  lower bound on the other side; or a conjunction of such a compare with
+  upper length bounds on other loops, ``rows`` (``jax.nn.dot_product_
+  attention``'s query and key masks, joined by ``and``), and with compares
+  of indices, whose ``band`` along ``loop`` it gives (a causal mask).
+
+  Under a finite fill the band must keep index 0 of every row (no lower
+  bound, upper >= 0): with a positive length every row then keeps a score
+  and the fill weighs nothing; the kernel runs every tile where the length
+  is not positive (``triton_printer``)."""
   sel = _select_parts(region, x)
   if sel is None:
     return None
   p, fill, kept, keep_when = sel
+  finite = float(fill.value) != -math.inf
   parts = _conjuncts(region, p) if keep_when else [p]
-  bound, rows = None, []
+  bound, rows, keeps = None, [], []
   for c in parts:
     b = _upper_bound(region, c, loop, keep_when)
     if b is not None and bound is None:
@@ -798,33 +806,62 @@ def _length_masked(region: ir.Region, x, loop: str
       continue
     other = [(l, _upper_bound(region, c, l)) for l in region.value_map[c].loops if l != loop]
     other = [(l, ob) for l, ob in other if ob is not None]
+    k = keep_predicate(region, c) if keep_when else None
     if len(other) == 1:
       rows.append(other[0])
-    elif float(fill.value) != -math.inf:
-      # Any other conjunct (a causal mask) only masks more: past the length
-      # nothing is kept either way. With -inf a row it empties is NaN
-      # whatever runs; a finite fill would average what the loop reads.
+    elif k is not None:
+      keeps.extend(k)
+    elif finite:
+      # Any other conjunct only masks more: past the length nothing is kept
+      # either way. With -inf a row it empties is NaN whatever runs; a
+      # finite fill would average what the loop reads.
       return None
-  if bound is not None and float(fill.value) != -math.inf and (
+  band = relation_to(tuple(keeps), loop) if keeps else None
+  if finite and keeps and (band is None or band.lower is not None or band.upper is None
+                           or band.upper < 0):
+    return None
+  if bound is not None and finite and (
       _select_parts(region, kept) is not None or masked_value(region, kept) is not None):
     # A finite fill over another mask: a row that one empties averages
     # every value, past the length too.
     return None
   if bound is None:
-    if float(fill.value) != -math.inf:
+    if finite:
       return None
     # Masks applied one after the other: the length may be an inner one.
     inner = _length_masked(region, kept, loop)
     if inner is None or inner[0] != -math.inf:
       return None
-    return inner[0], inner[1], rows + inner[2]
-  return float(fill.value), bound, rows
+    return inner[0], inner[1], rows + inner[2], inner[3]
+  return float(fill.value), bound, rows, band
 
 
 def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
-  """The ``LengthBound`` of streamed loop ``st.loop`` past which every
-  contribution is masked out, under the conditions of
-  ``masked_tile_relation``: every running max reads the one length-masked
+  """See ``_length_analysis``: its bound."""
+  a = _length_analysis(region, st)
+  return None if a is None else a[0]
+
+
+def guarded_band(region: ir.Region, st: StreamedLoop) -> Optional[tuple[Band, LengthBound]]:
+  """``(band, bound)`` for a mask with a finite fill (the library's, -0.7 x
+  the dtype's max) that joins index compares (a causal mask) with a length
+  (``_length_masked``): tiles outside the band may be skipped, as
+  ``masked_tile_relation``'s, but only where the length is positive (then
+  every row keeps index 0, and the fill weighs nothing); the kernel checks
+  that at run time. None where ``masked_tile_relation`` applies already,
+  or there is no such mask."""
+  a = _length_analysis(region, st)
+  if a is None or a[1] is None or masked_tile_relation(region, st) is not None:
+    return None
+  return a[1], a[0]
+
+
+def _length_analysis(region: ir.Region, st: StreamedLoop
+                     ) -> Optional[tuple[LengthBound, Optional[Band]]]:
+  """``(bound, band)``: the ``LengthBound`` of streamed loop ``st.loop``
+  past which every contribution is masked out, and the ``Band`` of index
+  compares its mask joins (``_length_masked``; None: none), under the
+  conditions of ``masked_tile_relation``: every running max reads the one length-masked
   score, every shift subtracts from it, and every accumulator is rescaled
   by those maxima. None otherwise.
 
@@ -841,7 +878,7 @@ def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
       return None
     if sc is not None and sc.max not in st.running_max:
       return None
-  res = None
+  res, band = None, None
   for mx in st.running_max:
     x = region.producer(mx).arg
     m = _length_masked(region, x, st.loop)
@@ -857,7 +894,7 @@ def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != x:
         return None
-    if res is not None and res != m[1]:
+    if res is not None and (res != m[1] or band != m[3]):
       return None
-    res = m[1]
-  return res
+    res, band = m[1], m[3]
+  return None if res is None else (res, band)

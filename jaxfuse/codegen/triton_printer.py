@@ -1247,17 +1247,9 @@ class _Printer:
       hi = f"tl.minimum({self.EXT[l]}, part * {per} + {per})"
     band = self.causal_skip(l, lp)
     if band is not None:
-      span = self.index_span(band.other)
-      if span is None:
+      if self.index_span(band.other) is None:
         return lo, hi
-      first, last1 = span
-      bl = self.BLK[l] if self.T[l] > 1 else "1"
-      if band.upper is not None:   # l <= other + upper: stop after the other tile's last index
-        hi = f"tl.minimum({hi}, {_plus(last1, band.upper)})"
-      if band.lower is not None:   # l >= other + lower: start at the tile holding its first
-        # A negative start rounds to a tile start <= 0 whether // floors
-        # (the interpreter) or truncates (compiled); lo >= 0 takes over.
-        lo = f"tl.maximum({lo}, ({_plus(first, band.lower)}) // {bl} * {bl})"
+      lo, hi = self.band_bounds(l, band, lo, hi)
     if lp.stream is not None:
       loaded: dict[str, Optional[str]] = {}
       length = lambda v: loaded[v] if v in loaded else loaded.setdefault(
@@ -1267,7 +1259,16 @@ class _Printer:
       if var:
         # Stop past the length; where it is not positive no row keeps an
         # index, and a finite fill is no -inf: run every tile, as the IR does.
-        hi = f"tl.where({var} > 0, tl.minimum({hi}, {_plus(var, bound.offset)}), {hi})"
+        pos_lo, pos_hi = lo, f"tl.minimum({hi}, {_plus(var, bound.offset)})"
+        # The band of a causal mask joined to the length under a finite
+        # fill holds likewise only where the length is positive (every row
+        # then keeps index 0, so the fill weighs nothing).
+        guarded = band is None and streaming.guarded_band(self.r, lp.stream)
+        if guarded and self.index_span(guarded[0].other) is not None:
+          pos_lo, pos_hi = self.band_bounds(l, guarded[0], pos_lo, pos_hi)
+        if pos_lo != lo:
+          lo = f"tl.where({var} > 0, {pos_lo}, {lo})"
+        hi = f"tl.where({var} > 0, {pos_hi}, {hi})"
       rows = streaming.output_length_bound(self.r)
       span = rows and rows[0] != l and self.index_span(rows[0])
       var = span and length(rows[1].length)
@@ -1278,6 +1279,19 @@ class _Printer:
         bl = self.BLK[l] if self.T[l] > 1 else "1"
         past = lo if rows[2] == "select" else f"tl.minimum({hi}, {lo} + {bl})"
         hi = f"tl.where({span[0]} >= {_plus(var, rows[1].offset)}, {past}, {hi})"
+    return lo, hi
+
+  def band_bounds(self, l: str, band: streaming.Band, lo: str, hi: str) -> tuple[str, str]:
+    """``lo``, ``hi`` of loop ``l`` narrowed to the tiles ``band`` keeps
+    against the current tile of ``band.other`` (``index_span``)."""
+    first, last1 = self.index_span(band.other)
+    bl = self.BLK[l] if self.T[l] > 1 else "1"
+    if band.upper is not None:   # l <= other + upper: stop after the other tile's last index
+      hi = f"tl.minimum({hi}, {_plus(last1, band.upper)})"
+    if band.lower is not None:   # l >= other + lower: start at the tile holding its first
+      # A negative start rounds to a tile start <= 0 whether // floors
+      # (the interpreter) or truncates (compiled); lo >= 0 takes over.
+      lo = f"tl.maximum({lo}, ({_plus(first, band.lower)}) // {bl} * {bl})"
     return lo, hi
 
   def program_length(self, value: str, l: str) -> Optional[str]:

@@ -50,7 +50,7 @@ from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
            "StreamingInfo", "analyze", "iota_relation", "keep_predicate", "length_bound",
-           "output_length_bound", "length_inputs", "guarded_band",
+           "output_length_bound", "length_inputs", "guarded_band", "length_mask",
            "masked_value", "masked_tile_relation", "masked_tile_relations", "relation_to"]
 
 
@@ -754,8 +754,8 @@ def output_length_bound(region: ir.Region) -> Optional[tuple[str, LengthBound, s
   res, how = None, "select"
   for b in region.outputs:
     hits = []
+    sel = _select_parts(region, b.value)
     for l in region.value_map[b.value].loops:
-      sel = _select_parts(region, b.value)
       bound = sel and _upper_bound(region, sel[0], l, sel[3])
       if bound is not None:
         hits.append((l, bound, "select"))
@@ -837,8 +837,8 @@ def _length_masked(region: ir.Region, x, loop: str
 
 
 def length_bound(region: ir.Region, st: StreamedLoop) -> Optional[LengthBound]:
-  """See ``_length_analysis``: its bound."""
-  a = _length_analysis(region, st)
+  """See ``length_mask``: its bound."""
+  a = length_mask(region, st)
   return None if a is None else a[0]
 
 
@@ -850,13 +850,13 @@ def guarded_band(region: ir.Region, st: StreamedLoop) -> Optional[tuple[Band, Le
   every row keeps index 0, and the fill weighs nothing); the kernel checks
   that at run time. None where ``masked_tile_relation`` applies already,
   or there is no such mask."""
-  a = _length_analysis(region, st)
+  a = length_mask(region, st)
   if a is None or a[1] is None or masked_tile_relation(region, st) is not None:
     return None
   return a[1], a[0]
 
 
-def _length_analysis(region: ir.Region, st: StreamedLoop
+def length_mask(region: ir.Region, st: StreamedLoop
                      ) -> Optional[tuple[LengthBound, Optional[Band]]]:
   """``(bound, band)``: the ``LengthBound`` of streamed loop ``st.loop``
   past which every contribution is masked out, and the ``Band`` of index
@@ -878,7 +878,7 @@ def _length_analysis(region: ir.Region, st: StreamedLoop
       return None
     if sc is not None and sc.max not in st.running_max:
       return None
-  res, band = None, None
+  res, band, discarded = None, None, output_length_bound(region)
   for mx in st.running_max:
     x = region.producer(mx).arg
     m = _length_masked(region, x, st.loop)
@@ -888,8 +888,7 @@ def _length_analysis(region: ir.Region, st: StreamedLoop
     # reads (a finite fill): stopping at this length changes them, so
     # every output must discard them.
     for l, b in m[2]:
-      out = output_length_bound(region)
-      if out is None or out[:2] != (l, b):
+      if discarded is None or discarded[:2] != (l, b):
         return None
     for z, s in st.shifted:
       if s.max == mx and region.producer(z).args[0] != x:

@@ -1254,7 +1254,7 @@ class _Printer:
       loaded: dict[str, Optional[str]] = {}
       length = lambda v: loaded[v] if v in loaded else loaded.setdefault(
           v, self.program_length(v, l))
-      bound = streaming.length_bound(self.r, lp.stream)
+      bound, guard = streaming.length_mask(self.r, lp.stream) or (None, None)
       var = bound and length(bound.length)
       if var:
         # Stop past the length; where it is not positive no row keeps an
@@ -1262,10 +1262,10 @@ class _Printer:
         pos_lo, pos_hi = lo, f"tl.minimum({hi}, {_plus(var, bound.offset)})"
         # The band of a causal mask joined to the length under a finite
         # fill holds likewise only where the length is positive (every row
-        # then keeps index 0, so the fill weighs nothing).
-        guarded = band is None and streaming.guarded_band(self.r, lp.stream)
-        if guarded and self.index_span(guarded[0].other) is not None:
-          pos_lo, pos_hi = self.band_bounds(l, guarded[0], pos_lo, pos_hi)
+        # then keeps index 0, so the fill weighs nothing; ``streaming.
+        # guarded_band``). A band ``causal_skip`` took holds regardless.
+        if band is None and guard is not None and self.index_span(guard.other) is not None:
+          pos_lo, pos_hi = self.band_bounds(l, guard, pos_lo, pos_hi)
         if pos_lo != lo:
           lo = f"tl.where({var} > 0, {pos_lo}, {lo})"
         hi = f"tl.where({var} > 0, {pos_hi}, {hi})"

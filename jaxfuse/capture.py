@@ -224,18 +224,32 @@ class _LevelAnalysis:
                      repr(sorted(d.params.items(), key=str))))
     return keys
 
+  @staticmethod
+  def parallel_key(d: Item) -> tuple:
+    """Key under which ``d`` may be joined with a dot that shares no operand
+    with it: the same result shape and dtype, each contracting the same
+    number of elements (``q @ k.T`` and ``do @ v.T`` in attention's
+    backward, whose results meet in ``p * (dp - D)``)."""
+    (lc, _), _ = d.params["dimension_numbers"]
+    lhs = tuple(d.invars[0].aval.shape)
+    return ("parallel", tuple(d.outvars[0].aval.shape), _dtype(d.outvars[0]),
+            math.prod(lhs[i] for i in lc))
+
   def joined_groups(self, dots: list[Item], fwd: dict) -> dict[int, list[Item]]:
-    """Sibling dots whose results meet in cheap ops (``silu(x @ wg) *
-    (x @ wu)``, a gated MLP): first dot's idx -> the group, first dot first.
+    """Dots whose results meet in cheap ops: siblings reading one operand
+    (``silu(x @ wg) * (x @ wu)``, a gated MLP) or parallel dots of one result
+    shape (``p * (dp - D)`` with ``s = q @ k.T`` and ``dp = do @ v.T``):
+    first dot's idx -> the group, first dot first.
 
     Why: XLA runs the join as a kernel of its own after the GEMMs (it fuses
     an epilogue into a GEMM only as single-use ops of one dot's result); one
-    region computes both contractions in one loop over the shared operand
-    and applies the join on chip. A group is one link of a chain."""
+    region computes the contractions in one loop, over the shared operand
+    where there is one, and applies the join on chip, so neither result is
+    written. A group is one link of a chain."""
     by_key: dict = {}
     for d in dots:
       if d.idx not in self.taken and d.idx not in self.no_join:
-        for key in self.sibling_keys(d):
+        for key in (*self.sibling_keys(d), self.parallel_key(d)):
           by_key.setdefault(key, []).append(d)
     parent: dict[int, int] = {}
 
@@ -249,7 +263,12 @@ class _LevelAnalysis:
         s1, r1 = fwd[d1.idx]
         for d2 in ds[i + 1:]:
           s2, r2 = fwd[d2.idx]
-          if s1 & s2 and d2.idx not in r1 and d1.idx not in r2:
+          if (s1 & s2 and d2.idx not in r1 and d1.idx not in r2
+              and not self.lvl.depends({min(d1.idx, d2.idx)})(
+                  self.items[max(d1.idx, d2.idx)])):
+            # (Not a dot computed from the other's result through further
+            # dots: BERT's output projection and the MLP's down projection
+            # after it meet in the residual add.)
             a, b = find(d1.idx), find(d2.idx)
             if a != b:
               parent[max(a, b)] = min(a, b)

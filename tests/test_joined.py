@@ -280,3 +280,85 @@ def test_split_reductions_finish_their_epilogue_in_the_combine_pass(which):
     assert k.combine_fn is not None
     outs = launch.run_interpreted(k, xs)
     assert launch.compare(reg, outs, refs) <= launch.tolerance(reg), str(plan)
+
+
+def _dq(q, k, v, do, m, l, dvec):
+  """The query gradient of attention, recomputing the probabilities from
+  the forward's row statistics (as a FlashAttention-style backward does):
+  ``q @ k.T`` and ``do @ v.T`` share no operand and meet in ``ds``."""
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125
+  p = jnp.exp(s - m[..., None]) / l[..., None]
+  dp = jnp.einsum("bqhd,bkhd->bhqk", do, v).astype(jnp.float32)
+  ds = (p * (dp - dvec[..., None]) * 0.125).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", ds, k)
+
+
+def _dq_args(b=1, t=64, h=2, d=32):
+  ks = jax.random.split(jax.random.PRNGKey(3), 5)
+  q, k, v, do = (jax.random.normal(x, (b, t, h, d), jnp.float16) for x in ks[:4])
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125
+  m = s.max(-1)
+  l = jnp.exp(s - m[..., None]).sum(-1)
+  dvec = jax.random.normal(ks[4], (b, h, t), jnp.float32)
+  return q, k, v, do, m, l, dvec
+
+
+def test_parallel_dots_that_meet_are_joined():
+  """Dots of one result shape sharing no operand, whose results meet in
+  cheap ops, are one chain link: neither [T, T] product is written."""
+  args = _dq_args()
+  [r] = capture.find_regions(jax.make_jaxpr(_dq)(*args))
+  reg = r.region
+  assert len(reg.contractions) == 3
+  s, dp, _ = reg.contractions
+  assert {s.lhs, s.rhs}.isdisjoint({dp.lhs, dp.rhs})
+  [(_, dots)] = ir.xla_joins(reg).items()
+  assert dots == (s.out, dp.out)
+  assert all(len(b.shape) <= 4 for b in reg.outputs) and len(reg.outputs) == 1
+  assert planner.plan_region(ir.simplify(reg), "h100").best is not None
+  ref = _dq(*[a.astype(jnp.float32) for a in args])
+  with config.override(backend="interpret"):
+    out = jaxfuse.jit(_dq)(*args)
+  assert _rel_err(out, ref) < 2e-3
+
+
+def test_a_sum_of_products_of_different_operands_is_one_region():
+  """A layer's input gradient sums its projections' gradients
+  (``dq @ wq.T + dk @ wk.T + dv @ wv.T``): one kernel accumulates the
+  three products, where XLA writes each and adds them."""
+  ks = jax.random.split(jax.random.PRNGKey(5), 6)
+  g = [jax.random.normal(x, (64, 96), jnp.float16) for x in ks[:3]]
+  w = [(jax.random.normal(x, (32, 96)) / 10).astype(jnp.float16) for x in ks[3:]]
+  f = lambda a, b, c, wa, wb, wc: jnp.tanh(a @ wa.T + b @ wb.T + c @ wc.T)
+  [r] = capture.find_regions(jax.make_jaxpr(f)(*g, *w))
+  assert len(r.region.contractions) == 3 and len(r.region.inputs) == 6
+  ref = f(*[a.astype(jnp.float32) for a in (*g, *w)])
+  with config.override(backend="interpret"):
+    out = jaxfuse.jit(f)(*g, *w)
+  assert _rel_err(out, ref) < 2e-3
+
+
+def test_a_dot_computed_from_the_other_is_not_its_parallel():
+  """An output projection and the MLP's down projection after it meet in
+  the residual add, but the second is computed from the first (through the
+  up projection): joining them would make a cycle."""
+  ks = jax.random.split(jax.random.PRNGKey(9), 4)
+  x = jax.random.normal(ks[0], (32, 64), jnp.float16)
+  wo = (jax.random.normal(ks[1], (64, 64)) / 8).astype(jnp.float16)
+  # (Square weights: every dot contracts 64 elements into a [32, 64] result.)
+  w1 = (jax.random.normal(ks[2], (64, 64)) / 8).astype(jnp.float16)
+  w2 = (jax.random.normal(ks[3], (64, 64)) / 8).astype(jnp.float16)
+
+  def layer(x, wo, w1, w2):
+    h = x @ wo + x
+    return jax.nn.gelu(h @ w1) @ w2 + h
+  closed = jax.make_jaxpr(layer)(x, wo, w1, w2)
+  lvl = capture.flatten(closed, frozenset())
+  lvl.build_maps()
+  an = capture._LevelAnalysis(lvl)   # pylint: disable=protected-access
+  dots = [it for it in lvl.items if it.prim == "dot_general"]
+  assert an.joined_groups(dots, {d.idx: an.fwd(d) for d in dots}) == {}
+  ref = layer(*[a.astype(jnp.float32) for a in (x, wo, w1, w2)])
+  with config.override(backend="interpret"):
+    out = jaxfuse.jit(layer)(x, wo, w1, w2)
+  assert _rel_err(out, ref) < 2e-3

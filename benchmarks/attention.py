@@ -77,6 +77,11 @@ flags.DEFINE_enum("layout", "bhtd", ["bhtd", "bthd", "packed"],
                   "jnp.split (self-attention cases only: S1-S6, the large "
                   "cases, --shapes with M == N).")
 
+# train: the loss sum(attention(q, k, v) * g) (g a random float32 cotangent)
+# and its gradients with respect to q, k and v, the softmax in float32
+# (MCFuser and large self-attention cases, causal or not; names get '-train').
+harness.define_step_flag()
+
 flags.DEFINE_integer("kv_heads", 0, "Key/value heads of the --shapes cases "
                      "(grouped-query attention; must divide the heads); 0: as many "
                      "as query heads.")
@@ -147,7 +152,7 @@ def unpack_qkv(qkv, heads: int):
 
 def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
                    kv_heads: int = 0, window: int = 0, softcap: float = 0.0,
-                   padded: bool = False) -> Callable:
+                   padded: bool = False, softmax_dtype=None) -> Callable:
   """Plain JAX attention in ``layout`` (what jax.jit and jaxfuse.jit compile).
 
   ``kv_heads`` below ``heads``: grouped-query attention; k and v have
@@ -156,7 +161,8 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
   ``softcap``: scaled scores become ``softcap * tanh(s / softcap)`` before
   the mask (Gemma 2). ``padded``: the function takes a fourth argument, the
   int32 length of each sequence [B]; keys at or past it are masked and the
-  result's rows at or past it are zero."""
+  result's rows at or past it are zero. ``softmax_dtype``: the softmax runs
+  in it (a training step's float32), its result cast back to q's dtype."""
   if layout == "packed":
     inner = make_attention(causal, scale, "bthd", window=window, softcap=softcap)
     return lambda qkv: inner(*unpack_qkv(qkv, heads))
@@ -191,7 +197,10 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
       # counts while j < lengths[b].
       ki = jax.lax.broadcasted_iota(jnp.int32, (1,) * (s.ndim - 1) + (s.shape[-1],), s.ndim - 1)
       s = jnp.where(ki < lengths.reshape((-1,) + (1,) * (s.ndim - 1)), s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    if softmax_dtype is not None:
+      p = jax.nn.softmax(s.astype(softmax_dtype), axis=-1).astype(q.dtype)
+    else:
+      p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum(pv, p, v).reshape(shape[:-1] + (v.shape[-1],))
     if padded:
       t_axis = 2 if layout == "bhtd" else 1
@@ -199,6 +208,71 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
       o = jnp.where(qi < lengths.reshape((-1,) + (1,) * (o.ndim - 1)), o, 0).astype(o.dtype)
     return o
   return attention
+
+
+def make_flash_attention(causal: bool, scale: float, layout: str) -> Callable:
+  """Attention with a hand-written FlashAttention-2-style backward, in plain
+  JAX (``jax.custom_vjp``): the forward saves its row max and sum; the
+  backward recomputes the probabilities from them and q, k, and forms each
+  gradient from its own recomputation. Written as users do who want
+  attention's [T, T] intermediates out of a training step's memory; under
+  ``jax.jit`` XLA still writes them, under ``jaxfuse.jit`` each gradient's
+  chain is one kernel."""
+  qk = "bhqd,bhkd->bhqk" if layout == "bhtd" else "bqhd,bkhd->bhqk"
+  pv = "bhqk,bhkd->bhqd" if layout == "bhtd" else "bhqk,bkhd->bqhd"
+  dk_ = "bhqk,bhqd->bhkd" if layout == "bhtd" else "bhqk,bqhd->bkhd"
+  rows = "bhqd,bhqd->bhq" if layout == "bhtd" else "bqhd,bqhd->bhq"
+  f32 = jnp.float32
+
+  def scores(q, k):
+    s = jnp.einsum(qk, q, k).astype(f32) * scale
+    if causal:
+      m, n = s.shape[-2], s.shape[-1]
+      keep = (jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
+              >= jax.lax.broadcasted_iota(jnp.int32, (m, n), 1))
+      s = jnp.where(keep, s, -jnp.inf)
+    return s
+
+  def probs(q, k, mx, total):
+    return jnp.exp(scores(q, k) - mx[..., None]) / total[..., None]
+
+  def forward(q, k, v):
+    s = scores(q, k)
+    mx = s.max(-1)
+    e = jnp.exp(s - mx[..., None])
+    total = e.sum(-1)
+    o = jnp.einsum(pv, (e / total[..., None]).astype(q.dtype), v)
+    return o, (q, k, v, o, mx, total)
+
+  def backward(res, do):
+    q, k, v, o, mx, total = res
+    # rowsum(p * dp) = rowsum(do * o): FlashAttention-2's D.
+    d = jnp.einsum(rows, do.astype(f32), o.astype(f32))
+
+    def ds():
+      dp = jnp.einsum(qk, do, v).astype(f32)
+      return (probs(q, k, mx, total) * (dp - d[..., None]) * scale).astype(q.dtype)
+    dq = jnp.einsum(pv, ds(), k)
+    dk = jnp.einsum(dk_, ds(), q)
+    dv = jnp.einsum(dk_, probs(q, k, mx, total).astype(q.dtype), do)
+    return dq, dk, dv
+
+  @jax.custom_vjp
+  def attention(q, k, v):
+    return forward(q, k, v)[0]
+  attention.defvjp(forward, backward)
+  return attention
+
+
+def make_train_step(attention: Callable) -> Callable:
+  """``step(q, k, v, g) -> (loss, (dq, dk, dv))``: the loss
+  ``sum(attention(q, k, v) * g)`` in float32 and its gradients."""
+  def loss(q, k, v, g):
+    return jnp.sum(attention(q, k, v).astype(jnp.float32) * g)
+
+  def step(q, k, v, g):
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, g)
+  return step
 
 
 def sequence_lengths(b: int, t: int) -> list[int]:
@@ -217,9 +291,18 @@ def causal_pairs(m: int, n: int, window: int = 0) -> int:
 def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
               causal: bool, layout: str, group: str, dtype: str, kv_heads: int = 0,
               window: int = 0, softcap: float = 0.0, scale: float = 0.0,
-              padded: bool = False, extra: dict | None = None) -> harness.Case:
+              padded: bool = False, extra: dict | None = None,
+              step: str = "forward") -> harness.Case:
   scale = scale or 1.0 / math.sqrt(dk)
   kv = kv_heads or h
+  if step not in ("forward", "train"):
+    raise ValueError(f"step: {step!r} is not 'forward' or 'train'")
+  train = step == "train"
+  if train and (layout == "packed" or (kv_heads and kv_heads != h) or window or softcap
+                or padded or m != n or dk != dv):
+    raise ValueError(f"--step=train: case {name} is not self-attention with as many "
+                     "key/value heads as query heads (M == N, K == H), causal or not, "
+                     "in the bhtd or bthd layout")
   if h % kv:
     raise ValueError(f"--kv_heads: {kv} key/value heads do not divide {h} heads "
                      f"(case {name})")
@@ -232,17 +315,22 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
   if padded and (layout == "packed" or m != n):
     raise ValueError(f"case {name}: padded sequences are measured as self-attention "
                      "(M == N) in the bhtd or bthd layout")
-  fn = make_attention(causal, scale, layout, h, kv, window, softcap, padded)
+  if train:
+    fn = make_train_step(make_attention(causal, scale, layout, softmax_dtype=jnp.float32))
+  else:
+    fn = make_attention(causal, scale, layout, h, kv, window, softcap, padded)
 
   def shape(heads, t, d):
     return (b, heads, t, d) if layout == "bhtd" else (b, t, heads, d)
 
   def make_inputs(key, dt):
-    kq, kk, kvk = jax.random.split(key, 3)
+    kq, kk, kvk, kg = jax.random.split(key, 4)
     if layout == "packed":
       return (harness.normal(kq, (b, m, 3 * h * dk), dt),)
     qkv = (harness.normal(kq, shape(h, m, dk), dt), harness.normal(kk, shape(kv, n, dk), dt),
            harness.normal(kvk, shape(kv, n, dv), dt))
+    if train:
+      return qkv + (harness.normal(kg, shape(h, m, dv), "float32"),)
     # An array, not a constant: the compiled programs cannot specialize on it.
     return qkv + (jnp.asarray(sequence_lengths(b, n), jnp.int32),) if padded else qkv
 
@@ -251,20 +339,30 @@ def make_case(name: str, b: int, h: int, m: int, n: int, dk: int, dv: int, *,
   else:
     pairs = causal_pairs(m, n, window) if causal else m * n
   item = jnp.dtype(dtype).itemsize
-  flops = 2.0 * b * h * pairs * (dk + dv)
+  # A training step: the forward's two products and the backward's four
+  # (dv, dp, dq, dk), 3x the forward's FLOPs; it reads q, k, v and the
+  # float32 cotangent and writes three gradients.
+  flops = 2.0 * b * h * pairs * (dk + dv) * (3 if train else 1)
   kept = sum(sequence_lengths(b, n)) / (b * n) if padded else 1.0   # rows past a length are not read
   nbytes = float(item * b * (kept * (h * m * dk + kv * n * dk + kv * n * dv) + h * m * dv))
+  if train:
+    nbytes = float(b * h * m * dk * (6 * item + 4))
   params = {"batch": b, "heads": h, "kv_heads": kv, "M": m, "N": n, "K": dk, "H": dv,
             "causal": causal, "window": window, "layout": layout, "scale": scale,
-            "softcap": softcap, "padded": padded}
+            "softcap": softcap, "padded": padded, "step": step}
   params.update(extra or {})
-  return harness.Case(name, fn, make_inputs, flops, nbytes, params, group=group)
+  return harness.Case(name + ("-train" if train else ""), fn, make_inputs, flops, nbytes,
+                      params, group=group + (" training step" if train else ""))
 
 
-def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
-              ) -> tuple[dict, dict]:
+def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0,
+              step: str = "forward") -> tuple[dict, dict]:
   """Every case (name -> Case) and the named groups; ``kv_heads`` applies to
-  the ``shapes`` cases."""
+  the ``shapes`` cases. ``step='train'``: training steps of the
+  self-attention cases (MCFuser S1-S6, the large cases, ``shapes``), each
+  causal or not."""
+  if step == "train":
+    return _train_cases(layout, dtype, shapes, kv_heads)
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
             "gqa": [], "gqa-causal": [], "decode": [], "window": [], "softcap": [],
@@ -331,6 +429,40 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0
   return cases, groups
 
 
+def _train_cases(layout: str, dtype: str, shapes: str, kv_heads: int) -> tuple[dict, dict]:
+  if layout == "packed":
+    raise ValueError("--step=train takes --layout=bhtd or bthd")
+  if kv_heads:
+    raise ValueError("--step=train takes no --kv_heads: its cases have as many key/value "
+                     "heads as query heads")
+  cases = {}
+  groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
+            "shapes": []}
+  for causal in (False, True):
+    sfx = "-causal" if causal else ""
+    for s, (h, m, n, dk, dv, net) in MCFUSER.items():
+      if m == n and dk == dv:
+        c = make_case(s + sfx, 1, h, m, n, dk, dv, causal=causal, layout=layout,
+                      group="MCFuser Table III" + (" causal" if causal else ""),
+                      dtype=dtype, extra={"network": net}, step="train")
+        cases[c.name] = c
+        groups["mcfuser" + sfx].append(c.name)
+    for s, (b, h, t, d) in LARGE.items():
+      c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout,
+                    group="large" + (" causal" if causal else ""), dtype=dtype, step="train")
+      cases[c.name] = c
+      groups["large" + sfx].append(c.name)
+  for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
+    c = make_case(f"B{b}-H{h}-M{m}-N{n}-D{d}" + ("-causal" if sfx == "c" else ""),
+                  b, h, m, n, d, d, causal=sfx == "c", layout=layout, group="custom",
+                  dtype=dtype, step="train")
+    cases[c.name] = c
+    groups["shapes"].append(c.name)
+  groups["tables"] = groups["mcfuser"]
+  groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"]
+  return cases, groups
+
+
 # --- baselines ---------------------------------------------------------------
 
 def _swap(x):
@@ -382,8 +514,55 @@ def _torch_context(backend: str):
   return ctx
 
 
+def _train_impls(case: harness.Case) -> list[harness.Impl]:
+  """A training step's competitors: the plain function under jax.jit and
+  jaxfuse.jit; the same attention with a hand-written FlashAttention-2-style
+  backward (``make_flash_attention``) under both; the library calls'
+  own backward passes."""
+  p = case.params
+  causal, scale, layout = p["causal"], p["scale"], p["layout"]
+  flash = make_train_step(make_flash_attention(causal, scale, layout))
+  if layout == "bhtd":
+    to_btnh = lambda q, k, v, g: (_swap(q), _swap(k), _swap(v), _swap(g))
+    from_btnh = lambda out: (out[0], tuple(_swap(x) for x in out[1]))
+  else:
+    to_btnh = from_btnh = None
+
+  def dpa(impl):
+    return make_train_step(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation=impl))
+
+  def pallas(q, k, v):
+    from jax.experimental.pallas.ops.gpu import attention as pa  # pylint: disable=g-import-not-at-top
+    return pa.mha(q, k, v, None, sm_scale=scale, causal=causal)
+
+  return [
+      harness.jaxfuse_impl(case.fn),
+      harness.xla_impl(case.fn),
+      harness.JaxImpl("jaxfuse-flash", flash, compiler="jaxfuse",
+                      note="jaxfuse.jit of attention with a FlashAttention-2-style "
+                      "backward in plain JAX (jax.custom_vjp)"),
+      harness.JaxImpl("xla-flash", flash, compiler="jax",
+                      note="jax.jit of the same FlashAttention-2-style backward"),
+      harness.JaxImpl("dpa-cudnn", dpa("cudnn"), prepare=to_btnh, restore=from_btnh,
+                      needs_gpu=True,
+                      note="jax.nn.dot_product_attention(implementation='cudnn'), "
+                      "its forward and backward"),
+      harness.JaxImpl("dpa-xla", dpa("xla"), prepare=to_btnh, restore=from_btnh,
+                      check=_dpa_xla_check,
+                      note="jax.nn.dot_product_attention(implementation='xla')"),
+      harness.JaxImpl("pallas", make_train_step(pallas), prepare=to_btnh,
+                      restore=from_btnh, needs_gpu=True,
+                      check=lambda: _pallas_check(False),
+                      note="jax.experimental.pallas.ops.gpu.attention.mha, its "
+                      "forward and backward kernels"),
+  ]
+
+
 def impls_for(case: harness.Case) -> list[harness.Impl]:
   p = case.params
+  if p.get("step") == "train":
+    return _train_impls(case)
   causal, scale, layout = p["causal"], p["scale"], p["layout"]
   window = p.get("window", 0)
   capped = "no library attention takes a score cap" if p.get("softcap") else None
@@ -462,10 +641,12 @@ def impls_for(case: harness.Case) -> list[harness.Impl]:
 
 def main(argv) -> int:
   del argv
-  cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes, FLAGS.kv_heads)
+  cases, groups = all_cases(FLAGS.layout, FLAGS.dtype, FLAGS.shapes, FLAGS.kv_heads,
+                            FLAGS.step)
   names = harness.select_from_flags(cases, groups)
+  step = ", training step" if FLAGS.step == "train" else ""
   return harness.main("attention", [cases[n] for n in names], impls_for,
-                      title=f"attention ({FLAGS.dtype}, {FLAGS.layout})")
+                      title=f"attention ({FLAGS.dtype}, {FLAGS.layout}{step})")
 
 
 if __name__ == "__main__":

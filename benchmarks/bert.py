@@ -56,9 +56,7 @@ flags.DEFINE_integer("seq", 512, "Sequence length of the built-in models.")
 flags.DEFINE_list("models", [], "Shorthand with --batch for --cases: models "
                   "(small, base, large, tiny), e.g. --models=base --batch=1.")
 flags.DEFINE_list("batch", [], "Batch sizes for --models (default 1,8).")
-flags.DEFINE_enum("step", "forward", ["forward", "train"],
-                  "forward: the encoder's forward pass; train: the loss and its "
-                  "gradient with respect to the weights (jax.value_and_grad).")
+harness.define_step_flag()   # train: the gradient with respect to the weights
 
 FLAGS = flags.FLAGS
 

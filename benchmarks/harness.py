@@ -188,6 +188,16 @@ def define_flags(default_cases: str = "all", default_baselines: str = "all",
     flags.DEFINE_string("shapes", "", shapes_help)
 
 
+def define_step_flag() -> None:
+  """``--step``, for binaries that also time a training step (one
+  definition: a process may import several of them)."""
+  if "step" not in flags.FLAGS:
+    flags.DEFINE_enum("step", "forward", ["forward", "train"],
+                      "forward: the workload's forward pass; train: a training step, "
+                      "the float32 loss sum(f(...) * g) for a random cotangent g and its "
+                      "gradients (jax.value_and_grad; see the binary's docstring).")
+
+
 # ---------------------------------------------------------------------------
 # Platform, device roofline
 # ---------------------------------------------------------------------------

@@ -163,11 +163,14 @@ class _LevelAnalysis:
     self._fwd: dict = {}
     self.joined: dict[int, list[Item]] = {}   # chains(): joined sibling groups
     self.no_join: set[int] = set()   # dots of groups no region took
+    self.middles: dict[int, set] = {}   # chains(): chain -> ops between its dots
+    self.chain_index: dict[int, int] = {}   # chains(): dot idx -> its chain
 
   # ---- reachability -------------------------------------------------------
-  def fwd(self, d: Item) -> tuple[set, dict]:
+  def fwd(self, d: Item, through_reductions: bool = True) -> tuple[set, dict]:
     """Cheap items reachable from ``d``'s outputs, and the dots they reach
-    (dot idx -> operand positions reached)."""
+    (dot idx -> operand positions reached); without ``through_reductions``,
+    only along paths that reduce nothing."""
     seen: set[int] = set()
     fvars = set(d.outvars)
     stack = list(d.outvars)
@@ -180,7 +183,8 @@ class _LevelAnalysis:
         if _is_dot(c):
           dots.setdefault(c.idx, set())
           continue
-        if _is_cheap(c) and len(seen) < _MAX_REACH:
+        if (_is_cheap(c) and len(seen) < _MAX_REACH
+            and (through_reductions or c.prim not in REDUCE_PRIMS)):
           seen.add(c.idx)
           fvars.update(c.outvars)
           stack.extend(c.outvars)
@@ -251,6 +255,16 @@ class _LevelAnalysis:
       if d.idx not in self.taken and d.idx not in self.no_join:
         for key in (*self.sibling_keys(d), self.parallel_key(d)):
           by_key.setdefault(key, []).append(d)
+    full: dict[int, set] = {}
+
+    def meet(d1: Item, d2: Item) -> bool:
+      # Where their whole results meet, not through a row statistic: a
+      # training step's forward q @ k.T reaches the backward's ops through
+      # its row max and sum.
+      for d in (d1, d2):
+        if d.idx not in full:
+          full[d.idx] = self.fwd(d, through_reductions=False)[0]
+      return bool(full[d1.idx] & full[d2.idx])
     parent: dict[int, int] = {}
 
     def find(i: int) -> int:
@@ -260,10 +274,10 @@ class _LevelAnalysis:
 
     for ds in by_key.values():
       for i, d1 in enumerate(ds):
-        s1, r1 = fwd[d1.idx]
+        _, r1 = fwd[d1.idx]
         for d2 in ds[i + 1:]:
-          s2, r2 = fwd[d2.idx]
-          if (s1 & s2 and d2.idx not in r1 and d1.idx not in r2
+          _, r2 = fwd[d2.idx]
+          if (meet(d1, d2) and d2.idx not in r1 and d1.idx not in r2
               and not self.lvl.depends({min(d1.idx, d2.idx)})(
                   self.items[max(d1.idx, d2.idx)])):
             # (Not a dot computed from the other's result through further
@@ -312,6 +326,19 @@ class _LevelAnalysis:
         incoming.setdefault(x, []).append((d.idx, trivial, reduces))
     pred: dict[int, int] = {}
     for x, cands in incoming.items():
+      # A dot reaching x only through a row statistic (a training step's
+      # forward q @ k.T, whose row max and sum the backward's products read)
+      # or through a broadcast of a narrower result (the backward's
+      # rowsum(do * o)) is not x's chain predecessor when one other dot
+      # reaches x's operand whole.
+      size = lambda a: math.prod(a.aval.shape)
+      operand = self.items[x].invars[next(iter(fwd[cands[0][0]][1][x]))]
+      whole = [c for c in cands
+               if size(self.items[c[0]].outvars[0]) >= size(operand)
+               and any(x in self.fwd(m, through_reductions=False)[1]
+                       for m in self.members(self.items[c[0]]))]
+      if len(cands) > 1 and len(whole) == 1:
+        cands = whole
       if len(cands) == 1:
         pred[x] = cands[0][0]
       else:
@@ -336,6 +363,16 @@ class _LevelAnalysis:
       while ch[-1].idx in succ:
         ch.append(self.items[succ[ch[-1].idx]])
       chains.append(ch)
+    # Each chain's middle ops, which another chain's epilogue must not take.
+    self.middles, self.chain_index = {}, {}
+    for i, ch in enumerate(chains):
+      mids = set()
+      for d, x in zip(ch, ch[1:]):
+        (p,) = fwd[d.idx][1][x.idx]
+        mids |= fwd[d.idx][0] & self.bwd(x.invars[p])
+      self.middles[i] = mids
+      for d in ch:
+        self.chain_index[d.idx] = i
     return chains
 
   # ---- candidate regions --------------------------------------------------
@@ -426,10 +463,15 @@ class _LevelAnalysis:
       elif epilogue == "elementwise":
         allowed = allowed & POINTWISE_PRIMS
       dep = lvl.depends(removed)   # sees the items added below (same set)
+      # Not the ops between another chain's dots (a training step's forward
+      # attention, whose rowsum(do * o) the backward's p * (dp - D) reads,
+      # would take the middle of the backward's chain).
+      own = self.chain_index.get(chain[0].idx)
+      others = set().union(*(m for i, m in self.middles.items() if i != own))
       while stack:
         v = stack.pop()
         for c in sorted(lvl.consumers.get(v, ()), key=lambda c: c.idx):
-          if c.idx in removed or c.prim not in allowed:
+          if c.idx in removed or c.prim not in allowed or c.idx in others:
             continue
           ok = True
           for a in c.invars:

@@ -600,8 +600,12 @@ class _Builder:
         if l not in v.loops and self.ext[l] != 1:
           raise Reject("an output is a broadcast view")
       st = dict(self._strides(o, [l for l in view if l in v.loops]))
-      out_bufs.append(ir.Buffer(vname, tuple(o.aval.shape),
-                                tuple((l, st.get(l, 0)) for l in v.loops)))
+      buf = ir.Buffer(vname, tuple(o.aval.shape), tuple((l, st.get(l, 0)) for l in v.loops))
+      if any(b.value == vname for b in out_bufs):
+        # Two views of one value (``d[..., None]`` written twice): a kernel
+        # stores each value once; a less inclusive epilogue writes it once.
+        raise Reject(f"two outputs are views of one value ({vname})")
+      out_bufs.append(buf)
     used_loops = set()
     for v in self.values.values():
       used_loops.update(v.loops)

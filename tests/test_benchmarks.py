@@ -238,6 +238,54 @@ def test_attention_cpu_script(tmp_path):
     assert row["impls"][name]["status"].startswith("skipped"), row["impls"][name]
 
 
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+def test_attention_train_step_cpu_script(tmp_path, layout):
+  """--step=train: the loss and q, k, v gradients, checked against float32
+  for every implementation, the FlashAttention-2-style backward included."""
+  prefix = tmp_path / "tr"
+  out = _run(["benchmarks/attention.py", "--step=train", "--shapes=1x2x32x32x16c",
+              f"--layout={layout}", "--reps=1", "--dtype=float32", f"--out={prefix}"],
+             tmp_path)
+  data = _check_outputs(prefix, out, must_run=("jaxfuse", "xla", "jaxfuse-flash",
+                                               "xla-flash", "dpa-xla"))
+  row = data["rows"][0]
+  assert row["case"] == "B1-H2-M32-N32-D16-causal-train"
+  assert row["params"]["step"] == "train" and row["params"]["causal"] is True
+  for name in ("dpa-cudnn", "pallas"):
+    assert row["impls"][name]["status"].startswith("skipped"), row["impls"][name]
+
+
+def test_attention_train_step_regions_and_errors():
+  """The FlashAttention-2-style backward is four regions (the forward with
+  rowsum(do * o), and dq, dk, dv each from its own recomputation), and its
+  Triton kernels compute the step in float16 as the plain function's
+  gradients; cases that are not plain self-attention are refused."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
+  cases, groups = attention.all_cases("bthd", "float16", "1x2x64x64x32c", step="train")
+  assert groups["mcfuser"] == [f"S{i}-train" for i in range(1, 7)]
+  case = cases["B1-H2-M64-N64-D32-causal-train"]
+  args = case.make_inputs(jax.random.key(1), "float16")
+  flash = next(i for i in attention.impls_for(case) if i.name == "jaxfuse-flash").fn
+  regions = capture.find_regions(jax.make_jaxpr(flash)(*args))
+  assert [len(r.region.contractions) for r in regions] == [3, 3, 3, 2]
+  ref = jax.jit(case.fn)(*[a.astype(jnp.float32) for a in args])
+  with config.override(backend="interpret"):
+    got = jaxfuse.jit(flash)(*args)
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+    assert err < 2e-3, err
+  with pytest.raises(ValueError, match="--step=train"):
+    attention.make_case("x", 1, 4, 32, 32, 16, 16, causal=False, layout="bthd", group="g",
+                        dtype="float16", kv_heads=2, step="train")
+  with pytest.raises(ValueError, match="--step=train takes"):
+    attention.all_cases("packed", "float16", step="train")
+
+
 def test_attention_packed_layout_reads_one_qkv_array():
   """--layout=packed: the plain function takes a fused QKV projection's
   output and splits it; jaxfuse reads the three windows in place, and the

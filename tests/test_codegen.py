@@ -1212,6 +1212,21 @@ def test_tolerance_allows_for_exp_of_rounded_large_scores(scale, loose):
     assert max(errs) > 2e-3   # over float16's own tolerance: the case this is for
 
 
+def test_numerical_self_check_rejects_a_wrong_kernel_too_large_to_recheck(monkeypatch):
+  """Over ``EXACT_RECHECK_MAX_FLOPS`` there is no float64 recheck: a kernel
+  outside tolerance fails (it passed silently, or crashed on the log line,
+  before)."""
+  plan = T.simple_plan(GEMM, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
+  k = generate(GEMM, plan, interpret=True)
+  monkeypatch.setattr(launch, "EXACT_RECHECK_MAX_FLOPS", 0)
+
+  def wrong(kernel, xs):
+    return [o * 1.01 for o in launch.run_interpreted(kernel, xs)]
+  with pytest.raises(CodegenError, match="no float64 recheck"):
+    launch.self_check(k, wrong)
+  launch.self_check(k, launch.run_interpreted)
+
+
 def test_self_check_accepts_a_kernel_closer_to_exact_than_its_reference():
   """bfloat16 one-query attention over 200 keys, unscaled scores plus a bias
   (from the fuzzing): the reference rounds the scores to bfloat16 (its own

@@ -362,3 +362,51 @@ def test_a_dot_computed_from_the_other_is_not_its_parallel():
   with config.override(backend="interpret"):
     out = jaxfuse.jit(layer)(x, wo, w1, w2)
   assert _rel_err(out, ref) < 2e-3
+
+
+def _attention_and_rowsum(q, k, v, do):
+  """Attention whose result meets the cotangent in rowsum(do * o) (a
+  FlashAttention-style backward's D, fused into the forward)."""
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.125
+  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(q.dtype), v)
+  return o, jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+
+
+def test_a_row_dot_is_priced_on_the_fma_pipe():
+  """rowsum(do * o) pairs its operands element by element: no tile makes it
+  a tl.dot, so neither its price nor the chain's mma.sync layout is a
+  tensor core's at one row (it read 3.6x the attention's time before)."""
+  spec = jax.ShapeDtypeStruct((8, 2048, 16, 64), jnp.float16)
+  [r] = capture.find_regions(jax.make_jaxpr(_attention_and_rowsum)(spec, spec, spec, spec))
+  reg = ir.simplify(r.region)
+  s, pv, d = reg.contractions
+  assert [cost_model.is_row_dot(reg, c) for c in (s, pv, d)] == [False, False, True]
+  with_d = planner.plan_region(reg, "h100", use_cache=False).best
+  tiles = dict(with_d.tiles)
+  assert cost_model.tile_rows(reg, tiles) == tiles["m"]
+  [r0] = capture.find_regions(jax.make_jaxpr(lambda *a: _attention_and_rowsum(*a)[0])(
+      spec, spec, spec, spec))
+  # Against the attention's best plan of the same (Triton) form.
+  plain = min((p for p in planner.plan_region(ir.simplify(r0.region), "h100", top=400,
+                                              use_cache=False).ranked if not p.form),
+              key=lambda p: p.predicted.time_s)
+  assert not with_d.form
+  assert with_d.predicted.time_s < 1.3 * plain.predicted.time_s, (with_d, plain)
+
+
+def test_row_statistics_get_positive_random_inputs():
+  """A divisor (the softmax's sum) and a value subtracted before exp (its
+  row max) are drawn away from zero: a recomputing backward's float16
+  gradients then stay in range on the tuner's random inputs."""
+  spec = lambda *s, dt=jnp.float16: jax.ShapeDtypeStruct(s, dt)
+  a = (spec(1, 256, 2, 32),) * 4 + (spec(1, 2, 256, dt=jnp.float32),) * 3
+  [r] = capture.find_regions(jax.make_jaxpr(_dq)(*a))
+  reg = ir.simplify(r.region)
+  stats = launch._row_statistics(reg)   # pylint: disable=protected-access
+  assert sorted(stats.values()) == [1.0, 3.0]
+  xs = launch.random_inputs(reg, seed=0)
+  for b, x in zip(reg.inputs, xs):
+    if b.value in stats:
+      assert float(x.min()) >= stats[b.value]
+  (out,) = ir.evaluate(reg, xs)
+  assert np.isfinite(out).all() and np.abs(out).max() < 1e3

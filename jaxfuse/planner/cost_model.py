@@ -318,6 +318,19 @@ def tf32_held_operand_bytes(region: ir.Region, expr: tiling.TilingExpr,
 _dot_loops = ir.contraction_loops
 
 
+def is_row_dot(region: ir.Region, op: "ir.Contraction") -> bool:
+  """Whether ``op`` pairs its operands element by element: each output
+  loop indexes both (``rowsum(do * o)`` in attention's backward). No tile
+  makes it a ``tl.dot``: the printer multiplies and sums on the FMA pipe,
+  and its rows say nothing of the chain's other dots."""
+  rows, cols, _, _ = _dot_loops(region, op)
+  return not rows and not cols
+
+
+def _tensor_core_dots(region: ir.Region) -> list:
+  return [op for op in region.contractions if not is_row_dot(region, op)]
+
+
 def _gemm_dims(region: ir.Region, op: "ir.Contraction",
                sizes: Mapping[str, int]) -> tuple[int, int, int, int]:
   """(rows, cols, batch, red) of ``op`` at ``sizes`` (tiles or extents):
@@ -338,7 +351,7 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   the contracted loops (batch loops, tile 1, drop out).
   """
   rows, cols, _, red = _gemm_dims(region, op, tiles)
-  chain16 = (len(region.contractions) > 1
+  chain16 = (len(_tensor_core_dots(region)) > 1
              and ir.dtype_itemsize(contraction_dtype(region, op)) <= 2)
   narrow = NARROW_ROWS_EFFICIENCY if chain16 else NARROW_ROWS_EFFICIENCY_OTHER
   eta = 1.0 if rows >= device.mma_rows else narrow * rows / device.mma_rows
@@ -360,7 +373,7 @@ def mma_sync_warps(region: ir.Region, tiles: Mapping[str, int], num_warps: int,
   for sm_90, attention S7 at m=16 n=256 h=16 issues 160 mma.sync per warp
   against 48 at h=32, and its warps compute the whole score tile and
   softmax each (242 registers against 126)."""
-  dots = region.contractions
+  dots = _tensor_core_dots(region)
   if len(dots) < 2 or tile_rows(region, tiles) >= device.mma_rows:
     return None
   rows, cols, _, _ = _gemm_dims(region, dots[-1], tiles)
@@ -562,7 +575,7 @@ def choose_warps(region: ir.Region, tiles: Mapping[str, int]) -> int:
 
 def tile_rows(region: ir.Region, tiles: Mapping[str, int]) -> int:
   """The fewest rows (wgmma M) among the plan's contraction tiles."""
-  return min([_rows(region, op, tiles) for op in region.contractions] or [0])
+  return min([_rows(region, op, tiles) for op in _tensor_core_dots(region)] or [0])
 
 
 def choose_warps_stages(region: ir.Region, expr: tiling.TilingExpr,
@@ -1000,7 +1013,7 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
   (``is_unpipelined``), priced on the FMA pipe."""
   row_loops = set()
   if layout is not None:
-    for op in region.contractions:
+    for op in _tensor_core_dots(region):
       row_loops.update(_dot_loops(region, op)[0])
   flops = 0
   vec = 0
@@ -1038,7 +1051,7 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
     elif ol & row_loops:
       copies = warp_replication(layout, math.prod(tiles[l] for l in ol & row_loops),
                                 math.prod(tiles[l] for l in ol - row_loops))
-    if isinstance(op, ir.Contraction) and unpipelined:
+    if isinstance(op, ir.Contraction) and (unpipelined or is_row_dot(region, op)):
       flops += 2 * work
       size = ir.dtype_itemsize(contraction_dtype(region, op))
       vec += copies * work * BROADCAST_PRODUCT_OPS.get(size, 1)

@@ -258,12 +258,17 @@ class _LevelAnalysis:
     full: dict[int, set] = {}
 
     def meet(d1: Item, d2: Item) -> bool:
-      # Where their whole results meet, not through a row statistic: a
-      # training step's forward q @ k.T reaches the backward's ops through
-      # its row max and sum.
+      # Where their whole results meet, not through a row statistic of
+      # either: a training step's forward q @ k.T reaches the backward's
+      # p * (dp - D) through its softmax's row max and sum (the forward's
+      # probabilities), where a recomputing backward's q @ k.T reads the
+      # forward's statistics as inputs.
       for d in (d1, d2):
         if d.idx not in full:
-          full[d.idx] = self.fwd(d, through_reductions=False)[0]
+          seen = self.fwd(d)[0]
+          stats = self.lvl.depends({i for i in seen if self.items[i].prim in REDUCE_PRIMS})
+          full[d.idx] = {i for i in self.fwd(d, through_reductions=False)[0]
+                         if not stats(self.items[i])}
       return bool(full[d1.idx] & full[d2.idx])
     parent: dict[int, int] = {}
 

@@ -286,6 +286,40 @@ def test_attention_train_step_regions_and_errors():
     attention.all_cases("packed", "float16", step="train")
 
 
+def test_a_causal_recomputing_backward_skips_masked_tiles():
+  """Under a causal mask the backward's probabilities ``exp(where(keep, s,
+  -inf) - m) / l`` and ``ds = p * (dp - D)`` are zero outside the band: dq's
+  key loop stops at the diagonal, and dk's and dv's query loops start
+  there (``streaming.zero_outside``); kernels with 32-wide tiles of 128
+  tokens compute each region."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture, codegen, ir, planner  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+  cases, _ = attention.all_cases("bthd", "float16", "1x2x128x128x32c", step="train")
+  case = cases["B1-H2-M128-N128-D32-causal-train"]
+  args = jax.eval_shape(lambda: case.make_inputs(jax.random.key(1), "float16"))
+  flash = next(i for i in attention.impls_for(case) if i.name == "jaxfuse-flash").fn
+  regions = [ir.simplify(r.region) for r in capture.find_regions(jax.make_jaxpr(flash)(*args))]
+  bands = [streaming.masked_tile_relations(r) for r in regions]
+  assert [(b["n"].lower, b["n"].upper) for b in bands] == [(None, 0), (None, 0), (0, None), (0, None)]
+  for reg, band in zip(regions, bands):
+    res = planner.plan_region(reg, "h100", top=300, use_cache=False)
+    plan = next(p for p in res.ranked if dict(p.tiles)["n"] == 32 and dict(p.tiles)["m"] == 32
+                and not p.split)
+    k = codegen.generate(reg, plan, interpret=True)
+    xs = launch.random_inputs(reg, seed=1)
+    outs = launch.run_interpreted(k, xs)
+    assert launch.compare(reg, outs, ir.evaluate(reg, xs)) <= launch.tolerance(reg), str(plan)
+  # Without the mask nothing is skipped.
+  cases, _ = attention.all_cases("bthd", "float16", "1x2x128x128x32", step="train")
+  case = cases["B1-H2-M128-N128-D32-train"]
+  flash = next(i for i in attention.impls_for(case) if i.name == "jaxfuse-flash").fn
+  for r in capture.find_regions(jax.make_jaxpr(flash)(*args)):
+    assert streaming.masked_tile_relations(ir.simplify(r.region)) == {}
+
+
 def test_attention_packed_layout_reads_one_qkv_array():
   """--layout=packed: the plain function takes a fused QKV projection's
   output and splits it; jaxfuse reads the three windows in place, and the

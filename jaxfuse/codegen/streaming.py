@@ -607,7 +607,7 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
   of the other loop keeps at least one index of this loop: a row that keeps
   none averages all its masked values, skipped tiles included."""
   if not st.online:
-    return None
+    return _zero_tile_relation(region, st)
   accs = dict(st.accumulators)
   for v, sc in accs.items():
     if sc is None and v not in st.running_max:
@@ -643,6 +643,61 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
     ext = region.loop_extents
     if not res.keeps_some(ext[st.loop], ext[res.other]):
       return None
+  return res
+
+
+def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
+  """The keep predicate outside which value ``v`` is zero: ``exp`` of a
+  score masked to -inf (less a finite shift: ``exp(s - m)`` with the
+  forward's row max), and its products, quotients, casts and negations;
+  None where that cannot be read. (A recomputing attention backward's
+  probabilities, ``exp(where(keep, s, -inf) - m) / l``, and its ``ds =
+  p * (dp - D)``.)"""
+  op = region.producer(v) if isinstance(v, str) else None
+  if not isinstance(op, ir.Elementwise) or depth > 16:
+    return None
+  if op.fn == "exp":
+    x = op.args[0]
+    sub = region.producer(x) if isinstance(x, str) else None
+    if (isinstance(sub, ir.Elementwise) and sub.fn == "sub" and isinstance(sub.args[0], str)
+        and masked_value(region, sub.args[1], partial=True) is None):
+      x = sub.args[0]
+    m = masked_value(region, x) or masked_value(region, x, partial=True)
+    return m.keep if m is not None and m.fill == -math.inf else None
+  if op.fn in ("convert", "neg") or (op.fn == "div" and isinstance(op.args[0], str)):
+    return zero_outside(region, op.args[0], depth + 1)
+  if op.fn == "mul":
+    for a in op.args:
+      keep = zero_outside(region, a, depth + 1) if isinstance(a, str) else None
+      if keep is not None:
+        return keep
+  return None
+
+
+def _zero_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
+  """``masked_tile_relation`` of a loop without an online softmax: every
+  accumulator is a contraction or a sum over it of a value that is zero
+  outside one same band (``zero_outside``), so a tile wholly outside adds
+  nothing (a FlashAttention-style backward's dq, dk and dv under a causal
+  mask)."""
+  res = None
+  for v, sc in st.accumulators:
+    op = region.producer(v)
+    if sc is not None:
+      return None
+    if isinstance(op, ir.Contraction):
+      keeps = [zero_outside(region, a) for a in (op.lhs, op.rhs)]
+    elif isinstance(op, ir.Reduction) and op.kind == "sum":
+      keeps = [zero_outside(region, op.arg)]
+    else:
+      return None
+    bands = {relation_to(k, st.loop) for k in keeps if k is not None} - {None}
+    if len(bands) != 1:
+      return None
+    (r,) = bands
+    if res is not None and res != r:
+      return None
+    res = r
   return res
 
 

@@ -41,9 +41,17 @@ into a group axis (``q.reshape(b, t, kv, heads // kv, d)``), as
 aligned (query i sees keys j <= i), as in ``jax.nn.dot_product_attention``
 and PyTorch.
 
+``--step=train`` times training steps of the self-attention cases instead
+(names ``...-train``): the loss ``sum(attention(q, k, v) * g)`` and its q,
+k, v gradients, the plain function under ``jax.jit`` and ``jaxfuse.jit``
+beside ``jaxfuse-flash`` / ``xla-flash`` (the same attention with a
+FlashAttention-2-style backward written in plain JAX,
+``make_flash_attention``), cuDNN's, XLA's and Pallas's own backward passes.
+
 Example::
 
     python -m benchmarks.attention --cases=mcfuser --dtype=float16 --plot
+    python -m benchmarks.attention --step=train --cases=large-causal --calls=1
     python benchmarks/attention.py --shapes=1x12x512x512x64,2x8x1024x1024x128c
 """
 

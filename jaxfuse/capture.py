@@ -330,20 +330,21 @@ class _LevelAnalysis:
         reduces = any(self.items[i].prim in ("reduce_max", "reduce_sum") for i in mids)
         incoming.setdefault(x, []).append((d.idx, trivial, reduces))
     pred: dict[int, int] = {}
+    size = lambda a: math.prod(a.aval.shape)
     for x, cands in incoming.items():
-      # A dot reaching x only through a row statistic (a training step's
-      # forward q @ k.T, whose row max and sum the backward's products read)
-      # or through a broadcast of a narrower result (the backward's
-      # rowsum(do * o)) is not x's chain predecessor when one other dot
-      # reaches x's operand whole.
-      size = lambda a: math.prod(a.aval.shape)
-      operand = self.items[x].invars[next(iter(fwd[cands[0][0]][1][x]))]
-      whole = [c for c in cands
-               if size(self.items[c[0]].outvars[0]) >= size(operand)
-               and any(x in self.fwd(m, through_reductions=False)[1]
-                       for m in self.members(self.items[c[0]]))]
-      if len(cands) > 1 and len(whole) == 1:
-        cands = whole
+      if len(cands) > 1:
+        # A dot reaching x only through a row statistic (a training step's
+        # forward q @ k.T, whose row max and sum the backward's products
+        # read) or through a broadcast of a narrower result (the backward's
+        # rowsum(do * o)) is not x's chain predecessor when one other dot
+        # reaches x's operand whole.
+        operand = self.items[x].invars[next(iter(fwd[cands[0][0]][1][x]))]
+        whole = [c for c in cands
+                 if size(self.items[c[0]].outvars[0]) >= size(operand)
+                 and any(x in self.fwd(m, through_reductions=False)[1]
+                         for m in self.members(self.items[c[0]]))]
+        if len(whole) == 1:
+          cands = whole
       if len(cands) == 1:
         pred[x] = cands[0][0]
       else:

@@ -158,6 +158,15 @@ def unpack_qkv(qkv, heads: int):
   return tuple(x.reshape(b, t, heads, -1) for x in jnp.split(qkv, 3, axis=-1))
 
 
+def causal_keep(m: int, n: int, window: int = 0) -> jax.Array:
+  """[m, n] bool: query i sees key j <= i (top-left aligned), and with
+  ``window`` only keys i - window .. i."""
+  qi = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
+  ki = jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  keep = qi >= ki
+  return keep & (qi - ki <= window) if window else keep
+
+
 def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
                    kv_heads: int = 0, window: int = 0, softcap: float = 0.0,
                    padded: bool = False, softmax_dtype=None) -> Callable:
@@ -193,13 +202,7 @@ def make_attention(causal: bool, scale: float, layout: str, heads: int = 0,
     if softcap:
       s = softcap * jnp.tanh(s / softcap)
     if causal:
-      m, n = s.shape[-2], s.shape[-1]
-      qi = jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
-      ki = jax.lax.broadcasted_iota(jnp.int32, (m, n), 1)
-      keep = qi >= ki
-      if window:
-        keep = keep & (qi - ki <= window)
-      s = jnp.where(keep, s, -jnp.inf)
+      s = jnp.where(causal_keep(*s.shape[-2:], window), s, -jnp.inf)
     if padded:
       # [B, 1.., N] against the scores' [B, .., M, N]: key j of sequence b
       # counts while j < lengths[b].
@@ -235,10 +238,7 @@ def make_flash_attention(causal: bool, scale: float, layout: str) -> Callable:
   def scores(q, k):
     s = jnp.einsum(qk, q, k).astype(f32) * scale
     if causal:
-      m, n = s.shape[-2], s.shape[-1]
-      keep = (jax.lax.broadcasted_iota(jnp.int32, (m, n), 0)
-              >= jax.lax.broadcasted_iota(jnp.int32, (m, n), 1))
-      s = jnp.where(keep, s, -jnp.inf)
+      s = jnp.where(causal_keep(*s.shape[-2:]), s, -jnp.inf)
     return s
 
   def probs(q, k, mx, total):
@@ -369,8 +369,12 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0,
   the ``shapes`` cases. ``step='train'``: training steps of the
   self-attention cases (MCFuser S1-S6, the large cases, ``shapes``), each
   causal or not."""
-  if step == "train":
-    return _train_cases(layout, dtype, shapes, kv_heads)
+  train = step == "train"
+  if train and layout == "packed":
+    raise ValueError("--step=train takes --layout=bhtd or bthd")
+  if train and kv_heads:
+    raise ValueError("--step=train takes no --kv_heads: its cases have as many key/value "
+                     "heads as query heads")
   cases = {}
   groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
             "gqa": [], "gqa-causal": [], "decode": [], "window": [], "softcap": [],
@@ -378,26 +382,26 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0,
   for causal in (False, True):
     sfx = "-causal" if causal else ""
     for s, (h, m, n, dk, dv, net) in MCFUSER.items():
-      if layout == "packed" and (m != n or dk != dv):
-        continue   # S7-S9 attend to fewer keys than queries: no packed form
+      if (layout == "packed" or train) and (m != n or dk != dv):
+        continue   # S7-S9 attend to fewer keys than queries: no packed form or train step
       c = make_case(s + sfx, 1, h, m, n, dk, dv, causal=causal, layout=layout,
                     group="MCFuser Table III" + (" causal" if causal else ""),
-                    dtype=dtype, extra={"network": net})
+                    dtype=dtype, extra={"network": net}, step=step)
       cases[c.name] = c
       groups["mcfuser" + sfx].append(c.name)
     for s, (b, h, t, d) in LARGE.items():
       c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout,
-                    group="large" + (" causal" if causal else ""), dtype=dtype)
+                    group="large" + (" causal" if causal else ""), dtype=dtype, step=step)
       cases[c.name] = c
       groups["large" + sfx].append(c.name)
-    if layout == "packed":
+    if layout == "packed" or train:
       continue   # a packed QKV of grouped heads is not [B, T, 3*heads*D]
     for s, (b, h, kv, t, d) in GROUPED.items():
       c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout, kv_heads=kv,
                     group="grouped-query" + (" causal" if causal else ""), dtype=dtype)
       cases[c.name] = c
       groups["gqa" + sfx].append(c.name)
-  if layout != "packed":
+  if layout != "packed" and not train:
     for s, (b, h, kv, n, d) in DECODE.items():
       c = make_case(s, b, h, 1, n, d, d, causal=False, layout=layout, kv_heads=kv,
                     group="decode", dtype=dtype)
@@ -429,45 +433,13 @@ def all_cases(layout: str, dtype: str, shapes: str = "", kv_heads: int = 0,
     kv = f"-KV{kv_heads}" if kv_heads and kv_heads != h else ""
     c = make_case(f"B{b}-H{h}{kv}-M{m}-N{n}-D{d}" + ("-causal" if causal else ""),
                   b, h, m, n, d, d, causal=causal, layout=layout, group="custom",
-                  dtype=dtype, kv_heads=kv_heads)
+                  dtype=dtype, kv_heads=kv_heads, step=step)
     cases[c.name] = c
     groups["shapes"].append(c.name)
   groups["tables"] = groups["mcfuser"]
   groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"] + groups["gqa-causal"]
-  return cases, groups
-
-
-def _train_cases(layout: str, dtype: str, shapes: str, kv_heads: int) -> tuple[dict, dict]:
-  if layout == "packed":
-    raise ValueError("--step=train takes --layout=bhtd or bthd")
-  if kv_heads:
-    raise ValueError("--step=train takes no --kv_heads: its cases have as many key/value "
-                     "heads as query heads")
-  cases = {}
-  groups = {"mcfuser": [], "mcfuser-causal": [], "large": [], "large-causal": [],
-            "shapes": []}
-  for causal in (False, True):
-    sfx = "-causal" if causal else ""
-    for s, (h, m, n, dk, dv, net) in MCFUSER.items():
-      if m == n and dk == dv:
-        c = make_case(s + sfx, 1, h, m, n, dk, dv, causal=causal, layout=layout,
-                      group="MCFuser Table III" + (" causal" if causal else ""),
-                      dtype=dtype, extra={"network": net}, step="train")
-        cases[c.name] = c
-        groups["mcfuser" + sfx].append(c.name)
-    for s, (b, h, t, d) in LARGE.items():
-      c = make_case(s + sfx, b, h, t, t, d, d, causal=causal, layout=layout,
-                    group="large" + (" causal" if causal else ""), dtype=dtype, step="train")
-      cases[c.name] = c
-      groups["large" + sfx].append(c.name)
-  for (b, h, m, n, d), sfx in harness.parse_shapes(shapes, "BxHxMxNxD", ("", "c")):
-    c = make_case(f"B{b}-H{h}-M{m}-N{n}-D{d}" + ("-causal" if sfx == "c" else ""),
-                  b, h, m, n, d, d, causal=sfx == "c", layout=layout, group="custom",
-                  dtype=dtype, step="train")
-    cases[c.name] = c
-    groups["shapes"].append(c.name)
-  groups["tables"] = groups["mcfuser"]
-  groups["causal"] = groups["mcfuser-causal"] + groups["large-causal"]
+  if train:   # no training step of the other groups: --cases names them as unknown
+    groups = {g: v for g, v in groups.items() if v or g == "shapes"}
   return cases, groups
 
 

@@ -164,6 +164,7 @@ class _LevelAnalysis:
     self.joined: dict[int, list[Item]] = {}   # chains(): joined sibling groups
     self.no_join: set[int] = set()   # dots of groups no region took
     self.middles: dict[int, set] = {}   # chains(): chain -> ops between its dots
+    self._whole: dict[int, tuple[set, dict]] = {}   # whole_reach() per dot
     self.chain_index: dict[int, int] = {}   # chains(): dot idx -> its chain
 
   # ---- reachability -------------------------------------------------------
@@ -193,6 +194,12 @@ class _LevelAnalysis:
       pos = {p for p in (0, 1) if self.items[x].invars[p] in fvars}
       reached[x] = pos
     return seen, reached
+
+  def whole_reach(self, d: Item) -> tuple[set, dict]:
+    """``fwd(d)`` along paths that reduce nothing (cached)."""
+    if d.idx not in self._whole:
+      self._whole[d.idx] = self.fwd(d, through_reductions=False)
+    return self._whole[d.idx]
 
   def bwd(self, atom) -> set:
     """Cheap items that ``atom`` is computed from (through cheap items)."""
@@ -265,10 +272,9 @@ class _LevelAnalysis:
       # forward's statistics as inputs.
       for d in (d1, d2):
         if d.idx not in full:
-          seen = self.fwd(d)[0]
-          stats = self.lvl.depends({i for i in seen if self.items[i].prim in REDUCE_PRIMS})
-          full[d.idx] = {i for i in self.fwd(d, through_reductions=False)[0]
-                         if not stats(self.items[i])}
+          stats = self.lvl.depends({i for i in fwd[d.idx][0]
+                                    if self.items[i].prim in REDUCE_PRIMS})
+          full[d.idx] = {i for i in self.whole_reach(d)[0] if not stats(self.items[i])}
       return bool(full[d1.idx] & full[d2.idx])
     parent: dict[int, int] = {}
 
@@ -341,7 +347,7 @@ class _LevelAnalysis:
         operand = self.items[x].invars[next(iter(fwd[cands[0][0]][1][x]))]
         whole = [c for c in cands
                  if size(self.items[c[0]].outvars[0]) >= size(operand)
-                 and any(x in self.fwd(m, through_reductions=False)[1]
+                 and any(x in self.whole_reach(m)[1]
                          for m in self.members(self.items[c[0]]))]
         if len(whole) == 1:
           cands = whole
@@ -372,14 +378,20 @@ class _LevelAnalysis:
     # Each chain's middle ops, which another chain's epilogue must not take.
     self.middles, self.chain_index = {}, {}
     for i, ch in enumerate(chains):
-      mids = set()
-      for d, x in zip(ch, ch[1:]):
-        (p,) = fwd[d.idx][1][x.idx]
-        mids |= fwd[d.idx][0] & self.bwd(x.invars[p])
-      self.middles[i] = mids
+      self.middles[i] = set().union(*(self.link_middles(d, x) for d, x in zip(ch, ch[1:])))
       for d in ch:
         self.chain_index[d.idx] = i
     return chains
+
+  def link_middles(self, d: Item, x: Item) -> set:
+    """The cheap ops between chain link ``d`` and the next, ``x``: those
+    ``d``'s result reaches that ``x``'s intermediate operand is computed
+    from. Raises Reject when ``d`` no longer reaches one operand of ``x``."""
+    seen, reached = self._fwd[d.idx]
+    pos = reached.get(x.idx, set())
+    if len(pos) != 1:
+      raise Reject("chain link lost")
+    return seen & self.bwd(x.invars[next(iter(pos))])
 
   # ---- candidate regions --------------------------------------------------
   def const_like(self, a, depth: int = 0) -> bool:
@@ -452,12 +464,7 @@ class _LevelAnalysis:
     lvl = self.lvl
     removed: set[int] = {m.idx for d in chain for m in self.members(d)}
     for d, x in zip(chain, chain[1:]):
-      seen, reached = self._fwd[d.idx]
-      pos = reached.get(x.idx, set())
-      if len(pos) != 1:
-        raise Reject("chain link lost")
-      p = next(iter(pos))
-      removed |= seen & self.bwd(x.invars[p])
+      removed |= self.link_middles(d, x)
     # Epilogue: pointwise/layout consumers of the last contraction.
     if epilogue != "none":
       last = self.members(chain[-1])

@@ -652,7 +652,9 @@ def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
   forward's row max), and its products, quotients, casts and negations;
   None where that cannot be read. (A recomputing attention backward's
   probabilities, ``exp(where(keep, s, -inf) - m) / l``, and its ``ds =
-  p * (dp - D)``.)"""
+  p * (dp - D)``.) Other factors and divisors are taken as finite and
+  nonzero, as the forward's skipped tiles take the values they would
+  multiply by exp(-inf) = 0."""
   op = region.producer(v) if isinstance(v, str) else None
   if not isinstance(op, ir.Elementwise) or depth > 16:
     return None

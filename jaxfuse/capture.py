@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import logging
 
-from jaxfuse import ir
+from jaxfuse import capture_recompute, ir
+from jaxfuse.config import config
 from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
     flatten, hoist_consts, is_lit, live_code, shard_map_like, trace)
@@ -62,7 +63,8 @@ _MAX_PARTS = 8
 _MAX_JOINED = 4
 # Candidate variants tried per chain, most inclusive first:
 # (epilogue, one input buffer per use, prologue).
-_VARIANTS = (("all", False, True), ("all", True, True), ("pointwise", False, True),
+_VARIANTS = (("rows", False, True), ("all", False, True), ("all", True, True),
+             ("pointwise", False, True),
              ("none", False, True), ("none", True, True), ("all", False, False),
              ("none", True, False))
 
@@ -144,6 +146,22 @@ def _is_vector_dot(it: Item) -> bool:
 
 
 _CHEAP = PRIMITIVES - {"dot_general"}
+
+
+def _row_reduction(r: Item, d: Item) -> bool:
+  """Whether ``r`` reduces a value of ``d``'s result shape over free axes
+  of one of ``d``'s operands only (rows of ``rowsum(p * dp)``): a kernel
+  tiles the other operand's axes across programs and streams the reduced
+  ones, so the reduction is one more accumulator. A reduction over both
+  sides' axes (a loss summed to a scalar) crosses programs and is not."""
+  if r.prim not in REDUCE_PRIMS or tuple(r.invars[0].aval.shape) != tuple(d.outvars[0].aval.shape):
+    return False
+  (lc, rc), (lb, _) = d.params["dimension_numbers"]
+  nl = len(d.invars[0].aval.shape) - len(lc) - len(lb)
+  lhs = set(range(len(lb), len(lb) + nl))
+  rhs = set(range(len(lb) + nl, len(r.invars[0].aval.shape)))
+  axes = set(r.params["axes"])
+  return bool(axes) and (axes <= lhs or axes <= rhs)
 
 
 def _is_cheap(it: Item) -> bool:
@@ -457,8 +475,10 @@ class _LevelAnalysis:
 
   def candidate(self, chain: list[Item], epilogue: str, split_inputs: bool,
                 prologue: bool = True) -> _Found:
-    """The region of ``chain``: its middle ops, an epilogue ('all',
-    'pointwise', 'elementwise' (no layout ops) or 'none'), the prologue of
+    """The region of ``chain``: its middle ops, an epilogue ('rows': 'all'
+    and row reductions (``_row_reduction``) where they leave every output
+    narrower than the last contraction's result; 'all', 'pointwise',
+    'elementwise' (no layout ops) or 'none'), the prologue of
     its other operands (when ``prologue``), inputs (one buffer per use when ``split_inputs``) and
     outputs. Raises Reject when it is not valid to fuse."""
     lvl = self.lvl
@@ -466,6 +486,9 @@ class _LevelAnalysis:
     for d, x in zip(chain, chain[1:]):
       removed |= self.link_middles(d, x)
     # Epilogue: pointwise/layout consumers of the last contraction.
+    rows_taken = False
+    if epilogue == "rows" and not self.row_reduced(chain[-1]):
+      raise Reject("no row reduction of the result")
     if epilogue != "none":
       last = self.members(chain[-1])
       tail = {m.idx for m in last}
@@ -484,7 +507,9 @@ class _LevelAnalysis:
       while stack:
         v = stack.pop()
         for c in sorted(lvl.consumers.get(v, ()), key=lambda c: c.idx):
-          if c.idx in removed or c.prim not in allowed or c.idx in others:
+          if c.idx in removed or c.idx in others:
+            continue
+          if c.prim not in allowed and not (epilogue == "rows" and _row_reduction(c, last[0])):
             continue
           ok = True
           for a in c.invars:
@@ -502,6 +527,7 @@ class _LevelAnalysis:
             removed.add(c.idx)
             tail.add(c.idx)
             stack.extend(c.outvars)
+            rows_taken = rows_taken or c.prim in REDUCE_PRIMS
     dep = lvl.depends(removed)
     # Prologue: cheap producers of the other operands.
     members = set(removed)
@@ -600,10 +626,27 @@ class _LevelAnalysis:
           outputs.append(o)
     if not outputs:
       raise Reject("the region's results are unused")
+    if epilogue == "rows":
+      # Row reductions are taken where they keep a product off memory
+      # (rowsum(p * dp)), not where the region writes a value as large
+      # anyway (a LayerNorm after a GEMM: that is the 'all' variant's).
+      size = math.prod(chain[-1].outvars[0].aval.shape)
+      if not rows_taken or any(math.prod(o.aval.shape) >= size for o in outputs):
+        raise Reject("no row reduction narrows the outputs")
     region = build_region([sub_items[i] for i in order], inputs, outputs,
                           [sub_items[d.idx] for d in chain])
     return _Found(chain, order, removed, inputs, input_src, outputs, region,
                   sub_items, group_invars)
+
+  def row_reduced(self, d: Item) -> bool:
+    """Whether a ``_row_reduction`` reads ``d``'s (or its joined group's)
+    result through cheap ops that reduce nothing."""
+    for m in self.members(d):
+      for i in (m.idx, *self.whole_reach(m)[0]):
+        for o in self.items[i].outvars:
+          if any(_row_reduction(c, m) for c in self.lvl.consumers.get(o, ())):
+            return True
+    return False
 
   def reread_after(self, d: Item) -> bool:
     """Cheap pre-check for single contractions: is a value computed
@@ -851,8 +894,37 @@ def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
   return bad
 
 
+def _recompute_shared(closed: ClosedJaxpr, path: str) -> ClosedJaxpr:
+  """``closed`` with each contraction reading its own copy of the wide
+  intermediates it shares with an earlier one (``capture_recompute``)."""
+  if not config.recompute:
+    return closed
+  try:
+    lvl = flatten(closed)
+    copies = capture_recompute.plan(lvl)
+    if not copies:
+      return closed
+    lvl = capture_recompute.apply(lvl, copies)
+    em = _Emitter(lvl, [], None, path)
+    em.verbatim = True
+
+    def fn(*args):
+      env = dict(zip(lvl.invars, args))
+      em.emit_level(env)
+      return [_read(env, a) for a in lvl.outvars]
+
+    new = trace(fn, [v.aval for v in lvl.invars])
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("jaxfuse capture: recomputation skipped (%s: %s)", type(e).__name__, e)
+    return closed
+  logging.vlog(1, "jaxfuse capture: %d contraction(s) recompute shared intermediates",
+               len(copies))
+  return new
+
+
 def _analyze(closed: ClosedJaxpr, path: str,
              limit: int = _MAX_CONTRACTIONS) -> tuple[Level, list[_Found]]:
+  closed = _recompute_shared(closed, path)
   opaque: frozenset = frozenset()
   packed: set = set()   # pushdowns no region took whole: left as written
   for _ in range(_MAX_BARRIER_ROUNDS):
@@ -920,6 +992,8 @@ class _Emitter:
     # shard_map's pvary (a type cast; its axes are unbound there) passes its
     # value through.
     self.standalone = False
+    # Emit every item and call as written (no regions, bodies untouched).
+    self.verbatim = False
 
   # -- items and groups --------------------------------------------------
   def emit_item(self, it: Item, env: dict, original: bool = False) -> None:
@@ -1167,9 +1241,9 @@ class _Emitter:
       _, u = heapq.heappop(heap)
       pos, kind, payload, *_ = units[u]
       if kind == "item":
-        self.emit_item(payload, env)
+        self.emit_item(payload, env, self.verbatim)
       elif kind == "group":
-        self.emit_group(payload, env)
+        self.emit_group(payload, env, self.verbatim)
       else:
         self.emit_region(payload, env)
       emitted += 1

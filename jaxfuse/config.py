@@ -106,6 +106,15 @@ class Config:
     the warp-specialized Gluon attention kernel on Hopper,
     ``jaxfuse.codegen.gluon_printer``). Off: the Triton form runs
     everywhere.
+  recompute: a contraction that reads a wide intermediate (attention's
+    [T, T] probabilities) which an earlier contraction also reads gets its
+    own copy of the ops that compute it, from narrower values and row
+    statistics (FlashAttention's recomputation, for any chain:
+    ``jaxfuse.capture_recompute``), so that no fused region has to write
+    it. On an H100 this took ``jax.grad`` of plain attention from
+    ``jax.jit``'s speed to 1.85x (3.37x causal) at 8 x 16 heads x 2048
+    tokens (benchmarks/RESULTS.md, seventy-eighth session). Off: each
+    reads the shared value. Read when a function is traced.
   """
   disable: bool = False
   backend: str = "auto"
@@ -120,6 +129,7 @@ class Config:
   launch: str = "direct"
   record: bool = True
   kernel_forms: bool = True
+  recompute: bool = True
 
   @classmethod
   def from_env(cls) -> "Config":
@@ -137,6 +147,7 @@ class Config:
     c.launch = os.environ.get("JAXFUSE_LAUNCH", c.launch) or c.launch
     c.record = _env_bool("JAXFUSE_RECORD", c.record)
     c.kernel_forms = _env_bool("JAXFUSE_KERNEL_FORMS", c.kernel_forms)
+    c.recompute = _env_bool("JAXFUSE_RECOMPUTE", c.recompute)
     c._check()
     return c
 

@@ -1118,6 +1118,7 @@ def _merge_loops(region: Region, outer: str, inner: str) -> Region:
 def _drop_identities(region: Region) -> Region:
   vm = region.value_map
   outputs = set(region.output_names)
+  inputs = set(region.input_names)
   alias: dict[str, str] = {}
   ops = []
   for op in region.ops:
@@ -1130,16 +1131,22 @@ def _drop_identities(region: Region) -> Region:
     elif isinstance(op, Reduction):
       op = Reduction(op.out, op.kind, a(op.arg), op.loop)
     x = _identity_operand(op, vm)
-    if x is not None and op.out not in outputs and vm[x].loops == vm[op.out].loops:
+    # An output is renamed to the operand too (a training step's forward
+    # writes softmax's max(-inf, max_n s) for its backward: the running max
+    # must stay visible), unless that would write one value twice.
+    if (x is not None and vm[x].loops == vm[op.out].loops
+        and (op.out not in outputs or (x not in outputs and x not in inputs))):
       alias[op.out] = x
+      if op.out in outputs:
+        outputs.add(x)
       continue
     ops.append(op)
   if not alias:
     return region
   used = set(region.input_names) | {op.out for op in ops}
   values = tuple(v for v in region.values if v.name in used)
-  return Region(region.loops, values, region.inputs, region.outputs, tuple(ops),
-                name=region.name)
+  outs = tuple(dataclasses.replace(b, value=alias.get(b.value, b.value)) for b in region.outputs)
+  return Region(region.loops, values, region.inputs, outs, tuple(ops), name=region.name)
 
 
 # --------------------------------------------------------------------------

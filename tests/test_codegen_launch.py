@@ -947,12 +947,14 @@ def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
   launch._last_reference.clear()
 
 
-def _training_attention_regions():
+def _training_attention_regions(recompute: bool = False):
   """The attention chains jaxfuse captures, simplified: in a training step
   with the softmax in float32 ('train') or float16 ('train16'), and in the
-  forward alone."""
+  forward alone; without ``recompute`` (``config.recompute``) the
+  backward's products read the forward's probabilities."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
 
   def attention(q, k, v, softmax_dtype=jnp.float32):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
@@ -971,7 +973,8 @@ def _training_attention_regions():
   for name, fn, args in (("train", step, (x, x, x, x)),
                          ("train16", lambda *a: step(*a, jnp.float16), (x, x, x, x)),
                          ("forward", attention, (x, x, x))):
-    regions = [ir.simplify(c.region) for c in capture.find_regions(jax.make_jaxpr(fn)(*args))]
+    with config.override(recompute=recompute):
+      regions = [ir.simplify(c.region) for c in capture.find_regions(jax.make_jaxpr(fn)(*args))]
     chains[name] = [r for r in regions if len(r.contractions) == 2
                     and r.einsum_summary().startswith("bmgk,bngk")]
   return chains
@@ -986,7 +989,8 @@ def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypat
   'measure' still times it and the interpreter still runs it. With a
   float16 softmax its written intermediates are all float16 (fused it
   measured faster: 16.4 against 21.9 us) and the forward alone writes only
-  its result: neither is left."""
+  its result: neither is left. (Without ``config.recompute``: with it, the
+  backward recomputes what it reads and the forward writes none of it.)"""
   from jaxfuse.config import config
   from jaxfuse.devices import get_device
   from jaxfuse.planner import cost_model
@@ -1018,6 +1022,11 @@ def test_a_region_that_writes_wide_copies_of_its_scores_is_left_to_xla(monkeypat
       assert launch._candidate_plans(fwd, None, backend="triton")
   with config.override(tune="model"):
     assert launch._candidate_plans(train16, None, backend="triton")
+  # With the backward's own copies (the default) the forward writes its row
+  # statistics and result only.
+  [train] = [r for r in _training_attention_regions(recompute=True)["train"]
+             if "bgmn,bngh" in r.einsum_summary()]
+  assert ir.written_intermediates(train) == [] and cost_model.writes_its_intermediates(train) is None
   with config.override(tune="auto"):
     assert launch._candidate_plans(train, None, backend="interpret")
   # 'measure' (its measured tuning replaced by the model's plans here).

@@ -317,7 +317,8 @@ def test_report_names_the_unsplit_plan_tune_auto_times_beside_a_split_pick():
 
 
 def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediates():
-  """The forward attention of a training step (softmax in float32) writes
+  """The forward attention of a training step (softmax in float32), where
+  the backward reads its probabilities (``config.recompute`` off), writes
   float32 copies of its scores for the backward; the report says so, and
   that it runs XLA's ops under 'model' and 'auto'
   (``cost_model.writes_its_intermediates``)."""
@@ -326,12 +327,19 @@ def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediate
     p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
     return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(jnp.float32) * g)
 
+  from jaxfuse.config import config  # pylint: disable=g-import-not-at-top
   x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.float16)
   step = jax.value_and_grad(attention_loss, argnums=(0, 1, 2))
-  rep = inspection.inspect(step, x, x, x, x, device="h100")
+  with config.override(recompute=False):
+    rep = inspection.inspect(step, x, x, x, x, device="h100")
   [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
   assert "wider copies" in fwd.why_not
   assert "tune='model' and 'auto'" in fwd.why_not
+  # By default the backward recomputes the probabilities it reads: the
+  # forward writes none and is fused.
+  rep = inspection.inspect(step, x, x, x, x, device="h100")
+  [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
+  assert fwd.why_not is None
   only = inspection.inspect(lambda q, k, v: jax.nn.softmax(
       jnp.einsum("bqhd,bkhd->bhqk", q, k)), x, x, x, device="h100")
   assert all("wider copies" not in (r.why_not or "") for r in only.regions)

@@ -46,6 +46,8 @@ import dataclasses
 import math
 from typing import Optional
 
+import numpy as np
+
 from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
@@ -561,6 +563,16 @@ def masked_value(region: ir.Region, x, partial: bool = False) -> Optional[Masked
   op = region.producer(x) if isinstance(x, str) else None
   if not isinstance(op, ir.Elementwise):
     return None
+  if op.fn == "convert" and isinstance(op.args[0], str):
+    # A float cast of a masked score (autodiff's softmax in float32 of
+    # float16 scores) masks the same, when it keeps the fill.
+    m = masked_value(region, op.args[0], partial)
+    vm = region.value_map
+    src, dst = (np.dtype(vm[a].dtype) for a in (op.args[0], x))
+    if (m is None or dst.kind != "f" or src.kind != "f"
+        or not (m.fill == -math.inf or dst.itemsize >= src.itemsize)):
+      return None
+    return m
   if op.fn == "select" and isinstance(op.args[0], str):
     p, on_false, on_true = op.args
     if _literal(on_false) is not None and isinstance(on_true, str):
@@ -649,8 +661,8 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
 def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
   """The keep predicate outside which value ``v`` is zero: ``exp`` of a
   score masked to -inf (less a finite shift: ``exp(s - m)`` with the
-  forward's row max), and its products, quotients, casts and negations;
-  None where that cannot be read. (A recomputing attention backward's
+  forward's row max), a select of 0 where a keep predicate fails, and their
+  products, quotients, casts and negations; None where that cannot be read. (A recomputing attention backward's
   probabilities, ``exp(where(keep, s, -inf) - m) / l``, and its ``ds =
   p * (dp - D)``.) Other factors and divisors are taken as finite and
   nonzero, as the forward's skipped tiles take the values they would
@@ -668,6 +680,14 @@ def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
     return m.keep if m is not None and m.fill == -math.inf else None
   if op.fn in ("convert", "neg") or (op.fn == "div" and isinstance(op.args[0], str)):
     return zero_outside(region, op.args[0], depth + 1)
+  if op.fn == "select" and isinstance(op.args[0], str):
+    # where(keep, x, 0): autodiff's gradient through a mask's jnp.where.
+    p, on_false, on_true = op.args
+    if _literal(on_false) == 0.0 and isinstance(on_true, str):
+      return keep_predicate(region, p)
+    if _literal(on_true) == 0.0 and isinstance(on_false, str):
+      return _negate(keep_predicate(region, p))
+    return None
   if op.fn == "mul":
     for a in op.args:
       keep = zero_outside(region, a, depth + 1) if isinstance(a, str) else None

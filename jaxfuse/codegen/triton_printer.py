@@ -765,7 +765,8 @@ class _Printer:
     if roles is None:
       return None
     bat, M, N, K = ([l for l in self.order if l in r] for r in roles)
-    swapped = not accumulating and self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims)
+    swapped = (self._swap_accumulated(op) if accumulating
+               else self._swap_dot_operands(op, bat + M + N, bat + N + M, out_dims))
     if swapped:
       M, N = N, M
     return bat, M, N, K, swapped
@@ -1050,7 +1051,31 @@ class _Printer:
     """
     if tuple(order) == tuple(out_dims) or tuple(swapped) != tuple(out_dims):
       return False
-    return not (op.lhs not in self.inputs and op.rhs in self.inputs)
+    return not (not self._loaded(op.lhs) and self._loaded(op.rhs))
+
+  def _loaded(self, v: str, depth: int = 0) -> bool:
+    """Whether ``v`` is a region input, or a cast or view of one."""
+    if v in self.inputs:
+      return True
+    op = self.ops.get(v)
+    return (isinstance(op, ir.Elementwise) and op.fn == "convert" and depth < 8
+            and isinstance(op.args[0], str) and self._loaded(op.args[0], depth + 1))
+
+  def _swap_accumulated(self, op: ir.Contraction) -> bool:
+    """Whether a contraction accumulated over a sequential loop runs as
+    ``(rhs^T lhs^T)^T``, its accumulator in N, M order: when its right
+    operand is computed on chip and its left one is loaded. wgmma reads only
+    its left operand from registers; on the right, the computed tile goes
+    through shared memory every step. (Autodiff's ``dv = do^T @ p``: 750
+    against 453 us for ``p^T @ do`` at 8 x 16 x 2048 tokens, H100,
+    2026-11-26.) Only for one M and one N loop (``acc_order``)."""
+    if not (self._loaded(op.lhs) and not self._loaded(op.rhs)):
+      return False
+    A, B, out = set(self.bl(op.lhs)), set(self.bl(op.rhs)), set(self.bl(op.out))
+    M = [l for l in self.order if l in A and l in out and l not in B]
+    N = [l for l in self.order if l in B and l in out and l not in A]
+    bat = [l for l in self.order if l in A and l in B and l in out]
+    return len(M) == 1 and len(N) == 1 and len(bat) <= 1
 
   # -------------------------------------------------------- accumulation
   def acc_order(self, op) -> tuple[str, ...]:
@@ -1062,7 +1087,7 @@ class _Printer:
       M = [l for l in self.order if l in A and l in out_dims and l not in B]
       N = [l for l in self.order if l in B and l in out_dims and l not in A]
       if len(M) == 1 and len(N) == 1 and len(bat) <= 1:
-        return tuple(bat + M + N)
+        return tuple(bat + N + M) if self._swap_accumulated(op) else tuple(bat + M + N)
     return self.bl(op.out)
 
   def deferred_sum(self, v: str, lp: _Open) -> Optional[tuple[str, ...]]:

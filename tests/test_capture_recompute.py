@@ -1,0 +1,127 @@
+"""capture_recompute: contractions that share a wide intermediate get copies."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import capture, capture_recompute, ir
+from jaxfuse.capture_flat import flatten, live_code
+from jaxfuse.codegen import streaming
+from jaxfuse.config import config
+
+B, H, T, D = 1, 2, 64, 32
+
+
+def _attention(q, k, v, causal):
+  s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+  if causal:
+    keep = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0) >= jax.lax.broadcasted_iota(
+        jnp.int32, (T, T), 1)
+    s = jnp.where(keep, s, -jnp.inf)
+  p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bhkd->bhqd", p, v)
+
+
+def _train_step(causal):
+  def loss(q, k, v, g):
+    return jnp.sum(_attention(q, k, v, causal).astype(jnp.float32) * g)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _args(seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q, k, v = (jax.random.normal(x, (B, H, T, D), jnp.float16) for x in ks[:3])
+  return q, k, v, jax.random.normal(ks[3], (B, H, T, D), jnp.float32)
+
+
+def _level(fn, *args):
+  return flatten(live_code(jax.make_jaxpr(fn)(*args)))
+
+
+def test_autodiff_attention_backward_recomputes_its_probabilities():
+  """jax.grad saves the forward's probabilities; dv, dq and dk each read
+  them, and so does rowsum(p * dp). Each gets its own copy of q @ k.T and
+  the softmax ops, reading only the forward's row max and sum; the forward's
+  p @ v keeps the original."""
+  lvl = _level(_train_step(False), *_args())
+  copies = capture_recompute.plan(lvl)
+  kinds = sorted(lvl.items[i].prim for i in copies)
+  assert kinds == ["dot_general"] * 3 + ["reduce_sum"]
+  first = next(it for it in lvl.items if it.prim == "dot_general"
+               and len(it.invars[0].aval.shape) == 4 and it.invars[0].aval.shape[-1] == T)
+  assert first.idx not in copies    # the forward's p @ v
+  for cone in copies.values():
+    dots = [lvl.items[i] for i in cone if lvl.items[i].prim == "dot_general"]
+    # q @ k.T (and do @ v.T where ds is formed): products of [T, D] operands.
+    assert dots and all(d.invars[0].aval.shape[-1] == D for d in dots)
+    assert not any(lvl.items[i].prim in ("reduce_max", "reduce_sum") for i in cone)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autodiff_attention_step_is_five_fused_regions(causal):
+  """With the copies the step is five regions, none of which writes a
+  [T, T] value: the forward (writing its row max and sum), rowsum(p * dp),
+  dv, dk and dq; under a causal mask each skips the masked tiles. Their
+  Triton kernels compute the step as the plain function does."""
+  fn = _train_step(causal)
+  args = _args(1)
+  regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  assert sorted(len(r.region.contractions) for r in regions) == [2, 2, 2, 3, 3]
+  for r in regions:
+    assert all(np.prod(b.shape) < B * H * T * T for b in r.region.outputs), r.region
+    bands = streaming.masked_tile_relations(ir.simplify(r.region))
+    assert bool(bands) == causal, r.region
+  ref = jax.jit(fn)(*[a.astype(jnp.float32) for a in args])
+  with config.override(backend="interpret"):
+    jitted = jaxfuse.jit(fn)
+    got = jitted(*args)
+    report = jaxfuse.inspect(jitted, *args)
+  assert [bool(r.lowered) for r in report.regions] == [True] * 5
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+    assert err < 3e-3, err
+
+
+def test_the_rewritten_program_computes_the_same():
+  """The copies read the forward's row statistics: the program with them
+  gives the original's values."""
+  fn = _train_step(True)
+  args = _args(2)
+  closed = live_code(jax.make_jaxpr(fn)(*args))
+  new = capture._recompute_shared(closed, "")   # pylint: disable=protected-access
+  assert new is not closed
+  n_dots = lambda c: sum(e.primitive.name == "dot_general" for e in c.jaxpr.eqns)
+  assert n_dots(new) > n_dots(closed)
+  want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  got = jax.core.eval_jaxpr(new.jaxpr, new.consts, *args)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_a_wide_contraction_is_not_recomputed():
+  """An MLP's x @ w1 contracts 512 elements: reading its result back is
+  cheaper than recomputing it, so its training step gets no copies."""
+  ks = jax.random.split(jax.random.PRNGKey(3), 4)
+  x = jax.random.normal(ks[0], (128, 512), jnp.float16)
+  w1 = jax.random.normal(ks[1], (512, 2048), jnp.float16)
+  w2 = jax.random.normal(ks[2], (2048, 512), jnp.float16)
+
+  def loss(x, w1, w2):
+    return jnp.sum(jax.nn.gelu(x @ w1) @ w2)
+  lvl = _level(jax.grad(loss, argnums=(0, 1, 2)), x, w1, w2)
+  assert 512 > capture_recompute.MAX_RECOMPUTE_CONTRACTION
+  assert capture_recompute.plan(lvl) == {}
+
+
+def test_a_product_that_reduces_its_wide_operand_is_not_copied():
+  """rowsum(do * o) reads attention's o = p @ v: copying that product would
+  read p again, so a hand-written recomputing backward (which already
+  forms each gradient from its own q @ k.T) gets no further copies."""
+  from benchmarks import attention  # pylint: disable=g-import-not-at-top
+  flash = attention.make_train_step(attention.make_flash_attention(True, 0.125, "bhtd"))
+  assert capture_recompute.plan(_level(flash, *_args())) == {}

@@ -979,3 +979,36 @@ def test_one_arange_read_as_rows_and_columns_is_two_loops():
   want = jax.jit(attend)(*[np.random.default_rng(i).standard_normal(x.shape, np.float32)
                            for i in range(3)])
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_reduction_joins_an_epilogue_only_where_it_narrows_the_outputs():
+  """rowsum over a product's key axis keeps the [M, N] product off memory:
+  the region takes it (and writes [M]). A LayerNorm after a GEMM writes a
+  value as large as the GEMM's anyway: its reductions stay outside, as
+  before. A sum over both operands' axes (a loss) crosses programs: not
+  taken."""
+  a, b = rand(2, 128, 64, dtype=jnp.float16), rand(2, 128, 64, dtype=jnp.float16)
+  c, d = rand(2, 128, 64, dtype=jnp.float16), rand(2, 128, 64, dtype=jnp.float16)
+
+  def rows(a, b, c, d):
+    s = jnp.einsum("bmk,bnk->bmn", a, b).astype(jnp.float32)
+    p = jnp.einsum("bmk,bnk->bmn", c, d).astype(jnp.float32)
+    return jnp.sum(jnp.exp(s) * p, axis=-1)
+  [r] = capture.find_regions(jax.make_jaxpr(rows)(a, b, c, d))
+  assert [b.shape for b in r.region.outputs] == [(2, 128)]
+  assert any(isinstance(op, ir.Reduction) for op in r.region.ops)
+
+  def loss(a, b, c, d):
+    s = jnp.einsum("bmk,bnk->bmn", a, b).astype(jnp.float32)
+    return jnp.sum(jnp.exp(s) * jnp.einsum("bmk,bnk->bmn", c, d))
+  for r in capture.find_regions(jax.make_jaxpr(loss)(a, b, c, d)):
+    assert not any(isinstance(op, ir.Reduction) for op in r.region.ops)
+
+  x, w = rand(256, 128, dtype=jnp.float16), rand(128, 128, dtype=jnp.float16)
+
+  def ln(x, w):
+    h = jax.nn.gelu(x @ w).astype(jnp.float32)
+    m = h.mean(-1, keepdims=True)
+    return (h - m) * jax.lax.rsqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+  for r in capture.find_regions(jax.make_jaxpr(ln)(x, w)):
+    assert not any(isinstance(op, ir.Reduction) for op in r.region.ops)

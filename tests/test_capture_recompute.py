@@ -17,13 +17,15 @@ B, H, T, D = 1, 2, 64, 32
 
 
 def _attention(q, k, v, causal):
-  s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.125
+  # Token-major, as models lay out q, k, v ([B, T, H, D]).
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
   if causal:
-    keep = jax.lax.broadcasted_iota(jnp.int32, (T, T), 0) >= jax.lax.broadcasted_iota(
-        jnp.int32, (T, T), 1)
+    t = s.shape[-1]
+    keep = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0) >= jax.lax.broadcasted_iota(
+        jnp.int32, (t, t), 1)
     s = jnp.where(keep, s, -jnp.inf)
   p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
-  return jnp.einsum("bhqk,bhkd->bhqd", p, v)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def _train_step(causal):
@@ -32,10 +34,10 @@ def _train_step(causal):
   return jax.value_and_grad(loss, argnums=(0, 1, 2))
 
 
-def _args(seed=0):
+def _args(seed=0, t=T):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q, k, v = (jax.random.normal(x, (B, H, T, D), jnp.float16) for x in ks[:3])
-  return q, k, v, jax.random.normal(ks[3], (B, H, T, D), jnp.float32)
+  q, k, v = (jax.random.normal(x, (B, t, H, D), jnp.float16) for x in ks[:3])
+  return q, k, v, jax.random.normal(ks[3], (B, t, H, D), jnp.float32)
 
 
 def _level(fn, *args):
@@ -57,7 +59,7 @@ def test_autodiff_attention_backward_recomputes_its_probabilities():
   for cone in copies.values():
     dots = [lvl.items[i] for i in cone if lvl.items[i].prim == "dot_general"]
     # q @ k.T (and do @ v.T where ds is formed): products of [T, D] operands.
-    assert dots and all(d.invars[0].aval.shape[-1] == D for d in dots)
+    assert dots and all(capture_recompute._contraction(d) == D for d in dots)  # pylint: disable=protected-access
     assert not any(lvl.items[i].prim in ("reduce_max", "reduce_sum") for i in cone)
 
 
@@ -125,3 +127,29 @@ def test_a_product_that_reduces_its_wide_operand_is_not_copied():
   from benchmarks import attention  # pylint: disable=g-import-not-at-top
   flash = attention.make_train_step(attention.make_flash_attention(True, 0.125, "bhtd"))
   assert capture_recompute.plan(_level(flash, *_args())) == {}
+
+
+def test_dv_reads_its_recomputed_probabilities_from_registers():
+  """Autodiff of token-major attention forms dv as (do^T @ p)^T: the
+  computed p is the product's right operand. The kernel runs it as p^T @ do, p on the left, which wgmma
+  reads from registers (on the right it would go through shared memory
+  every key step), and its accumulator is in the result's order (no
+  transpose before the store)."""
+  from jaxfuse import codegen, planner  # pylint: disable=g-import-not-at-top
+  regions = [ir.simplify(r.region)
+             for r in capture.find_regions(jax.make_jaxpr(_train_step(False))(*_args(t=256)))]
+
+  def loaded(r, v):
+    op = r.producer(v)
+    return v in r.input_names or (isinstance(op, ir.Elementwise) and op.fn == "convert"
+                                  and op.args[0] in r.input_names)
+  [dv] = [r for r in regions if len(r.contractions) == 2
+          and loaded(r, r.contractions[-1].lhs) and not loaded(r, r.contractions[-1].rhs)]
+  op = dv.contractions[-1]
+  # A plan that streams the key loop, so that the product accumulates.
+  res = planner.plan_region(dv, "h100", top=300, use_cache=False)
+  plan = next(p for p in res.ranked if dict(p.tiles)["n"] == 64 and not p.split)
+  src = codegen.generate(dv, plan, interpret=True).source
+  [line] = [l.strip() for l in src.splitlines() if l.strip().startswith(f"acc_{op.out} = tl.dot(")]
+  assert line.startswith(f"acc_{op.out} = tl.dot({op.rhs}"), line
+  assert "tl.trans(acc_" not in src

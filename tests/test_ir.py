@@ -252,3 +252,24 @@ def test_vector_dot_dims():
   assert ir.vector_dot_dims(3072, 1, 1)
   assert not ir.vector_dot_dims(8, 3072, 1)
   assert not ir.vector_dot_dims(1, 3072, 4)   # batched: not measured, not counted
+
+
+def test_simplify_renames_an_output_to_its_identity_operand():
+  """A training step's forward writes softmax's ``max(-inf, max_n s)`` for
+  its backward: the output becomes ``max_n s`` itself, so the running max
+  stays visible to the streaming analysis; not where that operand is
+  written already (one value is never two outputs)."""
+  loops = (Loop("m", 3), Loop("n", 4))
+  vals = (Value("x", ("m", "n"), "float32"), Value("r", ("m",), "float32"),
+          Value("y", ("m",), "float32"))
+  x = Buffer("x", (3, 4), (("m", 4), ("n", 1)))
+  ops = (Reduction("r", "max", "x", "n"),
+         Elementwise("y", "max", (Literal(-np.inf, "float32"), "r")))
+  out_y = Buffer("y", (3,), (("m", 1),))
+  r = Region(loops, vals, (x,), (out_y,), ops)
+  s = ir.simplify(r)
+  assert s.output_names == ("r",) and [op.out for op in s.ops] == ["r"]
+  xs = [np.arange(12, dtype=np.float32).reshape(3, 4)]
+  np.testing.assert_array_equal(ir.evaluate(s, xs)[0], ir.evaluate(r, xs)[0])
+  both = Region(loops, vals, (x,), (Buffer("r", (3,), (("m", 1),)), out_y), ops)
+  assert ir.simplify(both).output_names == ("r", "y")

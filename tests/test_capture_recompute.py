@@ -153,3 +153,21 @@ def test_dv_reads_its_recomputed_probabilities_from_registers():
   [line] = [l.strip() for l in src.splitlines() if l.strip().startswith(f"acc_{op.out} = tl.dot(")]
   assert line.startswith(f"acc_{op.out} = tl.dot({op.rhs}"), line
   assert "tl.trans(acc_" not in src
+
+
+def test_copies_left_unfused_are_merged_back_by_xla():
+  """Where a copy is not fused, the program computes what it did before:
+  XLA's common-subexpression pass merges the copied products with the
+  originals (twice the dots in the jaxpr, as many in the compiled program)."""
+  try:
+    from jax.extend.core import jaxpr_as_fun  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    from jax.core import jaxpr_as_fun  # type: ignore  # pylint: disable=g-import-not-at-top
+  fn = _train_step(True)
+  args = _args(3)
+  closed = live_code(jax.make_jaxpr(fn)(*args))
+  new = capture._recompute_shared(closed, "")   # pylint: disable=protected-access
+  n_dots = lambda c: sum(e.primitive.name == "dot_general" for e in c.jaxpr.eqns)
+  assert n_dots(new) == 2 * n_dots(closed)
+  compiled = lambda c: jax.jit(jaxpr_as_fun(c)).lower(*args).compile().as_text().count(" dot(")
+  assert compiled(new) == compiled(closed) > 0

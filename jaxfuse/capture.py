@@ -900,9 +900,10 @@ def _recompute_shared(closed: ClosedJaxpr, path: str) -> ClosedJaxpr:
   if not config.recompute:
     return closed
   try:
-    lvl = flatten(closed)
+    flat = flatten(closed)
+    lvl = capture_recompute.reassociate(flat)
     copies = capture_recompute.plan(lvl)
-    if not copies:
+    if not copies and lvl is flat:
       return closed
     lvl = capture_recompute.apply(lvl, copies)
     em = _Emitter(lvl, [], None, path)

@@ -175,3 +175,189 @@ def apply(lvl: Level, copies: dict[int, set[int]]) -> Level:
   new = Level(lvl.invars, lvl.constvars, lvl.outvars, items, groups)
   new.build_maps()
   return new
+
+
+# --------------------------------------------------------------------------
+# Row sums of a product against the probabilities (FlashAttention-2's D)
+# --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _RowSum:
+  """``sum_n (A @ B)[.., m, n] * X[.., m, n] * f[.., m]`` where a product
+  ``O = P @ B`` over n exists with ``P = cast(X / S)`` (or ``X * S``), ``S``
+  a row factor: the sum is ``f * S^(+-1) * sum_h A[.., m, h] * O[.., m, h]``."""
+  reduce: Item
+  a: FVar
+  o: FVar
+  spec: str               # einsum of A and O giving the sum's axes
+  factors: list           # row factors (FVar or literal) multiplying it
+  divisors: list          # row factors dividing it
+
+
+def _producer(lvl: Level, a):
+  return lvl.producer.get(a) if isinstance(a, FVar) else None
+
+
+def _row_factor(a, y_shape, axes) -> bool:
+  """A scalar, or a value of ``y_shape``'s rank of size 1 along ``axes``
+  and equal elsewhere (a keepdims row statistic)."""
+  shape = tuple(getattr(getattr(a, "aval", None), "shape", ()))
+  if not shape:
+    return True
+  return (len(shape) == len(y_shape)
+          and all((d == 1) if i in axes else (d == y_shape[i]) for i, d in enumerate(shape)))
+
+
+def _factors(lvl: Level, y, y_shape, axes, depth: int = 0):
+  """``y`` as (wide factors, row factors, row divisors) of a product tree of
+  ``mul`` and ``div`` by row factors; None where it is not one."""
+  p = _producer(lvl, y)
+  if p is not None and not p.groups and depth < 8:
+    if p.prim == "mul":
+      parts = [_factors(lvl, x, y_shape, axes, depth + 1) for x in p.invars]
+      if all(parts):
+        return tuple(sum((q[i] for q in parts), []) for i in range(3))
+    if p.prim == "div" and _row_factor(p.invars[1], y_shape, axes):
+      q = _factors(lvl, p.invars[0], y_shape, axes, depth + 1)
+      if q:
+        return q[0], q[1], q[2] + [p.invars[1]]
+  if _row_factor(y, y_shape, axes):
+    return [], [y], []
+  return [y], [], []
+
+
+def _through_converts(lvl: Level, a):
+  p = _producer(lvl, a)
+  while p is not None and p.prim == "convert_element_type" and not p.groups:
+    a = p.invars[0]
+    p = _producer(lvl, a)
+  return a
+
+
+def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
+  """``r`` as a ``_RowSum``, or None."""
+  if r.prim != "reduce_sum" or r.groups or not isinstance(r.invars[0], FVar):
+    return None
+  y = r.invars[0]
+  y_shape = tuple(y.aval.shape)
+  axes = set(r.params["axes"])
+  parts = _factors(lvl, y, y_shape, axes)
+  if not parts or len(parts[0]) != 2:
+    return None
+  wide, factors, divisors = parts
+  for i in (0, 1):
+    dp = _producer(lvl, _through_converts(lvl, wide[i]))
+    if dp is not None and _is_product(dp) and not dp.groups:
+      x = wide[1 - i]
+      break
+  else:
+    return None
+  (lc, rc), (lb, rb) = dp.params["dimension_numbers"]
+  a, b = dp.invars
+  na, nb = len(a.aval.shape), len(b.aval.shape)
+  # Labels: batch, A's free (m), B's free (n), the contracted (h).
+  labels = iter("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+  la, lb_ = [None] * na, [None] * nb
+  for i, j in zip(lb, rb):
+    la[i] = lb_[j] = next(labels)
+  for i, j in zip(lc, rc):
+    la[i] = lb_[j] = next(labels)
+  for i in range(na):
+    la[i] = la[i] or next(labels)
+  for j in range(nb):
+    lb_[j] = lb_[j] or next(labels)
+  dp_out = ([la[i] for i in lb] + [la[i] for i in range(na) if i not in lc and i not in lb]
+            + [lb_[j] for j in range(nb) if j not in rc and j not in rb])
+  n_labels = {lb_[j] for j in range(nb) if j not in rc and j not in rb}
+  h_labels = {lb_[j] for j in rc}
+  if (not isinstance(x, FVar)
+      or not tuple(x.aval.shape) == tuple(dp.outvars[0].aval.shape) == y_shape
+      or {dp_out[i] for i in axes} != n_labels):
+    return None
+  # A product O of P (X over a row factor, cast) and the same B over n.
+  for o_it in lvl.consumers.get(b, ()):
+    if o_it is dp or not _is_product(o_it) or o_it.groups:
+      continue
+    pos_b = o_it.invars.index(b)
+    pvar = o_it.invars[1 - pos_b]
+    src = _through_converts(lvl, pvar)
+    s_op = _producer(lvl, src)
+    scale = None
+    if src is x:
+      scale = ("none", None)
+    elif (s_op is not None and s_op.prim in ("div", "mul") and s_op.invars[0] is x
+          and _row_factor(s_op.invars[1], y_shape, axes) and not s_op.groups):
+      scale = (s_op.prim, s_op.invars[1])
+    if scale is None or tuple(pvar.aval.shape) != y_shape:
+      continue
+    (oc0, oc1), (ob0, ob1) = o_it.params["dimension_numbers"]
+    cp, cb = (oc1, oc0) if pos_b == 0 else (oc0, oc1)
+    bp_, bb_ = (ob1, ob0) if pos_b == 0 else (ob0, ob1)
+    if (any(dp_out[i] != lb_[j] for i, j in zip(cp, cb))
+        or any(dp_out[i] != lb_[j] for i, j in zip(bp_, bb_))
+        or {dp_out[i] for i in cp} != n_labels
+        or {lb_[j] for j in range(nb) if j not in cb and j not in bb_} != h_labels):
+      continue
+    p_free = [dp_out[i] for i in range(len(y_shape)) if i not in cp and i not in bp_]
+    b_free = [lb_[j] for j in range(nb) if j not in cb and j not in bb_]
+    o_out = [dp_out[i] for i in bp_] + (b_free + p_free if pos_b == 0 else p_free + b_free)
+    out = "".join(dp_out[i] for i in range(len(y_shape)) if i not in axes)
+    spec = f"{''.join(la)},{''.join(o_out)}->{out}"
+    factors, divisors = list(factors), list(divisors)
+    if scale[0] == "div":
+      factors.append(scale[1])    # X = P * S
+    elif scale[0] == "mul":
+      divisors.append(scale[1])   # X = P / S
+    return _RowSum(r, a, o_it.outvars[0], spec, factors, divisors)
+  return None
+
+
+def _row_sum_item(rs: _RowSum) -> Item:
+  """An item computing ``rs``'s sum from A, O and the row factors (one
+  ``jit`` call equation, inlined when the level is flattened again)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.capture_flat import is_lit, spec_of  # pylint: disable=g-import-not-at-top
+  out = rs.reduce.outvars[0]
+  row = [f for f in (*rs.factors, *rs.divisors) if not is_lit(f)]
+  ins = [rs.a, rs.o, *row]
+  nf = len(rs.factors)
+
+  def fn(a, o, *vals):
+    it = iter(vals)
+    t = jnp.einsum(rs.spec, a.astype(jnp.float32), o.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+    for i, f in enumerate((*rs.factors, *rs.divisors)):
+      v = f.val if is_lit(f) else next(it)
+      v = jnp.reshape(jnp.asarray(v, jnp.float32), t.shape) if jnp.ndim(v) else v
+      t = t * v if i < nf else t / v
+    return t.astype(out.aval.dtype)
+
+  closed = jax.make_jaxpr(jax.jit(fn))(*[spec_of(v.aval) for v in ins])
+  [eqn] = closed.jaxpr.eqns
+  r = rs.reduce
+  return Item(r.idx, eqn, ins, [out], (), r.path)
+
+
+def reassociate(lvl: Level) -> Level:
+  """``lvl`` with each row sum of a product against the probabilities of a
+  product over the same operand computed from that product instead
+  (``_RowSum``): autodiff's ``rowsum(p * (do @ v.T))`` becomes
+  ``rowsum(do * o)``, FlashAttention-2's D. Why: the sum otherwise needs
+  the whole [T, T] ``do @ v.T`` (a region of its own, recomputing ``p``);
+  from ``o`` it is a [T, D] product. It rounds ``p`` as the forward did
+  (to the dtype of ``p @ v``), where the original sums it unrounded."""
+  new: dict[int, Item] = {}
+  for it in lvl.items:
+    rs = _row_sum(lvl, it)
+    if rs is not None:
+      try:
+        new[it.idx] = _row_sum_item(rs)
+      except Exception:  # pylint: disable=broad-except
+        continue   # left as written
+  if not new:
+    return lvl
+  items = [new.get(it.idx, it) for it in lvl.items]
+  out = Level(lvl.invars, lvl.constvars, lvl.outvars, items, lvl.groups)
+  out.build_maps()
+  return out

@@ -338,7 +338,7 @@ def test_a_training_steps_attention_is_reported_left_to_xla_for_its_intermediate
   # By default the backward recomputes the probabilities it reads: the
   # forward writes none and is fused.
   rep = inspection.inspect(step, x, x, x, x, device="h100")
-  [fwd] = [r for r in rep.regions if r.einsum == "bmgk,bngk->bgmn ; bgmn,bngh->bghm"]
+  [fwd] = [r for r in rep.regions if r.einsum.startswith("bmgk,bngk->bgmn ; bgmn,bng")]
   assert fwd.why_not is None
   only = inspection.inspect(lambda q, k, v: jax.nn.softmax(
       jnp.einsum("bqhd,bkhd->bhqk", q, k)), x, x, x, device="h100")

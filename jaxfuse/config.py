@@ -111,10 +111,13 @@ class Config:
     own copy of the ops that compute it, from narrower values and row
     statistics (FlashAttention's recomputation, for any chain:
     ``jaxfuse.capture_recompute``), so that no fused region has to write
-    it. On an H100 this took ``jax.grad`` of plain attention from
-    ``jax.jit``'s speed to 1.85x (3.37x causal) at 8 x 16 heads x 2048
-    tokens (benchmarks/RESULTS.md, seventy-eighth session). Off: each
-    reads the shared value. Read when a function is traced.
+    it; a row sum of a product against such a value is taken from the
+    product the first chain already forms where the algebra allows
+    (FlashAttention-2's ``rowsum(do * o)``). On an H100 this took
+    ``jax.grad`` of plain attention from ``jax.jit``'s speed to 2.11x
+    (3.57x causal) at 8 x 16 heads x 2048 tokens (benchmarks/RESULTS.md,
+    seventy-eighth session). Off: each reads the shared value. Read when a
+    function is traced.
   """
   disable: bool = False
   backend: str = "auto"

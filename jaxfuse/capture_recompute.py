@@ -26,10 +26,15 @@ or sits inside a custom-derivative call. Where a copy is not fused after
 all, XLA's common-subexpression pass merges it with the original, so the
 program computes what it did before.
 
+Before the copies are planned, a row sum of a product against such a
+value is taken from a product the first chain already forms, where the
+algebra allows (``reassociate``): autodiff's ``rowsum(p * (do @ v.T))``
+becomes ``rowsum(do * o)``, FlashAttention-2's D, so it needs no copy.
+
 Example::
 
-    lvl = flatten(jax.make_jaxpr(train_step)(q, k, v, g))
-    copies = plan(lvl)      # consumer dot idx -> the cone items it recomputes
+    lvl = reassociate(flatten(jax.make_jaxpr(train_step)(q, k, v, g)))
+    copies = plan(lvl)      # consumer idx -> the cone items it recomputes
     new_lvl = apply(lvl, copies)
 """
 
@@ -41,7 +46,7 @@ import math
 from jaxfuse.capture_flat import FVar, Item, Level
 from jaxfuse.capture_ir import CONTRACTION_DTYPES, PRIMITIVES, REDUCE_PRIMS
 
-__all__ = ["MAX_RECOMPUTE_CONTRACTION", "apply", "plan"]
+__all__ = ["MAX_RECOMPUTE_CONTRACTION", "apply", "plan", "reassociate"]
 
 # Largest contraction a copy recomputes. Recomputing a product of K-element
 # dot products costs 2K flops per element; reading it back costs its bytes
@@ -275,8 +280,9 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
       or {dp_out[i] for i in axes} != n_labels):
     return None
   # A product O of P (X over a row factor, cast) and the same B over n.
+  after_r = lvl.depends({r.idx})
   for o_it in lvl.consumers.get(b, ()):
-    if o_it is dp or not _is_product(o_it) or o_it.groups:
+    if o_it is dp or not _is_product(o_it) or o_it.groups or after_r(o_it):
       continue
     pos_b = o_it.invars.index(b)
     pvar = o_it.invars[1 - pos_b]

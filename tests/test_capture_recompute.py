@@ -196,3 +196,29 @@ def test_copies_left_unfused_are_merged_back_by_xla():
   assert copied >= 3 and n_dots(new) == n_dots(closed) - 1 + copied
   compiled = lambda c: jax.jit(jaxpr_as_fun(c)).lower(*args).compile().as_text().count(" dot(")
   assert 0 < compiled(new) <= compiled(closed)
+
+
+def test_a_row_sum_without_the_matching_product_is_left_as_written():
+  """rowsum(x * (a @ b.T)) is rewritten only where the level forms
+  cast(x / s) @ b over the same b: with another operand, or with no such
+  product, the sum stays."""
+  ks = jax.random.split(jax.random.PRNGKey(6), 5)
+  q, k, v, w, do = (jax.random.normal(x, (2, 64, 32), jnp.float16) for x in ks)
+
+  def step(q, k, v, w, do, other):
+    s = jnp.einsum("bmd,bnd->bmn", q, k).astype(jnp.float32)
+    x = jnp.exp(s - s.max(-1, keepdims=True))
+    l = x.sum(-1, keepdims=True)
+    o = jnp.einsum("bmn,bnd->bmd", (x / l).astype(q.dtype), v)
+    dp = jnp.einsum("bmd,bnd->bmn", do, w if other else v).astype(jnp.float32)
+    return o, jnp.sum(dp * x / (l * l), axis=-1)
+
+  for other, rewritten in ((False, True), (True, False)):
+    lvl = _level(lambda *a: step(*a, other), q, k, v, w, do)
+    assert (capture_recompute.reassociate(lvl) is not lvl) == rewritten
+  closed = live_code(jax.make_jaxpr(lambda *a: step(*a, False))(q, k, v, w, do))
+  got = jax.core.eval_jaxpr(capture._recompute_shared(closed, "").jaxpr, (), q, k, v, w, do)   # pylint: disable=protected-access
+  want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, q, k, v, w, do)
+  # Both round to float16 (dp there, p and o here): normwise, they agree.
+  g, w_ = np.asarray(got[1], np.float64), np.asarray(want[1], np.float64)
+  assert np.linalg.norm(g - w_) / np.linalg.norm(w_) < 2e-3

@@ -894,9 +894,12 @@ def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
   return bad
 
 
-def _recompute_shared(closed: ClosedJaxpr, path: str) -> ClosedJaxpr:
+def _recompute_shared(closed: ClosedJaxpr, path: str, unchanged: dict | None = None
+                      ) -> ClosedJaxpr:
   """``closed`` with each contraction reading its own copy of the wide
-  intermediates it shares with an earlier one (``capture_recompute``)."""
+  intermediates it shares with an earlier one (``capture_recompute``).
+  Where nothing changes, ``unchanged["level"]`` gets the flat level it
+  analysed (the caller's first flatten, saved)."""
   if not config.recompute:
     return closed
   try:
@@ -904,6 +907,8 @@ def _recompute_shared(closed: ClosedJaxpr, path: str) -> ClosedJaxpr:
     lvl = capture_recompute.reassociate(flat)
     copies = capture_recompute.plan(lvl)
     if not copies and lvl is flat:
+      if unchanged is not None:
+        unchanged["level"] = flat
       return closed
     lvl = capture_recompute.apply(lvl, copies)
     em = _Emitter(lvl, [], None, path)
@@ -925,11 +930,12 @@ def _recompute_shared(closed: ClosedJaxpr, path: str) -> ClosedJaxpr:
 
 def _analyze(closed: ClosedJaxpr, path: str,
              limit: int = _MAX_CONTRACTIONS) -> tuple[Level, list[_Found]]:
-  closed = _recompute_shared(closed, path)
+  unchanged: dict = {}
+  closed = _recompute_shared(closed, path, unchanged)
   opaque: frozenset = frozenset()
   packed: set = set()   # pushdowns no region took whole: left as written
   for _ in range(_MAX_BARRIER_ROUNDS):
-    lvl = flatten(closed, opaque)
+    lvl = unchanged.pop("level", None) or flatten(closed, opaque)
     pushes = push_slices(lvl, packed)
     found = _LevelAnalysis(lvl, limit).regions()
     bad = _laminar_violations(lvl, found)

@@ -49,10 +49,10 @@ from jaxfuse.capture_ir import CONTRACTION_DTYPES, PRIMITIVES, REDUCE_PRIMS
 __all__ = ["MAX_RECOMPUTE_CONTRACTION", "apply", "plan", "reassociate"]
 
 # Largest contraction a copy recomputes. Recomputing a product of K-element
-# dot products costs 2K flops per element; reading it back costs its bytes
-# (2-4) at a tenth to a third of a flop per byte on a GPU (H100: ~300
-# tensor-core flops per byte of HBM). At K <= 256 (head dims) recomputing is
-# the cheaper side by far; a projection's K of 768 and more is not.
+# dot products costs 2K flops per element; writing it and reading it back
+# moves 4-8 bytes per element, the time of 1200-2400 tensor-core flops on an
+# H100 (about 300 flops per byte of HBM). At K <= 256 (head dims, 512 flops)
+# recomputing is the cheaper side; a projection's K of 768 and more is not.
 MAX_RECOMPUTE_CONTRACTION = 256
 # Most items in one cone: keeps the copies (and the analysis) small.
 _MAX_CONE = 64

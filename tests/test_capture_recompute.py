@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,6 +96,13 @@ def test_autodiff_attention_step_is_four_fused_regions(causal):
   args = _args(1)
   regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
   assert sorted(len(r.region.contractions) for r in regions) == [2, 3, 3, 3]
+  # No kernel reads the float32 cotangent g: they read the float16 cast XLA
+  # writes for them all (capture.narrow_read_outside), not g on every step
+  # of their loops.
+  f32 = [r for r in regions if any(
+      b.shape == (B, T, H, D) and r.region.value_map[b.value].dtype == "float32"
+      for b in r.region.inputs)]
+  assert not f32, [r.region for r in f32]
   for r in regions:
     assert all(np.prod(b.shape) < B * H * T * T for b in r.region.outputs), r.region
     bands = streaming.masked_tile_relations(ir.simplify(r.region))
@@ -150,30 +159,46 @@ def test_a_product_that_reduces_its_wide_operand_is_not_copied():
   assert capture_recompute.plan(_level(flash, *_args())) == {}
 
 
-def test_dv_reads_its_recomputed_probabilities_from_registers():
-  """Autodiff of token-major attention forms dv as (do^T @ p)^T: the
-  computed p is the product's right operand. The kernel runs it as p^T @ do, p on the left, which wgmma
-  reads from registers (on the right it would go through shared memory
-  every key step), and its accumulator is in the result's order (no
-  transpose before the store)."""
+def test_a_computed_right_operand_is_read_from_registers():
+  """A product written as ``v^T @ p`` (autodiff's dv before capture folds
+  the transpose into the input's index map: ``(do^T @ p)^T``) has the
+  computed ``p`` as its right operand. The kernel runs it as ``p^T @ v``,
+  ``p`` on the left, which wgmma reads from registers (on the right it
+  would go through shared memory every key step), and its accumulator is
+  in the result's order (no transpose before the store)."""
   from jaxfuse import codegen, planner  # pylint: disable=g-import-not-at-top
-  regions = [ir.simplify(r.region)
-             for r in capture.find_regions(jax.make_jaxpr(_train_step(False))(*_args(t=256)))]
+  t = 256
+  ks = jax.random.split(jax.random.PRNGKey(8), 3)
+  q, k, v = (jax.random.normal(x, (2, t, 32), jnp.float16) for x in ks)
 
-  def loaded(r, v):
-    op = r.producer(v)
-    return v in r.input_names or (isinstance(op, ir.Elementwise) and op.fn == "convert"
-                                  and op.args[0] in r.input_names)
-  [dv] = [r for r in regions if len(r.contractions) == 2
-          and loaded(r, r.contractions[-1].lhs) and not loaded(r, r.contractions[-1].rhs)]
-  op = dv.contractions[-1]
+  def chain(q, k, v):
+    s = jnp.einsum("bmd,bnd->bmn", q, k).astype(jnp.float32)
+    p = jnp.exp(s - s.max(-1, keepdims=True)).astype(jnp.float16)
+    # v [b, n, h] contracted with p [b, m, n] over n: [b, h, m].
+    return jax.lax.dot_general(v, p, (((1,), (2,)), ((0,), (0,))))
+
+  [r] = capture.find_regions(jax.make_jaxpr(chain)(q, k, v))
+  reg = ir.simplify(r.region)
+  # Capture lists the chained value first here; a prologue op on the loaded
+  # operand (autodiff's cast of the cotangent) keeps the program's order.
+  # The product is symmetric in its operands: list them as the program did.
+  last = reg.contractions[-1]
+  op = dataclasses.replace(last, lhs=last.rhs, rhs=last.lhs)
+  reg = ir.Region(reg.loops, reg.values, reg.inputs, reg.outputs,
+                  tuple(op if o is last else o for o in reg.ops), name=reg.name)
+  assert op.lhs in reg.input_names and op.rhs not in reg.input_names
   # A plan that streams the key loop, so that the product accumulates.
-  res = planner.plan_region(dv, "h100", top=300, use_cache=False)
+  res = planner.plan_region(reg, "h100", top=300, use_cache=False)
   plan = next(p for p in res.ranked if dict(p.tiles)["n"] == 64 and not p.split)
-  src = codegen.generate(dv, plan, interpret=True).source
-  [line] = [l.strip() for l in src.splitlines() if l.strip().startswith(f"acc_{op.out} = tl.dot(")]
+  k_ = codegen.generate(reg, plan, interpret=True)
+  [line] = [l.strip() for l in k_.source.splitlines()
+            if l.strip().startswith(f"acc_{op.out} = tl.dot(")]
   assert line.startswith(f"acc_{op.out} = tl.dot({op.rhs}"), line
-  assert "tl.trans(acc_" not in src
+  assert "tl.trans(acc_" not in k_.source
+  from jaxfuse.runtime import launch  # pylint: disable=g-import-not-at-top
+  xs = launch.random_inputs(reg, seed=2)
+  outs = launch.run_interpreted(k_, xs)
+  assert launch.compare(reg, outs, ir.evaluate(reg, xs)) <= launch.tolerance(reg)
 
 
 def test_copies_left_unfused_are_merged_back_by_xla():

@@ -114,8 +114,8 @@ class Config:
     it; a row sum of a product against such a value is taken from the
     product the first chain already forms where the algebra allows
     (FlashAttention-2's ``rowsum(do * o)``). On an H100 this took
-    ``jax.grad`` of plain attention from ``jax.jit``'s speed to 2.11x
-    (3.57x causal) at 8 x 16 heads x 2048 tokens (benchmarks/RESULTS.md,
+    ``jax.grad`` of plain attention from ``jax.jit``'s speed to 2.53x
+    (4.55x causal) at 8 x 16 heads x 2048 tokens (benchmarks/RESULTS.md,
     seventy-eighth session). Off: each reads the shared value. Read when a
     function is traced.
   """

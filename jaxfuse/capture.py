@@ -44,8 +44,8 @@ from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
     flatten, hoist_consts, is_lit, live_code, shard_map_like, trace)
 from jaxfuse.capture_ir import (
-    CONTRACTION_DTYPES, LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
-    Reject, build_region, window_starts)
+    LAYOUT_PRIMS, POINTWISE_PRIMS, PRIMITIVES, REDUCE_PRIMS, WINDOW_PRIMS,
+    Reject, build_region, contraction_size, is_contraction, window_starts)
 from jaxfuse.capture_slices import emit_original, push_slices, unabsorbed
 
 __all__ = ["CapturedRegion", "find_regions", "rewrite"]
@@ -122,18 +122,6 @@ def _dtype(a) -> str:
   return np.dtype(a.aval.dtype).name
 
 
-def _is_dot(it: Item) -> bool:
-  if it.prim != "dot_general" or len(it.invars) != 2:
-    return False
-  if any(is_lit(a) for a in it.invars):
-    return False
-  # An empty array computes nothing to fuse (and the IR has no empty loops).
-  if any(0 in tuple(getattr(v.aval, "shape", ())) for v in (*it.invars, *it.outvars)):
-    return False
-  return (all(_dtype(a) in CONTRACTION_DTYPES for a in it.invars)
-          and _dtype(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
-
-
 def _is_vector_dot(it: Item) -> bool:
   """A dot XLA runs as a reduction (``ir.vector_dot_dims``): fused on its
   own even with no epilogue to cut, since one kernel that streams the
@@ -199,7 +187,7 @@ class _LevelAnalysis:
       for c in self.lvl.consumers.get(v, ()):
         if c.idx in seen:
           continue
-        if _is_dot(c):
+        if is_contraction(c):
           dots.setdefault(c.idx, set())
           continue
         if (_is_cheap(c) and len(seen) < _MAX_REACH
@@ -259,10 +247,8 @@ class _LevelAnalysis:
     with it: the same result shape and dtype, each contracting the same
     number of elements (``q @ k.T`` and ``do @ v.T`` in attention's
     backward, whose results meet in ``p * (dp - D)``)."""
-    (lc, _), _ = d.params["dimension_numbers"]
-    lhs = tuple(d.invars[0].aval.shape)
     return ("parallel", tuple(d.outvars[0].aval.shape), _dtype(d.outvars[0]),
-            math.prod(lhs[i] for i in lc))
+            contraction_size(d))
 
   def joined_groups(self, dots: list[Item], fwd: dict) -> dict[int, list[Item]]:
     """Dots whose results meet in cheap ops: siblings reading one operand
@@ -325,7 +311,7 @@ class _LevelAnalysis:
     return self.joined.get(d.idx, [d])
 
   def chains(self) -> list[list[Item]]:
-    dots = [it for it in self.items if _is_dot(it)]
+    dots = [it for it in self.items if is_contraction(it)]
     fwd = {d.idx: self.fwd(d) for d in dots}
     self._fwd = fwd
     self.joined = self.joined_groups(dots, fwd)
@@ -701,7 +687,7 @@ class _LevelAnalysis:
     their dots into one GEMM and then run one kernel per sibling."""
     groups: dict = {}
     for d in self.items:
-      if not _is_dot(d) or d.idx in self.taken:
+      if not is_contraction(d) or d.idx in self.taken:
         continue
       for key in self.sibling_keys(d):
         groups.setdefault(key, []).append(d)
@@ -851,7 +837,7 @@ class _LevelAnalysis:
     in_chains = {d.idx for ch in chains for d in ch}
     followers = {m.idx for ms in self.joined.values() for m in ms[1:]}
     for d in self.items:
-      if (_is_dot(d) and d.idx not in in_chains | followers and d.idx not in taken
+      if (is_contraction(d) and d.idx not in in_chains | followers and d.idx not in taken
           and (d.idx in self.joined or self.reread_after(d) or _is_vector_dot(d))):
         attempt([d])
     # A joined group no region took: its dots are tried one by one, as
@@ -869,7 +855,7 @@ class _LevelAnalysis:
           attempt(c)
       grouped = {m.idx for ms in self.joined.values() for m in ms}   # still joined
       for d in self.items:
-        if (_is_dot(d) and d.idx not in taken and d.idx not in grouped
+        if (is_contraction(d) and d.idx not in taken and d.idx not in grouped
             and (self.reread_after(d) or _is_vector_dot(d))):
           attempt([d])
     for f in self.sibling_regions():

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Sequence
 
@@ -65,6 +66,28 @@ PRIMITIVES = POINTWISE_PRIMS | LAYOUT_PRIMS | REDUCE_PRIMS | {"iota", "dot_gener
 # kernel reads them in place, an offset into the whole input, where XLA
 # would otherwise copy each window out for the custom call.
 WINDOW_PRIMS = frozenset({"slice", "split"})
+
+
+def is_contraction(it: Item) -> bool:
+  """Whether ``it`` is a ``dot_general`` a region can take: two non-empty
+  array operands of a contraction dtype, a float result."""
+  if it.prim != "dot_general" or len(it.invars) != 2:
+    return False
+  if any(is_lit(a) for a in it.invars):
+    return False
+  # An empty array computes nothing to fuse (and the IR has no empty loops).
+  if any(0 in tuple(getattr(v.aval, "shape", ())) for v in (*it.invars, *it.outvars)):
+    return False
+  name = lambda a: np.dtype(a.aval.dtype).name
+  return (all(name(a) in CONTRACTION_DTYPES for a in it.invars)
+          and name(it.outvars[0]) in ("float16", "bfloat16", "float32", "float64"))
+
+
+def contraction_size(it: Item) -> int:
+  """Elements each result element of ``dot_general`` ``it`` sums over."""
+  (lc, _), _ = it.params["dimension_numbers"]
+  shape = tuple(it.invars[0].aval.shape)
+  return math.prod(shape[i] for i in lc)
 
 
 def window_starts(it: Item) -> list[tuple[int, ...]] | None:

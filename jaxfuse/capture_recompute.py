@@ -43,8 +43,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxfuse.capture_flat import FVar, Item, Level
-from jaxfuse.capture_ir import CONTRACTION_DTYPES, PRIMITIVES, REDUCE_PRIMS
+import jax
+import jax.numpy as jnp
+
+from jaxfuse.capture_flat import FVar, Item, Level, is_lit, spec_of
+from jaxfuse.capture_ir import PRIMITIVES, REDUCE_PRIMS, contraction_size, is_contraction
 
 __all__ = ["MAX_RECOMPUTE_CONTRACTION", "apply", "plan", "reassociate"]
 
@@ -62,25 +65,13 @@ def _size(a) -> int:
   return math.prod(getattr(a.aval, "shape", ()))
 
 
-def _contraction(it: Item) -> int:
-  (lc, _), _ = it.params["dimension_numbers"]
-  shape = tuple(it.invars[0].aval.shape)
-  return math.prod(shape[i] for i in lc)
-
-
-def _is_product(it: Item) -> bool:
-  return (it.prim == "dot_general" and len(it.invars) == 2
-          and all(isinstance(a, FVar) for a in it.invars)
-          and all(str(a.aval.dtype) in CONTRACTION_DTYPES for a in it.invars))
-
-
 def _copyable(it: Item) -> bool:
   if it.groups or it.eqn.effects or len(it.outvars) != 1:
     return False
   if it.prim == "dot_general":
     # Only a product wider than its operands (q @ k.T): recomputing one
     # that reduces a wide operand (p @ v) would read that operand again.
-    return (_is_product(it) and _contraction(it) <= MAX_RECOMPUTE_CONTRACTION
+    return (is_contraction(it) and contraction_size(it) <= MAX_RECOMPUTE_CONTRACTION
             and all(_size(a) < _size(it.outvars[0]) for a in it.invars))
   return it.prim in PRIMITIVES and it.prim not in REDUCE_PRIMS
 
@@ -133,7 +124,7 @@ def plan(lvl: Level) -> dict[int, set[int]]:
       if cone:
         reductions.append((it, cone))
       continue
-    if not _is_product(it):
+    if not is_contraction(it):
       continue
     cone = set()
     for a in it.invars:
@@ -252,7 +243,7 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
   wide, factors, divisors = parts
   for i in (0, 1):
     dp = _producer(lvl, _through_converts(lvl, wide[i]))
-    if dp is not None and _is_product(dp) and not dp.groups:
+    if dp is not None and is_contraction(dp) and not dp.groups:
       x = wide[1 - i]
       break
   else:
@@ -282,7 +273,7 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
   # A product O of P (X over a row factor, cast) and the same B over n.
   after_r = lvl.depends({r.idx})
   for o_it in lvl.consumers.get(b, ()):
-    if o_it is dp or not _is_product(o_it) or o_it.groups or after_r(o_it):
+    if o_it is dp or not is_contraction(o_it) or o_it.groups or after_r(o_it):
       continue
     pos_b = o_it.invars.index(b)
     pvar = o_it.invars[1 - pos_b]
@@ -321,9 +312,6 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
 def _row_sum_item(rs: _RowSum) -> Item:
   """An item computing ``rs``'s sum from A, O and the row factors (one
   ``jit`` call equation, inlined when the level is flattened again)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jaxfuse.capture_flat import is_lit, spec_of  # pylint: disable=g-import-not-at-top
   out = rs.reduce.outvars[0]
   row = [f for f in (*rs.factors, *rs.divisors) if not is_lit(f)]
   ins = [rs.a, rs.o, *row]

@@ -12,6 +12,7 @@ import pytest
 import jaxfuse
 from jaxfuse import capture, capture_recompute, ir
 from jaxfuse.capture_flat import flatten, live_code
+from jaxfuse.capture_ir import contraction_size
 from jaxfuse.codegen import streaming
 from jaxfuse.config import config
 
@@ -61,7 +62,7 @@ def test_autodiff_attention_backward_recomputes_its_probabilities():
   for cone in copies.values():
     dots = [lvl.items[i] for i in cone if lvl.items[i].prim == "dot_general"]
     # q @ k.T (and do @ v.T where ds is formed): products of [T, D] operands.
-    assert dots and all(capture_recompute._contraction(d) == D for d in dots)  # pylint: disable=protected-access
+    assert dots and all(contraction_size(d) == D for d in dots)
     assert not any(lvl.items[i].prim in ("reduce_max", "reduce_sum") for i in cone)
 
 

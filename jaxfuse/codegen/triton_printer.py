@@ -1054,7 +1054,7 @@ class _Printer:
     return not (not self._loaded(op.lhs) and self._loaded(op.rhs))
 
   def _loaded(self, v: str, depth: int = 0) -> bool:
-    """Whether ``v`` is a region input, or a cast or view of one."""
+    """Whether ``v`` is a region input, or a cast of one."""
     if v in self.inputs:
       return True
     op = self.ops.get(v)
@@ -1068,26 +1068,24 @@ class _Printer:
     its left operand from registers; on the right, the computed tile goes
     through shared memory every step. (Autodiff's ``dv = do^T @ p``: 750
     against 453 us for ``p^T @ do`` at 8 x 16 x 2048 tokens, H100,
-    2026-11-26.) Only for one M and one N loop (``acc_order``)."""
-    if not (self._loaded(op.lhs) and not self._loaded(op.rhs)):
-      return False
-    A, B, out = set(self.bl(op.lhs)), set(self.bl(op.rhs)), set(self.bl(op.out))
-    M = [l for l in self.order if l in A and l in out and l not in B]
-    N = [l for l in self.order if l in B and l in out and l not in A]
-    bat = [l for l in self.order if l in A and l in B and l in out]
-    return len(M) == 1 and len(N) == 1 and len(bat) <= 1
+    2026-11-26.) Only for one M and one N loop (``_acc_roles``)."""
+    return (self._loaded(op.lhs) and not self._loaded(op.rhs)
+            and self._acc_roles(op) is not None)
 
   # -------------------------------------------------------- accumulation
+  def _acc_roles(self, op: ir.Contraction) -> Optional[tuple[list, list, list]]:
+    """(batch, M, N) loops of ``op`` in region order, where it has one M
+    and one N loop and at most one batch loop; None otherwise."""
+    A, B, out = set(self.bl(op.lhs)), set(self.bl(op.rhs)), set(self.bl(op.out))
+    bat = [l for l in self.order if l in A and l in B and l in out]
+    M = [l for l in self.order if l in A and l in out and l not in B]
+    N = [l for l in self.order if l in B and l in out and l not in A]
+    return (bat, M, N) if len(M) == 1 and len(N) == 1 and len(bat) <= 1 else None
+
   def acc_order(self, op) -> tuple[str, ...]:
-    if isinstance(op, ir.Contraction):
-      a_l, b_l = self.bl(op.lhs), self.bl(op.rhs)
-      out_dims = self.bl(op.out)
-      A, B = set(a_l), set(b_l)
-      bat = [l for l in self.order if l in A and l in B and l in out_dims]
-      M = [l for l in self.order if l in A and l in out_dims and l not in B]
-      N = [l for l in self.order if l in B and l in out_dims and l not in A]
-      if len(M) == 1 and len(N) == 1 and len(bat) <= 1:
-        return tuple(bat + N + M) if self._swap_accumulated(op) else tuple(bat + M + N)
+    if isinstance(op, ir.Contraction) and (roles := self._acc_roles(op)) is not None:
+      bat, M, N = roles
+      return tuple(bat + N + M) if self._swap_accumulated(op) else tuple(bat + M + N)
     return self.bl(op.out)
 
   def deferred_sum(self, v: str, lp: _Open) -> Optional[tuple[str, ...]]:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from absl import logging
 
-from jaxfuse import capture_recompute, ir
+from jaxfuse import capture_recompute, ir, ir_merge
 from jaxfuse.config import config
 from jaxfuse.capture_flat import (
     CUSTOM_CALLS, ClosedJaxpr, FVar, Item, Level, aval_of, bind_eqn, eval_jaxpr,
@@ -111,6 +111,9 @@ class _Found:
   sub_items: dict = dataclasses.field(default_factory=dict)   # idx -> Item reading inputs
   group_invars: dict = dataclasses.field(default_factory=dict)  # custom call -> its args
   captured: CapturedRegion | None = None
+  # A merged region's input FVars that another of its inputs stands for
+  # (``_LevelAnalysis.merge_regions``): alias -> the one in ``inputs``.
+  aliases: dict = dataclasses.field(default_factory=dict)
 
 
 # An op with several operands computed outside joins a region's prologue when
@@ -884,7 +887,123 @@ class _LevelAnalysis:
         dropped.add(tuple(d.idx for d in f.chain))
         attempt(f.chain)
     found.sort(key=lambda f: f.chain[0].idx)
+    return self.merge_regions(found)
+
+  def merge_regions(self, found: list[_Found]) -> list[_Found]:
+    """``found`` with pairs of regions that compute a common part from the
+    same inputs joined into one region with the outputs of both
+    (``ir_merge``), where the planner's model predicts the one kernel
+    faster than the two (``_merge_pays``). Regions of which either reads
+    what the other computes stay apart (one kernel cannot wait for
+    itself), as do merges over the contraction limit."""
+    if not config.merge or len(found) < 2:
+      return found
+    found = list(found)
+    i = 0
+    while i < len(found):
+      j = i + 1
+      while j < len(found):
+        f = self.merged(found[i], found[j])
+        if f is not None:
+          found[i] = f
+          del found[j]
+        else:
+          j += 1
+      i += 1
     return found
+
+  def merged(self, f1: _Found, f2: _Found) -> _Found | None:
+    """``f1`` and ``f2`` as one region, or None (``merge_regions``)."""
+    if len(f1.region.contractions) + len(f2.region.contractions) <= 1:
+      return None
+    for x, y in ((f1, f2), (f2, f1)):
+      dep = self.lvl.depends(set(x.removed))
+      if any((p := self.lvl.producer.get(a)) is not None and dep(p) for a in y.input_src):
+        return None
+    if len(f2.region.ops) > len(f1.region.ops):
+      # The larger region's ops go first, the other's own ops after them:
+      # Triton schedules in program order, and autodiff's dk+dv kernel ran
+      # 1245 us with dv's ops first against 936 us with dk's (H100,
+      # seventy-ninth session).
+      f1, f2 = f2, f1
+    keys = lambda f: [(id(a), b.offset) for a, b in zip(f.input_src, f.region.inputs)]
+    try:
+      m = ir_merge.merge(f1.region, f2.region, keys(f1), keys(f2))
+    except ir.IRError as e:
+      logging.vlog(1, "jaxfuse capture: regions at eqns %d and %d not merged: %s",
+                   f1.chain[0].idx, f2.chain[0].idx, e)
+      return None
+    if (not m.shared_contractions or len(m.region.contractions) > self.limit
+        or min(m.b_outputs) < len(f1.outputs)):
+      return None
+    if _writes_a_product(m.region) or not _merge_pays(m.region, f1.region, f2.region):
+      return None
+    inputs, input_src = list(f1.inputs), list(f1.input_src)
+    aliases = {**f1.aliases, **f2.aliases}
+    for j, k in enumerate(m.b_inputs):
+      if k == len(inputs):
+        inputs.append(f2.inputs[j])
+        input_src.append(f2.input_src[j])
+      elif inputs[k] is not f2.inputs[j]:
+        aliases[f2.inputs[j]] = inputs[k]
+    logging.vlog(1, "jaxfuse capture: regions at eqns %d and %d merged (%d shared ops)",
+                 f1.chain[0].idx, f2.chain[0].idx, m.shared_ops)
+    return _Found(f1.chain + f2.chain, sorted(set(f1.items) | set(f2.items)),
+                  f1.removed | f2.removed, inputs, input_src, f1.outputs + f2.outputs,
+                  m.region, {**f1.sub_items, **f2.sub_items},
+                  {**f1.group_invars, **f2.group_invars}, aliases=aliases)
+
+
+def _merge_pays(merged: ir.Region, r1: ir.Region, r2: ir.Region) -> bool:
+  """Whether the planner's model predicts ``merged`` faster than ``r1``
+  and ``r2`` apart (model-only plans, cached as the runtime's are)."""
+  from jaxfuse import planner  # pylint: disable=import-outside-toplevel
+  times, nests = [], []
+  for r in (merged, r1, r2):
+    best = planner.plan_region(ir.simplify(r)).best
+    if best is None or best.predicted is None:
+      return False
+    times.append(best.predicted.time_s)
+    nests.append(_nested_loops(best.expr))
+  logging.vlog(1, "jaxfuse capture: merged region predicted %.1f us, apart %.1f + %.1f us",
+               *(t * 1e6 for t in times))
+  # A merged plan that nests a loop neither part's plan nests is where the
+  # model errs most: the dk+dv plans that split the head dimension of
+  # q @ k.T or do @ v.T inside the query loop ran 1.3-1.5x their predicted
+  # time (1692 against 1111 us, 790 against 583 us causal), the plans that
+  # keep it whole 0.9-1.1x (H100, seventy-ninth session).
+  if nests[0] > max(nests[1:]):
+    return False
+  return times[0] < times[1] + times[2]
+
+
+def _writes_a_product(region: ir.Region) -> bool:
+  """Whether ``region`` writes an output as large as its largest product.
+
+  Why: merging pays by computing a product once without writing it. BERT
+  training's region that writes ds = p * (dp - D) for XLA's dq and dk GEMMs
+  merged with dv's took the step from 9828 to 10114 us of kernel time
+  (H100, seventy-ninth session; the model underprices such regions about
+  1.6x, seventy-eighth session)."""
+  ext = region.loop_extents
+  size = lambda loops: math.prod(ext[l] for l in loops)
+  widest = max(size(region.value(op.out).loops) for op in region.contractions)
+  return any(size(region.value(b.value).loops) >= widest for b in region.outputs)
+
+
+def _nested_loops(expr) -> int:
+  """How many loops of a plan's expression sit inside another loop."""
+  from jaxfuse.planner import tiling  # pylint: disable=import-outside-toplevel
+  count = 0
+
+  def walk(nodes, depth):
+    nonlocal count
+    for n in nodes:
+      if isinstance(n, tiling.LoopNode):
+        count += depth > 0
+        walk(n.body, depth + 1)
+  walk(expr.body, 0)
+  return count
 
 
 def _laminar_violations(lvl: Level, found: Sequence[_Found]) -> set:
@@ -956,7 +1075,9 @@ def _analyze(closed: ClosedJaxpr, path: str,
   for f in found:
     # ir.simplify drops identity ops such as softmax's max(-inf, .).
     first = {}
-    same_as = tuple(first.setdefault(id(v), i) for i, v in enumerate(f.inputs))
+    # The array each input receives: its source (inputs of one source may
+    # be separate FVars: split-input variants, merged regions).
+    same_as = tuple(first.setdefault(id(v), i) for i, v in enumerate(f.input_src))
     f.captured = CapturedRegion(ir.simplify(f.region), _region_jaxpr(lvl, f),
                                 _source(f.chain[0]), path, same_as)
   return lvl, found
@@ -1189,6 +1310,7 @@ class _Emitter:
     res = self.bind_region(f.captured, *invals)
     if res is None:
       renv = dict(zip(f.inputs, invals))
+      renv.update((a, renv[b]) for a, b in f.aliases.items())
       self.emit_seq(f.items, renv, None, original=True, found=f)
       res = [renv[o] for o in f.outputs]
     else:
@@ -1275,6 +1397,7 @@ def _region_jaxpr(lvl: Level, f: _Found) -> ClosedJaxpr:
 
   def fn(*args):
     env = dict(zip(f.inputs, args))
+    env.update((a, env[b]) for a, b in f.aliases.items())
     em.emit_seq(f.items, env, None, original=True, found=f)
     return [env[o] for o in f.outputs]
 

@@ -118,6 +118,12 @@ class Config:
     (4.55x causal) at 8 x 16 heads x 2048 tokens (benchmarks/RESULTS.md,
     seventy-eighth session). Off: each reads the shared value. Read when a
     function is traced.
+  merge: two regions of one program that compute a common part from the
+    same inputs (attention's backward: dk and dv both from the recomputed
+    probabilities) become one region with the outputs of both, computing
+    the common part once (``jaxfuse.ir_merge``), where the planner's model
+    predicts the one kernel faster than the two. Off: each runs its own.
+    Read when a function is traced.
   """
   disable: bool = False
   backend: str = "auto"
@@ -133,6 +139,7 @@ class Config:
   record: bool = True
   kernel_forms: bool = True
   recompute: bool = True
+  merge: bool = True
 
   @classmethod
   def from_env(cls) -> "Config":
@@ -151,6 +158,7 @@ class Config:
     c.record = _env_bool("JAXFUSE_RECORD", c.record)
     c.kernel_forms = _env_bool("JAXFUSE_KERNEL_FORMS", c.kernel_forms)
     c.recompute = _env_bool("JAXFUSE_RECOMPUTE", c.recompute)
+    c.merge = _env_bool("JAXFUSE_MERGE", c.merge)
     c._check()
     return c
 

@@ -2186,11 +2186,13 @@ def test_descent_also_starts_from_other_structures():
   the descent from them ends at 8.14 us; started from the best 4-way split
   it reaches 8.08 us, a plan measured 6.4 us against 7.1 (H100, fifty-third
   session). Since the sixty-fourth session the whole-row seed
-  (``cost_model.unsplit_floor_tiles``) reaches it too, so it is left out
-  here with the descent's other starts."""
+  (``cost_model.unsplit_floor_tiles``) reaches it too, and since the
+  seventy-ninth the 128-wide seed, so they are left out here with the
+  descent's other starts."""
   g5 = examples.gemm_chain(1, 512, 512, 512, 256, batch=False)
   no_floor = lambda region: {l: 1 for l in region.loop_extents}
   with mock.patch.object(search, "REFINE_LEADERS", 0), \
+       mock.patch.object(search, "WIDE_SEED_TILE", 0), \
        mock.patch.object(cost_model, "unsplit_floor_tiles", no_floor):
     narrow = search.search(g5, H100).ranked[0]
   best = search.search(g5, H100).ranked[0]
@@ -2396,3 +2398,19 @@ def test_narrow_rows_of_a_weight_larger_than_l2_are_priced_slower():
     assert plan_region(big, "h100", use_cache=False).best.tile_map["n"] == 16
   best = plan_region(big, "h100", use_cache=False).best
   assert best.tile_map["n"] >= 32, str(best)
+
+
+def test_seeds_include_128_wide_tiles():
+  """``_seeds`` starts the search at 128-wide tiles on every loop whose
+  candidates reach 128 (the merged dk+dv kernel's best tile, which the
+  search did not reach from its other seeds: seventy-ninth session), the
+  others as the ``big`` seed has them."""
+  import random  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import testing  # pylint: disable=g-import-not-at-top
+  region = testing.attention(M=1024, N=1024, D=64, dtype="float16")
+  space = search.build_space(region, H100)
+  tiles = [dict(c.tiles) for c in search._seeds(space, random.Random(0))]   # pylint: disable=protected-access
+  assert any(t["m"] == 128 and t["n"] == 128 and t["d"] == 64 for t in tiles), tiles
+  with mock.patch.object(search, "WIDE_SEED_TILE", 0):
+    tiles = [dict(c.tiles) for c in search._seeds(space, random.Random(0))]   # pylint: disable=protected-access
+  assert not any(t["m"] == 128 and t["n"] == 128 for t in tiles)

@@ -395,6 +395,10 @@ def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
   return got
 
 
+# The tile of the ``wide`` seed (``_seeds``).
+WIDE_SEED_TILE = 128
+
+
 def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
   """Deterministic seeds: per grid and skeleton, a balanced tiling, the
   Lagrange tiling of the first deep order, and single tiles on the loops
@@ -418,6 +422,16 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
   # three loops and the skeleton at once, and the descent did not reach
   # it from the model's other plans (2490 against 621 us measured, H100,
   # sixty-fourth session).
+  # 128-wide tiles on every loop that long (FlashAttention's backward
+  # tile), the others as in ``big``: a merged dk+dv region's plan there
+  # differs from the model's other good plans in three loops at once, so
+  # neither the genetic search nor the descent reached it (its 64x64 pick
+  # with a split head dimension ran 1692 us, the 128x128 plan 863-936 us;
+  # H100, seventy-ninth session).
+  wide = {l: WIDE_SEED_TILE if WIDE_SEED_TILE in space.tile_cands[l] else big[l]
+          for l in loops}
+  if wide != big:
+    seeds_tiles.append(wide)
   floor = cost_model.unsplit_floor_tiles(region)
   if any(floor[l] > balanced[l] for l in loops):
     whole = {l: big[l] if l in whole_red else

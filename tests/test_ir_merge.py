@@ -1,0 +1,178 @@
+"""ir_merge: two regions as one multi-output region, and capture's merges."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import capture, ir, ir_merge
+from jaxfuse.codegen import testing
+from jaxfuse.config import config
+from jaxfuse.ir import Buffer, Contraction, Elementwise, Loop, Region, Value
+from jaxfuse.runtime import launch
+
+B, H, T, D = 1, 2, 64, 32
+
+
+def _two_heads(second_fn="exp", share_b=True):
+  """a: e = exp(A @ B) @ D; b: f = g(A @ B) @ F, over renamed loops and
+  values (b's m, n, k, h are a's i, j, l, p)."""
+  a = testing.gemm_chain(M=32, N=48, K=16, H=24)
+  a = Region(a.loops, a.values + (Value("X", ("b", "m", "n"), "float32"),),
+             a.inputs, a.outputs,
+             (a.ops[0], Elementwise("X", "exp", ("C",)),
+              dataclasses.replace(a.ops[1], lhs="X")), name="a")
+  ext = dict(b=1, i=32, j=48, l=16, q=40)
+  loops = tuple(Loop(k, v) for k, v in ext.items())
+  vals = (Value("P", ("b", "i", "l"), "float32"), Value("Q", ("b", "l", "j"), "float32"),
+          Value("R", ("b", "j", "q"), "float32"), Value("S", ("b", "i", "j"), "float32"),
+          Value("U", ("b", "i", "j"), "float32"), Value("W", ("b", "i", "q"), "float32"))
+  buf = lambda v, order: Buffer(v, tuple(ext[x] for x in order), tuple(
+      zip(order, ir.contiguous_strides([ext[x] for x in order]))))
+  b = Region(loops, vals, (buf("P", "bil"), buf("Q", "blj"), buf("R", "bjq")),
+             (buf("W", "biq"),),
+             (Contraction("S", "P", "Q", ("l",)), Elementwise("U", second_fn, ("S",)),
+              Contraction("W", "U", "R", ("j",))), name="b")
+  a_keys = ["A", "B", "D"]
+  b_keys = ["A", "B" if share_b else "B2", "F"]
+  return a, b, a_keys, b_keys
+
+
+def _random(region, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.standard_normal(b.shape).astype(np.float32) * 0.3 for b in region.inputs]
+
+
+def test_the_common_part_is_computed_once():
+  """b's A @ B and exp are a's: the merged region computes them once, reads
+  A and B once, and keeps b's own product over a loop of its own."""
+  a, b, ak, bk = _two_heads()
+  m = ir_merge.merge(a, b, ak, bk)
+  r = m.region
+  assert (m.shared_ops, m.shared_contractions) == (2, 1)
+  assert len(r.contractions) == 3 and len(r.ops) == 4
+  assert len(r.inputs) == 4 and m.b_inputs == (0, 1, 3)
+  assert len(r.outputs) == 2 and m.b_outputs == (1,)
+  # b's q (extent 40) has no counterpart: it keeps a loop of its own.
+  assert r.loop_extents["q"] == 40
+  xa, xb = _random(a, 0), None
+  xb = [xa[0], xa[1], _random(b, 1)[2]]
+  xs = xa + [xb[2]]
+  got = ir.evaluate(r, xs)
+  np.testing.assert_allclose(got[0], ir.evaluate(a, xa)[0], rtol=1e-6)
+  np.testing.assert_allclose(got[1], ir.evaluate(b, xb)[0], rtol=1e-6)
+
+
+def test_different_arrays_or_functions_share_nothing():
+  """Another array under B, or another function of the product, computes
+  b's ops anew; the merged region still computes both results."""
+  for fn, share in (("exp", False), ("tanh", True)):
+    a, b, ak, bk = _two_heads(fn, share)
+    m = ir_merge.merge(a, b, ak, bk)
+    assert m.shared_contractions == (1 if share else 0)
+    assert len(m.region.contractions) == 4 - m.shared_contractions
+    xa = _random(a, 2)
+    xb = [xa[0], xa[1] if share else _random(b, 3)[1], _random(b, 4)[2]]
+    xs = list(xa) + [x for j, x in enumerate(xb) if m.b_inputs[j] >= len(a.inputs)]
+    got = ir.evaluate(m.region, xs)
+    np.testing.assert_allclose(got[1], ir.evaluate(b, xb)[0], rtol=1e-6)
+
+
+def test_bad_keys_are_refused():
+  a, b, ak, _ = _two_heads()
+  with pytest.raises(ValueError, match="keys"):
+    ir_merge.merge(a, b, ak, ["A"])
+
+
+def _attention(q, k, v, causal):
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+  if causal:
+    keep = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    s = jnp.where(keep, s, -jnp.inf)
+  p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _train_step(causal):
+  def loss(q, k, v, g):
+    return jnp.sum(_attention(q, k, v, causal).astype(jnp.float32) * g)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _args(seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q, k, v = (jax.random.normal(x, (B, T, H, D), jnp.float16) for x in ks[:3])
+  return q, k, v, jax.random.normal(ks[3], (B, T, H, D), jnp.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_autodiff_dk_and_dv_are_one_region(causal):
+  """The attention backward's dk and dv regions recompute p from the same
+  q, k and row statistics: capture merges them into one region that
+  computes q @ k.T once and writes both (FlashAttention-2's dk/dv kernel),
+  three regions in all; the Triton kernels compute the step as the plain
+  function. With config.merge off they stay apart."""
+  fn = _train_step(causal)
+  args = _args(1)
+  closed = jax.make_jaxpr(fn)(*args)
+  regions = capture.find_regions(closed)
+  assert sorted(len(r.region.contractions) for r in regions) == [3, 3, 4]
+  both = next(r for r in regions if len(r.region.contractions) == 4)
+  assert len(both.region.outputs) == 2
+  assert all(b.shape == (B, T, H, D) for b in both.region.outputs)
+  # q @ k.T once: one contraction over the head dimension of q and k.
+  firsts = [op for op in both.region.contractions
+            if not any(both.region.producer(x) for x in op.inputs)]
+  assert len(firsts) == 2, both.region   # q @ k.T and do @ v.T
+  with config.override(merge=False):
+    assert len(capture.find_regions(closed)) == 4
+  ref = jax.jit(fn)(*[a.astype(jnp.float32) for a in args])
+  with config.override(backend="interpret"):
+    jitted = jaxfuse.jit(fn)
+    got = jitted(*args)
+    report = jaxfuse.inspect(jitted, *args)
+  assert [bool(r.lowered) for r in report.regions] == [True] * 3
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
+    assert err < 3e-3, err
+
+
+def test_the_merged_fallback_computes_both_outputs():
+  """A merged region left to XLA runs its original ops: the union of both
+  regions' jaxprs gives every output."""
+  fn = _train_step(False)
+  args = _args(2)
+  regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  both = next(r for r in regions if len(r.region.contractions) == 4)
+  # Inputs with the row statistics softmax would give (launch.random_inputs),
+  # one array per source (dO is read through two buffers: for dk's
+  # do @ v.T and for dv's p.T @ do).
+  xs = launch.random_inputs(both.region, seed=3)
+  assert sorted(both.same_as) != list(range(len(xs)))
+  xs = [xs[j] for j in both.same_as]
+  got = jax.core.eval_jaxpr(both.jaxpr.jaxpr, both.jaxpr.consts, *xs)
+  want = ir.evaluate(both.region, xs)
+  assert len(got) == len(want) == 2
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32).reshape(w.shape),
+                               np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_regions_that_share_no_product_are_not_merged():
+  """Two attentions over different queries and keys compute nothing in
+  common: one kernel over both would only lengthen the programs, so they
+  stay two regions."""
+  def fn(q1, k1, q2, k2, v):
+    a = jax.nn.softmax(jnp.einsum("qd,kd->qk", q1, k1), axis=-1) @ v
+    b = jax.nn.softmax(jnp.einsum("qd,kd->qk", q2, k2), axis=-1) @ v
+    return a, b
+  ks = jax.random.split(jax.random.PRNGKey(0), 5)
+  args = [jax.random.normal(x, (128, 64), jnp.float32) for x in ks]
+  regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  assert len(regions) == 2
+  assert all(len(r.region.outputs) == 1 for r in regions)

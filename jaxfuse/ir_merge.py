@@ -150,15 +150,19 @@ class _Matcher:
     return True
 
 
-def _fresh(name: str, taken: set) -> str:
-  if name not in taken:
-    taken.add(name)
-    return name
-  i = 1
-  while f"{name}_{i}" in taken:
-    i += 1
-  taken.add(f"{name}_{i}")
-  return f"{name}_{i}"
+def _named(mapping: dict, names: Sequence[str], taken: set) -> dict:
+  """``mapping`` with each of ``names`` it lacks mapped to itself, or to
+  ``name_i`` where ``taken`` (or an earlier new name) has it."""
+  out, taken = dict(mapping), set(taken)
+  for name in names:
+    if name not in out:
+      new, i = name, 0
+      while new in taken:
+        i += 1
+        new = f"{name}_{i}"
+      taken.add(new)
+      out[name] = new
+  return out
 
 
 def merge(a: Region, b: Region, a_keys: Sequence[Optional[Hashable]],
@@ -192,20 +196,11 @@ def merge(a: Region, b: Region, a_keys: Sequence[Optional[Hashable]],
           m.values[buf.value] = va
           break
   # b's loops, values and buffers that match nothing get names of their own.
-  loop_names = {l.name for l in a.loops}
-  lmap = dict(m.loops)
-  new_loops = []
-  for l in b.loops:
-    if l.name not in lmap:
-      lmap[l.name] = _fresh(l.name, loop_names)
-      new_loops.append(Loop(lmap[l.name], l.extent))
-  value_names = {v.name for v in a.values}
-  vmap = dict(m.values)
-  new_values = []
-  for v in b.values:
-    if v.name not in vmap:
-      vmap[v.name] = _fresh(v.name, value_names)
-      new_values.append(Value(vmap[v.name], tuple(lmap[x] for x in v.loops), v.dtype))
+  lmap = _named(m.loops, [l.name for l in b.loops], {l.name for l in a.loops})
+  new_loops = [Loop(lmap[l.name], l.extent) for l in b.loops if l.name not in m.loops]
+  vmap = _named(m.values, [v.name for v in b.values], {v.name for v in a.values})
+  new_values = [Value(vmap[v.name], tuple(lmap[x] for x in v.loops), v.dtype)
+                for v in b.values if v.name not in m.values]
 
   def buffer(buf: Buffer) -> Buffer:
     return dataclasses.replace(

@@ -15,8 +15,8 @@ from jaxfuse.codegen import testing
 from jaxfuse.config import config
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Loop, Region, Value
 from jaxfuse.runtime import launch
+from test_capture_recompute import B, D, H, T, _args, _assert_close, _train_step  # pylint: disable=g-bad-import-order
 
-B, H, T, D = 1, 2, 64, 32
 
 
 def _two_heads(second_fn="exp", share_b=True):
@@ -89,27 +89,6 @@ def test_bad_keys_are_refused():
     ir_merge.merge(a, b, ak, ["A"])
 
 
-def _attention(q, k, v, causal):
-  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
-  if causal:
-    keep = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
-    s = jnp.where(keep, s, -jnp.inf)
-  p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", p, v)
-
-
-def _train_step(causal):
-  def loss(q, k, v, g):
-    return jnp.sum(_attention(q, k, v, causal).astype(jnp.float32) * g)
-  return jax.value_and_grad(loss, argnums=(0, 1, 2))
-
-
-def _args(seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q, k, v = (jax.random.normal(x, (B, T, H, D), jnp.float16) for x in ks[:3])
-  return q, k, v, jax.random.normal(ks[3], (B, T, H, D), jnp.float32)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_autodiff_dk_and_dv_are_one_region(causal):
   """The attention backward's dk and dv regions recompute p from the same
@@ -137,9 +116,7 @@ def test_autodiff_dk_and_dv_are_one_region(causal):
     got = jitted(*args)
     report = jaxfuse.inspect(jitted, *args)
   assert [bool(r.lowered) for r in report.regions] == [True] * 3
-  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-    err = float(jnp.linalg.norm((g.astype(jnp.float32) - r).ravel()) / jnp.linalg.norm(r.ravel()))
-    assert err < 3e-3, err
+  _assert_close(got, ref)
 
 
 def test_the_merged_fallback_computes_both_outputs():

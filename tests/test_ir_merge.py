@@ -153,3 +153,26 @@ def test_regions_that_share_no_product_are_not_merged():
   regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
   assert len(regions) == 2
   assert all(len(r.region.outputs) == 1 for r in regions)
+
+
+def test_merges_that_write_a_product_or_nest_a_new_loop_are_refused():
+  """The two rules in front of the model's verdict (``capture.merged``): a
+  merged region writing an output as large as its widest product (BERT
+  training's ds with dv: slower on the GPU), and a merged plan nesting more
+  loops than either part's (the split head dimensions the model prices
+  1.3-1.5x too fast)."""
+  from jaxfuse.planner import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  r = testing.gemm_chain(M=64, N=256, K=32, H=32)
+  assert not capture._writes_a_product(r)   # pylint: disable=protected-access
+  c = r.value("C")
+  wide = Region(r.loops, r.values, r.inputs,
+                r.outputs + (Buffer("C", (1, 64, 256), (("b", 64 * 256), ("m", 256), ("n", 1))),),
+                r.ops, name="wide")
+  assert c.loops == ("b", "m", "n")
+  assert capture._writes_a_product(wide)   # pylint: disable=protected-access
+  flat = plan_lib.parse_plan("grid(m) (LA,n(LB,CC,LD,CE),SE)  tiles(b=1, m=64, n=64, k=32, h=32)  "
+                             "warps=4 stages=3")
+  nested = plan_lib.parse_plan("grid(m) (n(k(LA,LB,CC),LD,CE),SE)  tiles(b=1, m=64, n=64, k=16, "
+                               "h=32)  warps=4 stages=3")
+  assert capture._nested_loops(flat.expr) == 0   # pylint: disable=protected-access
+  assert capture._nested_loops(nested.expr) == 1   # pylint: disable=protected-access

@@ -914,8 +914,8 @@ class _LevelAnalysis:
 
   def merged(self, f1: _Found, f2: _Found) -> _Found | None:
     """``f1`` and ``f2`` as one region, or None (``merge_regions``)."""
-    if len(f1.region.contractions) + len(f2.region.contractions) <= 1:
-      return None
+    if not {id(a) for a in f1.input_src} & {id(a) for a in f2.input_src}:
+      return None   # no common input: nothing to compute once
     for x, y in ((f1, f2), (f2, f1)):
       dep = self.lvl.depends(set(x.removed))
       if any((p := self.lvl.producer.get(a)) is not None and dep(p) for a in y.input_src):

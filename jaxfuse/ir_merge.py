@@ -76,7 +76,6 @@ class _Matcher:
   """Grows a value map and an injective loop map from ``b`` to ``a``."""
 
   def __init__(self, a: Region, b: Region, a_keys, b_keys):
-    self.a, self.b = a, b
     self.a_in = {buf.value: (i, buf) for i, buf in enumerate(a.inputs)}
     self.b_in = {buf.value: (i, buf) for i, buf in enumerate(b.inputs)}
     self.a_keys, self.b_keys = list(a_keys), list(b_keys)
@@ -94,11 +93,9 @@ class _Matcher:
     inv[la] = lb
     return True
 
-  def _bind_value(self, lmap, inv, vmap, vb: str, va: str) -> bool:
-    """Binds ``b``'s value ``vb`` to ``a``'s ``va`` (same dtype, loops in
-    the same order) where that is consistent so far."""
-    if vb in vmap:
-      return vmap[vb] == va
+  def _bind_value(self, lmap, inv, vb: str, va: str) -> bool:
+    """Binds the loops of ``b``'s value ``vb`` to those of ``a``'s ``va``
+    (same dtype, loops in the same order) where that is consistent so far."""
     xb, xa = self.bv[vb], self.av[va]
     if xb.dtype != xa.dtype or len(xb.loops) != len(xa.loops):
       return False
@@ -114,7 +111,7 @@ class _Matcher:
     if (bb.shape, bb.offset, bb.window, bool(bb.part_loop)) != (
         ba.shape, ba.offset, ba.window, bool(ba.part_loop)):
       return False
-    if not self._bind_value(lmap, inv, vmap={}, vb=vb, va=va):
+    if not self._bind_value(lmap, inv, vb, va):
       return False
     if len(bb.strides) != len(ba.strides):
       return False
@@ -143,7 +140,7 @@ class _Matcher:
     if not all(self._bind_loops(lmap, inv, lb, la)
                for lb, la in zip(_op_loops(ob), _op_loops(oa))):
       return False
-    if not self._bind_value(lmap, inv, vmap, ob.out, oa.out):
+    if not self._bind_value(lmap, inv, ob.out, oa.out):
       return False
     vmap[ob.out] = oa.out
     self.loops, self.values = lmap, vmap

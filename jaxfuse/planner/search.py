@@ -417,11 +417,6 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
   whole_red = {l for l in loops if l in region.reduced_loops() and l not in space.streamable}
   big = {l: space.tile_cands[l][-1] if l in whole_red else balanced[l] for l in loops}
   seeds_tiles.append(big)
-  # Whole output rows at the narrowest tiles (``unsplit_floor_tiles``):
-  # at d=256 the plan the register floor admits differs from ``big`` in
-  # three loops and the skeleton at once, and the descent did not reach
-  # it from the model's other plans (2490 against 621 us measured, H100,
-  # sixty-fourth session).
   # 128-wide tiles on every loop that long (FlashAttention's backward
   # tile), the others as in ``big``: a merged dk+dv region's plan there
   # differs from the model's other good plans in three loops at once, so
@@ -432,6 +427,11 @@ def _seeds(space: Space, rng: random.Random) -> list[Candidate]:
           for l in loops}
   if wide != big:
     seeds_tiles.append(wide)
+  # Whole output rows at the narrowest tiles (``unsplit_floor_tiles``):
+  # at d=256 the plan the register floor admits differs from ``big`` in
+  # three loops and the skeleton at once, and the descent did not reach
+  # it from the model's other plans (2490 against 621 us measured, H100,
+  # sixty-fourth session).
   floor = cost_model.unsplit_floor_tiles(region)
   if any(floor[l] > balanced[l] for l in loops):
     whole = {l: big[l] if l in whole_red else

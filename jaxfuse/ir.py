@@ -43,7 +43,7 @@ __all__ = [
     "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots",
     "xla_gemm_copies", "written_intermediates", "coalesce_loops",
     "vector_dot_dims", "xla_vector_dot", "contraction_loops",
-    "contiguous_strides", "dtype_itemsize",
+    "contiguous_strides", "dtype_itemsize", "with_shared_arrays",
     "WINDOW_ALIGN",
 ]
 
@@ -196,6 +196,13 @@ class Buffer:
   offset modulo ``WINDOW_ALIGN``, is printed into the kernel and keys the
   signature: it fixes the pointer's alignment, which vectorized loads need
   to know when the kernel compiles.
+
+  ``array``: inputs with the same nonzero ``array`` receive one array at
+  run time (capture reads one jax array through a buffer per use, so that
+  ``q`` in ``q.k^T`` and in ``ds^T.q`` need not share loops). The code
+  generator then loads a tile once where both buffers address it alike
+  (``tiling.shared_loads``), and the model counts it once. Set by
+  ``with_shared_arrays``; ``Region.same_array`` says which inputs it joins.
   """
   value: str
   shape: tuple[int, ...]
@@ -203,6 +210,7 @@ class Buffer:
   offset: int = 0
   window: bool = False
   part_loop: str = ""
+  array: int = 0
 
   @property
   def parts(self) -> int:
@@ -385,6 +393,21 @@ class Region:
   def contractions(self) -> list[Contraction]:
     return [op for op in self.ops if isinstance(op, Contraction)]
 
+  def same_array(self) -> dict[str, str]:
+    """Input value -> the first input that receives the same array, for
+    each input after the first of its ``Buffer.array`` group. Only plain
+    buffers of equal shape, dtype and offset join (not windows or parts)."""
+    vm = self.value_map
+    first: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for b in self.inputs:
+      if not b.array or b.window or b.part_loop:
+        continue
+      key = (b.array, b.shape, vm[b.value].dtype, b.offset)
+      if first.setdefault(key, b.value) != b.value:
+        out[b.value] = first[key]
+    return out
+
   @property
   def part_loop(self) -> str:
     """The loop whose index picks the array of each part buffer
@@ -455,6 +478,8 @@ class Region:
       raise IRError(f"output {v.name} must store every loop of the value")
     if is_output and b.window:
       raise IRError(f"output {v.name}: only inputs can be windows")
+    if b.array < 0 or (is_output and b.array):
+      raise IRError(f"buffer of {v.name}: array label {b.array} (inputs only, >= 0)")
     if b.part_loop:
       if b.window or b.offset:
         raise IRError(f"part buffer of {v.name} cannot be a window or have an offset")
@@ -559,7 +584,10 @@ class Region:
     output written once."""
     total = 0
     vm = self.value_map
+    again = self.same_array()
     for b in self.inputs + self.outputs:
+      if b.value in again:
+        continue
       ext = self.loop_extents
       n = math.prod(ext[l] for l, s in b.strides if s != 0) if b.strides else 1
       total += n * dtype_itemsize(vm[b.value].dtype)
@@ -623,9 +651,13 @@ class Region:
     values = tuple(sorted((Value(vmap[v.name], rl(v.loops), v.dtype)
                            for v in self.values if v.name in vmap),
                           key=lambda v: (v.name[0], int(v.name[1:]))))
+    arrays: dict[int, int] = {}   # labels renumbered by first use
+    for b in self.inputs:
+      if b.array:
+        arrays.setdefault(b.array, len(arrays) + 1)
     inputs = tuple(Buffer(vmap[b.value], b.shape,
                           tuple((lmap[l], s) for l, s in b.strides), b.offset, b.window,
-                          lmap[b.part_loop] if b.part_loop else "")
+                          lmap[b.part_loop] if b.part_loop else "", arrays.get(b.array, 0))
                    for b in self.inputs)
     outputs = tuple(Buffer(vmap[b.value], b.shape,
                            tuple((lmap[l], s) for l, s in b.strides), b.offset,
@@ -675,6 +707,8 @@ class Region:
       return f"{v}[{','.join(vm[v].loops)}]"
 
     def at(b):
+      if b.array:
+        return f"  array({b.array})" + at(dataclasses.replace(b, array=0))
       if b.part_loop:
         return f"  parts({b.part_loop})"
       if b.window:
@@ -1163,6 +1197,32 @@ def _align(arr: np.ndarray, loops: Sequence[str], target: Sequence[str]) -> np.n
   for l in target:
     shape.append(next(it) if l in present else 1)
   return arr.reshape(shape)
+
+
+def with_shared_arrays(region: Region, same_as: Sequence[int]) -> Region:
+  """``region`` with ``Buffer.array`` labels from ``same_as``: for each
+  input, the index of the first input that receives the same array (itself
+  when none before it does), as ``capture.CapturedRegion.same_as`` gives.
+  Windows and part buffers get no label; every other label is cleared.
+
+  Example::
+
+      r = with_shared_arrays(r, (0, 1, 0))   # inputs 0 and 2: one array
+      r.same_array()                          # {r.inputs[2].value: r.inputs[0].value}
+  """
+  if len(same_as) != len(region.inputs):
+    raise IRError(f"with_shared_arrays: {len(same_as)} entries for "
+                  f"{len(region.inputs)} inputs")
+  plain = [not b.window and not b.part_loop for b in region.inputs]
+  count: dict[int, int] = {}
+  for i, j in enumerate(same_as):
+    if not 0 <= j <= i or same_as[j] != j:
+      raise IRError(f"with_shared_arrays: input {i} names input {j}, not an earlier first use")
+    if plain[i] and plain[j]:
+      count[j] = count.get(j, 0) + 1
+  ins = tuple(dataclasses.replace(b, array=(j + 1 if plain[i] and count.get(j, 0) > 1 else 0))
+              for i, (b, j) in enumerate(zip(region.inputs, same_as)))
+  return dataclasses.replace(region, inputs=ins)
 
 
 def with_parts(region: Region, parts: int, per_part: Iterable[int],

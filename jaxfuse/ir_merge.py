@@ -199,10 +199,15 @@ def merge(a: Region, b: Region, a_keys: Sequence[Optional[Hashable]],
   new_values = [Value(vmap[v.name], tuple(lmap[x] for x in v.loops), v.dtype)
                 for v in b.values if v.name not in m.values]
 
+  # b's array labels (ir.Buffer.array) stay apart from a's: the keys say
+  # which arrays the two share, and the caller labels the merged region.
+  a_labels = max((buf.array for buf in a.inputs), default=0)
+
   def buffer(buf: Buffer) -> Buffer:
     return dataclasses.replace(
         buf, value=vmap[buf.value], strides=tuple((lmap[l], s) for l, s in buf.strides),
-        part_loop=lmap[buf.part_loop] if buf.part_loop else "")
+        part_loop=lmap[buf.part_loop] if buf.part_loop else "",
+        array=buf.array + a_labels if buf.array else 0)
 
   def rename(op):
     if isinstance(op, Contraction):

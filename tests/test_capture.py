@@ -315,6 +315,28 @@ def test_extra_output_and_const_input():
   _check_rewrite(f, q, k, v, expect_calls=2)
 
 
+def test_a_result_read_through_one_transpose_is_written_transposed():
+  """A middle result the program reads only through a transpose is stored
+  in the transpose's layout (XLA would copy it); one it also reads as is
+  stays in its own."""
+  def f(a, b, d, both=False):
+    c = jnp.exp(a @ b)
+    return (c @ d, c.T) + ((c,) if both else ())
+  a, b, d = rand(40, 24), rand(24, 20), rand(20, 12)
+  r = one_region(f, a, b, d)
+  c = next(buf for buf in r.region.outputs if r.region.value(buf.value).loops == ("m", "n"))
+  assert c.shape == (20, 40) and dict(c.strides) == {"n": 40, "m": 1}
+  check_region_matches_jaxpr(r)
+  transposes = lambda r: [e for e in r.jaxpr.jaxpr.eqns if e.primitive.name == "transpose"]
+  assert len(transposes(r)) == 1   # the region replaces it
+  _check_rewrite(f, a, b, d, expect_calls=1)
+  g = lambda *xs: f(*xs, both=True)
+  r = one_region(g, a, b, d)
+  assert [buf.shape for buf in r.region.outputs if buf.shape != (40, 12)] == [(40, 20)]
+  assert not transposes(r)
+  _check_rewrite(g, a, b, d, expect_calls=1)
+
+
 def test_dead_code_is_not_a_reader_but_effects_are():
   """An intermediate that only dead equations read (``jax.grad`` leaves
   such: the JVP of ``reduce_max`` compares its input with the maximum) is

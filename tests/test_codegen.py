@@ -55,6 +55,22 @@ def test_gemm_chain_plans(grid, tree, tiles):
   run_and_check(GEMM, T.simple_plan(GEMM, grid, tree, tiles))
 
 
+def test_one_array_read_twice_is_loaded_once():
+  """W and W2 receive one array: the kernel loads its tile once and reads
+  it for both dots; random_inputs draws one array for both; with W2's loop
+  split over programs, or without the label, it loads both."""
+  r = T.reread_chain(M=40, N=48, K=32, H=32)
+  plan = T.simple_plan(r, ("m",), [("n", [])], dict(m=16, n=16, k=32, h=32))
+  k = run_and_check(r, plan)
+  assert "tl.load(W2_ptr" not in k.source and k.source.count("tl.load(W_ptr") == 1
+  xs = launch.random_inputs(r, 0)
+  assert xs[1] is xs[2]
+  split_h = T.simple_plan(r, ("m", "h"), [("n", [])], dict(m=16, n=16, k=32, h=16))
+  assert "tl.load(W2_ptr" in run_and_check(r, split_h).source
+  plain = T.reread_chain(M=40, N=48, K=32, H=32, one_array=False)
+  assert "tl.load(W2_ptr" in run_and_check(plain, plan).source
+
+
 def test_gemm_chain_plans_from_planner_placement():
   """Every skeleton the planner can place at these tiles generates a correct kernel."""
   tiles = dict(b=1, m=16, n=16, k=16, h=16)

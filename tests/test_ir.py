@@ -273,3 +273,28 @@ def test_simplify_renames_an_output_to_its_identity_operand():
   np.testing.assert_array_equal(ir.evaluate(s, xs)[0], ir.evaluate(r, xs)[0])
   both = Region(loops, vals, (x,), (Buffer("r", (3,), (("m", 1),)), out_y), ops)
   assert ir.simplify(both).output_names == ("r", "y")
+
+
+def test_shared_array_labels():
+  """with_shared_arrays labels the inputs that receive one array; only
+  equal plain buffers join, the label keys the signature, and the array
+  counts once in min_bytes."""
+  from jaxfuse.codegen import testing  # pylint: disable=g-import-not-at-top
+  plain = testing.reread_chain(M=32, N=48, K=32, H=32, one_array=False)
+  r = ir.with_shared_arrays(plain, (0, 1, 1))
+  assert [b.array for b in r.inputs] == [0, 2, 2]
+  assert r.same_array() == {"W2": "W"}
+  assert plain.same_array() == {}
+  assert "array(1)" in r.canonical().to_text() and "array(2)" not in r.canonical().to_text()
+  assert r.signature() != plain.signature()
+  assert plain.min_bytes() - r.min_bytes() == 48 * 32 * 4
+  # Labels on buffers of another shape join nothing.
+  other = ir.with_shared_arrays(testing.reread_chain(K=32, H=16, one_array=False), (0, 1, 1))
+  assert other.same_array() == {}
+  with pytest.raises(ir.IRError, match="earlier first use"):
+    ir.with_shared_arrays(plain, (0, 2, 2))
+  with pytest.raises(ir.IRError, match="2 entries for 3 inputs"):
+    ir.with_shared_arrays(plain, (0, 1))
+  out = dataclasses.replace(plain.outputs[0], array=1)
+  with pytest.raises(ir.IRError, match="array label"):
+    dataclasses.replace(plain, outputs=(out,))

@@ -108,6 +108,9 @@ def test_autodiff_dk_and_dv_are_one_region(causal):
   firsts = [op for op in both.region.contractions
             if not any(both.region.producer(x) for x in op.inputs)]
   assert len(firsts) == 2, both.region   # q @ k.T and do @ v.T
+  # q (for q @ k.T and ds.T @ q) and do (for do @ v.T and p.T @ do) are
+  # each one array read through two buffers.
+  assert len(both.region.same_array()) == 2
   with config.override(merge=False):
     assert len(capture.find_regions(closed)) == 4
   ref = jax.jit(fn)(*[a.astype(jnp.float32) for a in args])

@@ -2414,3 +2414,30 @@ def test_seeds_include_128_wide_tiles():
   with mock.patch.object(search, "WIDE_SEED_TILE", 0):
     tiles = [dict(c.tiles) for c in search._seeds(space, random.Random(0))]   # pylint: disable=protected-access
   assert not any(t["m"] == 128 and t["n"] == 128 for t in tiles)
+
+
+def test_a_tile_read_twice_from_one_array_moves_once():
+  """E = (A W.T) W2 with W and W2 one array (attention's dq = ds @ k after
+  s = q @ k.T): where both loads sit in the key loop and the head loops are
+  whole, the kernel loads the tile once (tiling.shared_loads); the model
+  counts its bytes and shared memory once. A head loop split over programs
+  addresses other elements: two loads."""
+  from jaxfuse.codegen import testing  # pylint: disable=g-import-not-at-top
+  r = testing.reread_chain(M=32, N=48, K=32, H=32)
+  plain = testing.reread_chain(M=32, N=48, K=32, H=32, one_array=False)
+  plan = testing.simple_plan(r, ("m",), [("n", [])], dict(m=16, n=16, k=32, h=32))
+  tiles = plan.tile_map
+  assert tiling.shared_loads(r, plan.expr, tiles) == {"W2": ("W", {"n": "n", "h": "k"})}
+  assert tiling.shared_loads(plain, plan.expr, tiles) == {}
+  vol = movement.placed_volume(r, plan.expr, tiles, plan.grid)
+  vol0 = movement.placed_volume(plain, plan.expr, tiles, plan.grid)
+  assert vol0["W2"] == vol0["W"] > 0
+  assert vol == {k: v for k, v in vol0.items() if k != "W2"}
+  for stages in (2, 3):
+    assert (pruning.pipelined_smem_bytes(plain, plan.expr, tiles, stages)
+            - pruning.pipelined_smem_bytes(r, plan.expr, tiles, stages)) == stages * 16 * 32 * 4
+  split_h = testing.simple_plan(r, ("m", "h"), [("n", [])], dict(m=16, n=16, k=32, h=16))
+  assert tiling.shared_loads(r, split_h.expr, split_h.tile_map) == {}
+  small = testing.reread_chain(M=32, N=48, K=8, H=8)   # whole, but under 16: padded tiles
+  plan8 = testing.simple_plan(small, ("m",), [("n", [])], dict(m=16, n=16, k=8, h=8))
+  assert tiling.shared_loads(small, plan8.expr, plan8.tile_map) == {}

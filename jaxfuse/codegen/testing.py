@@ -19,7 +19,8 @@ from jaxfuse import ir
 from jaxfuse.ir import Buffer, Contraction, Elementwise, Iota, Literal, Loop, Reduction, Region, Value
 from jaxfuse.planner.tiling import next_pow2
 
-__all__ = ["gemm_chain", "attention", "mlp", "simple_plan", "with_precision", "issue_order"]
+__all__ = ["gemm_chain", "attention", "mlp", "reread_chain", "simple_plan", "with_precision",
+           "issue_order"]
 
 
 def _buf(name: str, loops: Sequence[str], ext: dict[str, int], order: Optional[Sequence[str]] = None) -> Buffer:
@@ -149,6 +150,23 @@ def mlp(M: int = 32, dims: Sequence[int] = (32, 64, 32, 16), *, dtype: str = "fl
       cur = a
   outs = (_buf(cur, ("m", f"k{nl}"), ext),)
   return Region(loops, tuple(vals), tuple(ins), outs, tuple(ops), name="mlp")
+
+
+def reread_chain(M: int = 32, N: int = 48, K: int = 32, H: int = 32, *,
+                 dtype: str = "float32", one_array: bool = True) -> Region:
+  """``E[m,h] = (A[m,k] W[n,k]) W2[n,h]``: attention's ``dq = ds @ k`` after
+  ``s = q @ k.T`` in small. With ``one_array`` (and ``K == H``), ``W`` and
+  ``W2`` receive one array (``ir.Buffer.array``), as capture reads ``k``.
+  """
+  ext = dict(m=M, n=N, k=K, h=H)
+  loops = tuple(Loop(l, ext[l]) for l in "mnkh")
+  vals = (Value("A", ("m", "k"), dtype), Value("W", ("n", "k"), dtype),
+          Value("W2", ("n", "h"), dtype), Value("C", ("m", "n"), dtype),
+          Value("E", ("m", "h"), dtype))
+  ins = (_buf("A", "mk", ext), _buf("W", "nk", ext), _buf("W2", "nh", ext))
+  ops = (Contraction("C", "A", "W", ("k",)), Contraction("E", "C", "W2", ("n",)))
+  region = Region(loops, vals, ins, (_buf("E", "mh", ext),), ops, name="reread_chain")
+  return ir.with_shared_arrays(region, (0, 1, 1)) if one_array else region
 
 
 def with_precision(region: Region, precision: str) -> Region:

@@ -257,6 +257,8 @@ class _Printer:
     self.lpt: Optional[tuple[str, list[str], int]] = None   # see grid_axes
     self.heavy: set[str] = set()                            # heavy_first_loops of the plan
     self._setup_loops()
+    # Inputs whose tiles are an earlier input's (one array read twice).
+    self.shared = tiling.shared_loads(region, plan.expr, plan.tile_map)
 
   # ------------------------------------------------------------------ setup
   def _setup_loops(self) -> None:
@@ -676,6 +678,14 @@ class _Printer:
     return " + ".join(terms) if terms else "0"
 
   def emit_load(self, v: str) -> None:
+    u, pairs = self.shared.get(v, (None, None))
+    t = self.lookup(u) if u else None
+    if t is not None and not t.pieces:
+      # The same elements of the same array: the kernel holds them already.
+      back = {lu: lv for lv, lu in pairs.items()}
+      self.bind(v, _Tile(t.var, tuple(back[l] for l in t.order), t.dtype,
+                         frozenset(back[l] for l in t.zpad)))
+      return
     pl = [l for l in self.bl(v) if l in self.pieces]
     if not pl:
       return self._emit_load(v)

@@ -13,7 +13,8 @@ Two views of the same quantity:
   (``tiling.place``) plus the grid: each Load/Store moves its tile once per
   iteration of every loop around it and once per program. This is what the
   performance model charges, and it sees hoisting (a loop of one tile moves
-  nothing).
+  nothing). A load the kernel shares with an earlier input of the same
+  array (``tiling.shared_loads``) moves nothing.
 
 Counting convention: a tensor's tiles along the loops that index it cover
 the tensor exactly (edge tiles are masked, so they move only what is
@@ -175,9 +176,10 @@ def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str
   fraction.
   """
   bufs = {b.value: b for b in region.inputs + region.outputs}
+  shared = tiling.shared_loads(region, expr, tiles)
   out: dict[str, int] = {}
   for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind == "C":
+    if st.kind == "C" or st.value in shared:
       continue
     out[st.value] = out.get(st.value, 0) + _statement_bytes(
         region, st, bufs[st.value], enclosing, tiles, grid, split, run_fraction)
@@ -195,5 +197,7 @@ def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mappin
   if all(isinstance(n, tiling.Stmt) for n in expr.body):
     return 0
   bufs = {b.value: b for b in region.inputs}
+  shared = tiling.shared_loads(region, expr, tiles)
   return sum(_statement_bytes(region, n, bufs[n.value], (), tiles, grid, split, None)
-             for n in expr.body if isinstance(n, tiling.Stmt) and n.kind == "L")
+             for n in expr.body
+             if isinstance(n, tiling.Stmt) and n.kind == "L" and n.value not in shared)

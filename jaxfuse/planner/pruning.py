@@ -603,11 +603,14 @@ def pipelined_smem_bytes(region: ir.Region, expr: "tiling.TilingExpr",
   each load inside a loop gets ``num_stages`` buffers of its tile, a load
   outside every loop one. Matched Triton 3.6's request exactly on an H200
   (MCFuser G5 with tiles m=64, n=128, k=512: 360,448 B at 2 stages), where
-  eq. (1) said 208 KB. Used to choose ``num_stages``, not for Rule 4."""
+  eq. (1) said 208 KB. Used to choose ``num_stages``, not for Rule 4. A
+  load of a tile the kernel already holds (``tiling.shared_loads``) takes
+  none."""
   vm = region.value_map
+  shared = tiling.shared_loads(region, expr, tiles)
   total = 0
   for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind != "L":
+    if st.kind != "L" or st.value in shared:
       continue
     val = vm[st.value]
     size = math.prod(tiles[l] for l in val.loops) * ir.dtype_itemsize(val.dtype)

@@ -349,7 +349,8 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   a loop from above (a sequence's length, ``streaming.length_inputs``) keeps
   every index: measured tuning times the whole work on these inputs. A
   float input that stands for a row statistic (``_row_statistics``) is
-  drawn positive and away from zero.
+  drawn positive and away from zero. Inputs that receive one array
+  (``ir.Region.same_array``) get the same ndarray.
 
   Each input is drawn in chunks of ``_RANDOM_CHUNK`` values, each chunk from
   its own child stream of ``seed``, in threads for large inputs: NumPy
@@ -362,12 +363,18 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   stats = _row_statistics(region)
   outs, jobs = [], []
   bufs = ir.operand_buffers(region.inputs)   # a part buffer: one array per part
+  again = region.same_array()   # inputs that receive an earlier one's array
+  drawn: dict[str, np.ndarray] = {}
   for b, stream in zip(bufs, np.random.SeedSequence(seed).spawn(len(bufs))):
+    if b.value in again:
+      outs.append(drawn[again[b.value]])
+      continue
     dt = vm[b.value].dtype
     size = math.prod(b.operand_shape)
     flat = np.empty(size, dtype=ir.np_dtype(dt))
     n_chunks = max(1, -(-size // _RANDOM_CHUNK))
     outs.append(flat.reshape(b.operand_shape))
+    drawn[b.value] = outs[-1]
     if b.value in lengths:
       flat[:] = lengths[b.value]
       continue
@@ -397,7 +404,8 @@ def random_inputs(region: ir.Region, seed: int = 0) -> list[np.ndarray]:
   scale = input_scale(region)
   if scale != 1.0:
     for o, b in zip(outs, bufs):
-      if vm[b.value].dtype in ir.FLOAT_DTYPES and b.value not in stats:
+      if (vm[b.value].dtype in ir.FLOAT_DTYPES and b.value not in stats
+          and b.value not in again):
         o *= np.asarray(scale, o.dtype)   # a power of two: exact
   return outs
 

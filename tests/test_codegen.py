@@ -71,6 +71,26 @@ def test_one_array_read_twice_is_loaded_once():
   assert "tl.load(W2_ptr" in run_and_check(plain, plan).source
 
 
+def test_division_by_a_broadcast_vector_multiplies_by_its_reciprocal():
+  """(A @ B) / s[m] prints one reciprocal per row and a multiply per
+  element, and computes the quotient; a division of equal tiles divides."""
+  ext = dict(m=40, n=24, k=16)
+  f32 = "float32"
+  buf = lambda v, ls: ir.Buffer(v, tuple(ext[l] for l in ls), tuple(
+      zip(ls, ir.contiguous_strides([ext[l] for l in ls]))))
+  r = Region(tuple(ir.Loop(l, e) for l, e in ext.items()),
+             (Value("A", ("m", "k"), f32), Value("B", ("k", "n"), f32), Value("S", ("m",), f32),
+              Value("D", ("m", "n"), f32), Value("C", ("m", "n"), f32), Value("Y", ("m", "n"), f32),
+              Value("Z", ("m", "n"), f32)),
+             (buf("A", "mk"), buf("B", "kn"), buf("S", "m"), buf("D", "mn")),
+             (buf("Y", "mn"), buf("Z", "mn")),
+             (Contraction("C", "A", "B", ("k",)), Elementwise("Y", "div", ("C", "S")),
+              Elementwise("Z", "div", ("C", "D"))))
+  k = run_and_check(r, T.simple_plan(r, ("m",), [("k", [])], dict(m=16, n=32, k=8)))
+  assert "(1.0 / S)[:, None]" in k.source
+  assert re.search(r"= \(\w+ / D\)", k.source)
+
+
 def test_gemm_chain_plans_from_planner_placement():
   """Every skeleton the planner can place at these tiles generates a correct kernel."""
   tiles = dict(b=1, m=16, n=16, k=16, h=16)

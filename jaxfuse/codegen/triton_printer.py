@@ -884,17 +884,28 @@ class _Printer:
     out_dt = self.vm[op.out].dtype
     args = []
     kinds = []
+    tiles = []
     for a in op.args:
       if isinstance(a, ir.Literal):
         args.append(_lit(a))
         kinds.append(a.dtype)
+        tiles.append(None)
       else:
         t = self.operand(a)
         args.append(self.expand(self.f32(t), t.order, dims))
         kinds.append(t.dtype)
+        tiles.append(t)
     fn = op.fn
     A = args
     float_out = out_dt in _FLOAT
+    if (fn == "div" and float_out and tiles[1] is not None
+        and len(tiles[1].order) < len(dims) and op.out not in self.whole_kept):
+      # A division by a broadcast row or column: one reciprocal per divisor
+      # element and a multiply per result. Each fp32 division is a MUFU.RCP,
+      # which the softmax's exp already keeps busy: autodiff's dq kernel ran
+      # 491.0 us dividing, 420.8 us multiplying (H100, eightieth session).
+      t = tiles[1]
+      fn, A = "mul", [A[0], self.expand(f"(1.0 / {self.f32(t)})", t.order, dims)]
     if fn in _HELPERS:
       self.helpers.add(fn)
     if op.out in self.whole_kept:

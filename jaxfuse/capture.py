@@ -947,9 +947,15 @@ class _LevelAnalysis:
     if (not m.shared_contractions or len(m.region.contractions) > self.limit
         or min(m.b_outputs) < len(f1.outputs)):
       return None
-    if _writes_a_product(m.region) or not _merge_pays(m.region, f1.region, f2.region):
-      return None
     inputs, input_src = list(f1.inputs), list(f1.input_src)
+    b_src = [f2.input_src[j] for j, k in enumerate(m.b_inputs) if k >= len(inputs)]
+    # The regions as the runtime plans them: with their inputs of one array
+    # labelled (their tiles load once, which the merged dk+dv plan of a
+    # causal attention needs to fit two programs per SM).
+    if _writes_a_product(m.region) or not _merge_pays(
+        _labelled(m.region, input_src + b_src), _labelled(f1.region, f1.input_src),
+        _labelled(f2.region, f2.input_src)):
+      return None
     aliases = {**f1.aliases, **f2.aliases}
     for j, k in enumerate(m.b_inputs):
       if k == len(inputs):
@@ -963,6 +969,21 @@ class _LevelAnalysis:
                   f1.removed | f2.removed, inputs, input_src, f1.outputs + f2.outputs,
                   m.region, {**f1.sub_items, **f2.sub_items},
                   {**f1.group_invars, **f2.group_invars}, aliases=aliases)
+
+
+def _same_as(input_src: Sequence) -> tuple[int, ...]:
+  """For each input, the first input of the same source array (inputs of
+  one source may be separate FVars: split-input variants, merged regions)."""
+  first: dict = {}
+  return tuple(first.setdefault(id(v), i) for i, v in enumerate(input_src))
+
+
+def _labelled(region: ir.Region, input_src: Sequence) -> ir.Region:
+  """``region`` simplified, its inputs that read one source array labelled
+  (``ir.with_shared_arrays``; not a region with part buffers, whose inputs
+  are one per part)."""
+  region = ir.simplify(region)
+  return region if region.part_loop else ir.with_shared_arrays(region, _same_as(input_src))
 
 
 def _merge_pays(merged: ir.Region, r1: ir.Region, r2: ir.Region) -> bool:
@@ -1085,15 +1106,8 @@ def _analyze(closed: ClosedJaxpr, path: str,
     return flatten(closed, opaque), []
   for f in found:
     # ir.simplify drops identity ops such as softmax's max(-inf, .).
-    first = {}
-    # The array each input receives: its source (inputs of one source may
-    # be separate FVars: split-input variants, merged regions).
-    same_as = tuple(first.setdefault(id(v), i) for i, v in enumerate(f.input_src))
-    region = ir.simplify(f.region)
-    if not region.part_loop:   # a part buffer's inputs are one per part
-      region = ir.with_shared_arrays(region, same_as)
-    f.captured = CapturedRegion(region, _region_jaxpr(lvl, f),
-                                _source(f.chain[0]), path, same_as)
+    f.captured = CapturedRegion(_labelled(f.region, f.input_src), _region_jaxpr(lvl, f),
+                                _source(f.chain[0]), path, _same_as(f.input_src))
   return lvl, found
 
 

@@ -988,11 +988,12 @@ def _labelled(region: ir.Region, input_src: Sequence) -> ir.Region:
 
 def _merge_pays(merged: ir.Region, r1: ir.Region, r2: ir.Region) -> bool:
   """Whether the planner's model predicts ``merged`` faster than ``r1``
-  and ``r2`` apart (model-only plans, cached as the runtime's are)."""
+  and ``r2`` apart (model-only plans of the regions as the runtime plans
+  them, ``_labelled``: the plan cache keeps them for it)."""
   from jaxfuse import planner  # pylint: disable=import-outside-toplevel
   times, nests = [], []
   for r in (merged, r1, r2):
-    best = planner.plan_region(ir.simplify(r)).best
+    best = planner.plan_region(r).best
     if best is None or best.predicted is None:
       return False
     times.append(best.predicted.time_s)

@@ -2441,3 +2441,39 @@ def test_a_tile_read_twice_from_one_array_moves_once():
   small = testing.reread_chain(M=32, N=48, K=8, H=8)   # whole, but under 16: padded tiles
   plan8 = testing.simple_plan(small, ("m",), [("n", [])], dict(m=16, n=16, k=8, h=8))
   assert tiling.shared_loads(small, plan8.expr, plan8.tile_map) == {}
+
+
+def test_the_pick_drops_a_stage_that_costs_a_program_per_sm():
+  """The merged dk+dv region of a head-dim-128 attention backward: at 3
+  stages one 4-warp program fits an SM, at 2 stages two do, and the model
+  prices the second program above the third stage (it ran 1130 against
+  1358 us on an H100). The search gives its pick 2 stages; a plan whose
+  programs per SM a stage does not change keeps 3."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from test_capture_recompute import _train_step  # pylint: disable=g-import-not-at-top
+  arg = jax.ShapeDtypeStruct((1, 2048, 16, 128), jnp.float16)
+  g = jax.ShapeDtypeStruct((1, 2048, 16, 128), jnp.float32)
+  regions = capture.find_regions(jax.make_jaxpr(_train_step(False))(arg, arg, arg, g))
+  r = next(c.region for c in regions if len(c.region.contractions) == 4)
+  best = plan_region(r, H100, use_cache=False).best
+  assert (best.num_warps, best.num_stages) == (4, 2)
+  sized = tiling.piece_sizes(r, best.expr, best.tile_map, best.grid)
+  pps = {st: cost_model.programs_per_sm(r, best.expr, sized, st, H100, best.num_warps)
+         for st in (2, 3)}
+  assert pps == {2: 2, 3: 1}
+  three = dataclasses.replace(best, num_stages=3)
+  three = dataclasses.replace(three, predicted=search.predict_plan(r, three, H100))
+  assert three.predicted.time_s > best.predicted.time_s
+  streamable, masked = tiling.streamable_loops(r), tiling.masked_tile_relations(r)
+  assert search.fewer_stages(r, three, H100, streamable, masked).num_stages == 2
+  # Programs per SM unchanged by the stage: the plan is kept as it is.
+  g = examples.gemm_chain(1, 512, 256, 64, 64)
+  pick = plan_region(g, H100, use_cache=False).best
+  sized = tiling.piece_sizes(g, pick.expr, pick.tile_map, pick.grid)
+  assert pick.num_stages == 3
+  assert (cost_model.programs_per_sm(g, pick.expr, sized, 2, H100, pick.num_warps)
+          == cost_model.programs_per_sm(g, pick.expr, sized, 3, H100, pick.num_warps))
+  assert search.fewer_stages(g, pick, H100, tiling.streamable_loops(g),
+                             tiling.masked_tile_relations(g)) is pick

@@ -82,8 +82,10 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # (``kernel_forms.gluon_attention_time``); 32: XLA's softmax priced as the
 # one row kernel it runs (cached verdicts compare against that price); 33: an
 # epilogue on attention's result no longer makes every plan illegal (cached
-# "no legal plan" verdicts would keep such regions on XLA).
-FORMAT_VERSION = 33
+# "no legal plan" verdicts would keep such regions on XLA); 34: the model's
+# pick may run at 2 pipeline stages where a third costs a program per SM
+# (search.fewer_stages).
+FORMAT_VERSION = 34
 
 
 def _version() -> str:

@@ -20,8 +20,10 @@ seed per skeleton), ranked by the model; stop when the model's best
 improves by less than ``eps`` (relative); the next population by sampling
 weighted by 1/estimate and mutating one loop's tile (or the
 grid/split/skeleton). Then a greedy descent from the model's best plans
-(``_refine``) settles on the local optimum around them. Deterministic for
-a given seed.
+(``_refine``) settles on the local optimum around them; the pick then
+drops its third pipeline stage where that lets a second program share
+its SM and the model predicts it faster (``fewer_stages``). Deterministic
+for a given seed.
 
 With a ``measure`` callback, the model's top n plans are measured, and
 with them the model's best plan of each other structure (``DIVERSE_N``
@@ -349,6 +351,33 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
                                                           masked, sized=sized))
 
 
+def fewer_stages(region: ir.Region, plan: Plan, device: DeviceSpec,
+                 streamable: frozenset[str], masked: dict) -> Plan:
+  """``plan`` at 2 pipeline stages where that lets more of its programs
+  share an SM and the model predicts it faster; else ``plan``.
+
+  ``cost_model.choose_warps_stages`` takes the deepest pipeline that fits
+  one program's shared memory, and a third stage can cost a second
+  program per SM. Applied to the model's pick only (``_search_space``):
+  on an H100 (eighty-first session) the picks of four dk+dv backward
+  kernels (head dim 128) ran 0.63-0.89x their time at 3 stages with two
+  programs per SM at 2 (predicted 0.85-0.86x). Offering every candidate
+  both depths instead changed the pick of 23 other benchmark regions, and
+  18 of them ran 1.004-1.72x slower: the model ranks a plan that needs
+  the second program against other plans 1-9% too well."""
+  if plan.num_stages <= 2 or plan.predicted is None:
+    return plan
+  expr, warps = plan.expr, plan.num_warps
+  sized = tiling.piece_sizes(region, expr, plan.tile_map, plan.grid)
+  if (cost_model.programs_per_sm(region, expr, sized, 2, device, warps)
+      <= cost_model.programs_per_sm(region, expr, sized, plan.num_stages, device, warps)):
+    return plan
+  two = dataclasses.replace(plan, num_stages=2)
+  two = dataclasses.replace(two, predicted=predict_plan(region, two, device, streamable,
+                                                        masked, sized=sized))
+  return two if two.predicted.time_s < plan.predicted.time_s else plan
+
+
 def predict_plan(region: ir.Region, plan: Plan, device: DeviceSpec,
                  streamable: Optional[frozenset[str]] = None, masked: Optional[dict] = None,
                  sized: Optional[dict] = None) -> cost_model.Prediction:
@@ -594,6 +623,11 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
                if p.predicted.time_s <= DIVERSE_MAX_RATIO * seen[0][1].predicted.time_s]
   _refine(space, evaluate, starts)
   ranked = _best_first((c, p) for c, p in memo.items() if p is not None)
+  if ranked:
+    c0, p0 = ranked[0]
+    memo[c0] = fewer_stages(region, p0, device, space.streamable, space.masked)
+    if memo[c0] is not p0:
+      ranked = _best_first((c, p) for c, p in memo.items() if p is not None)
   # The model's best plan of each structure other than its pick's, within
   # DIVERSE_MAX_RATIO of the pick (SearchResult.leaders).
   leaders = [(c, p) for c, p in _class_leaders(region, ranked, ranked[:1])

@@ -31,6 +31,7 @@ Example (a GEMM chain)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
@@ -293,7 +294,7 @@ class Elementwise:
   fn: str
   args: tuple[Operand, ...]
 
-  @property
+  @functools.cached_property
   def inputs(self) -> tuple[str, ...]:
     return tuple(a for a in self.args if isinstance(a, str))
 
@@ -347,19 +348,35 @@ class Region:
     self.validate()
 
   # -- lookup -------------------------------------------------------------
-  @property
-  def loop_extents(self) -> dict[str, int]:
+  # The planner looks these up hundreds of thousands of times per search;
+  # each Region builds them once (a frozen instance never changes) and
+  # hands out copies, so a caller that edits one cannot corrupt another.
+  @functools.cached_property
+  def _extents(self) -> dict[str, int]:
     return {l.name: int(l.extent) for l in self.loops}
 
+  @functools.cached_property
+  def _values(self) -> dict[str, Value]:
+    return {v.name: v for v in self.values}
+
+  @functools.cached_property
+  def _op_memo(self) -> dict:
+    # (function, op) -> what ``op_loops`` / ``contraction_loops`` derived.
+    return {}
+
+  @property
+  def loop_extents(self) -> dict[str, int]:
+    return self._extents.copy()
+
   def extent(self, loop: str) -> int:
-    return self.loop_extents[loop]
+    return self._extents[loop]
 
   @property
   def value_map(self) -> dict[str, Value]:
-    return {v.name: v for v in self.values}
+    return self._values.copy()
 
   def value(self, name: str) -> Value:
-    return self.value_map[name]
+    return self._values[name]
 
   def producer(self, name: str):
     for op in self.ops:
@@ -557,13 +574,17 @@ class Region:
 
   def op_loops(self, op) -> tuple[str, ...]:
     """All loops an op iterates over (its output's plus what it reduces)."""
+    got = self._op_memo.get(("op_loops", op))
+    if got is not None:
+      return got
     loops = list(self.value(op.out).loops)
     if isinstance(op, Contraction):
       loops += [l for l in op.reduce if l not in loops]
     elif isinstance(op, Reduction):
       loops.append(op.loop)
     order = [l.name for l in self.loops]
-    return tuple(sorted(set(loops), key=order.index))
+    got = self._op_memo[("op_loops", op)] = tuple(sorted(set(loops), key=order.index))
+    return got
 
   # -- costs --------------------------------------------------------------
   def flops(self) -> int:
@@ -684,6 +705,10 @@ class Region:
   def signature(self) -> str:
     """Stable hash of the canonical form (names, shapes, dtypes, strides,
     and of a window only its static offset: see ``Buffer.window``)."""
+    return self._signature
+
+  @functools.cached_property
+  def _signature(self) -> str:
     text = self.canonical().to_text(with_header=True, offsets=False)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -816,13 +841,17 @@ def contraction_loops(region: "Region", op: "Contraction") -> "tuple[tuple[str, 
 
       rows, cols, batch, red = contraction_loops(region, region.contractions[0])
   """
-  vm = region.value_map
-  lhs, rhs = set(vm[op.lhs].loops), set(vm[op.rhs].loops)
-  out = vm[op.out].loops
-  return (tuple(l for l in out if l in lhs and l not in rhs),
-          tuple(l for l in out if l in rhs and l not in lhs),
-          tuple(l for l in out if l in lhs and l in rhs),
-          tuple(op.reduce))
+  got = region._op_memo.get(("contraction_loops", op))  # pylint: disable=protected-access
+  if got is not None:
+    return got
+  lhs, rhs = set(region.value(op.lhs).loops), set(region.value(op.rhs).loops)
+  out = region.value(op.out).loops
+  got = (tuple(l for l in out if l in lhs and l not in rhs),
+         tuple(l for l in out if l in rhs and l not in lhs),
+         tuple(l for l in out if l in lhs and l in rhs),
+         tuple(op.reduce))
+  region._op_memo[("contraction_loops", op)] = got  # pylint: disable=protected-access
+  return got
 
 
 def xla_vector_dot(region: "Region", op: "Contraction") -> bool:

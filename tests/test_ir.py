@@ -298,3 +298,31 @@ def test_shared_array_labels():
   out = dataclasses.replace(plain.outputs[0], array=1)
   with pytest.raises(ir.IRError, match="array label"):
     dataclasses.replace(plain, outputs=(out,))
+
+
+def test_lookups_are_built_once_and_handed_out_as_copies():
+  """A Region builds its value and extent maps, its ops' loops and its
+  signature once (the planner asks hundreds of thousands of times per
+  search). A caller that edits a returned map changes nothing, and a
+  pickled region, caches and all, is the same region."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  r = _chain()
+  sig = r.signature()
+  ext, vm = r.loop_extents, r.value_map
+  ext["m"] = 99
+  vm.pop("A")
+  assert r.extent("m") == 5 and r.loop_extents["m"] == 5
+  assert "A" in r.value_map and r.value("A").loops == ("b", "m", "k")
+  c0 = r.contractions[0]
+  assert r.op_loops(c0) == ("b", "m", "n", "k") and r.op_loops(c0) is r.op_loops(c0)
+  assert ir.contraction_loops(r, c0) == (("m",), ("n",), ("b",), ("k",))
+  back = pickle.loads(pickle.dumps(r))
+  assert back.signature() == sig and back == r
+  assert back.value_map == r.value_map and back.op_loops(c0) == r.op_loops(c0)
+  # dataclasses.replace builds a new region with its own lookups.
+  wider = dataclasses.replace(r, loops=tuple(Loop(l.name, 6 if l.name == "m" else l.extent)
+                                             for l in r.loops),
+                              inputs=(Buffer("A", (2, 6, 3), (("b", 18), ("m", 3), ("k", 1))),)
+                              + r.inputs[1:],
+                              outputs=(Buffer("E", (2, 6, 4), (("b", 24), ("m", 4), ("h", 1))),))
+  assert wider.extent("m") == 6 and r.extent("m") == 5 and wider.signature() != sig

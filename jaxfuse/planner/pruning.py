@@ -436,19 +436,23 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
         build(n.body, n.loop)
   build(skeleton.body, None)
 
+  ancestors: dict[str, tuple[str, ...]] = {}
+  for l in parent:
+    chain, x = [], l
+    while x is not None:
+      chain.append(x)
+      x = parent[x]
+    ancestors[l] = tuple(chain)
+
   def anc(l):
-    out = []
-    while l is not None:
-      out.append(l)
-      l = parent[l]
-    return out
+    return ancestors[l] if l is not None else ()
 
   def anchor(loops):
     rel = [l for l in loops if l in parent]
     if not rel:
       return None, True
-    deepest = max(rel, key=lambda l: len(anc(l)))
-    ok = all(l in anc(deepest) for l in rel)
+    deepest = max(rel, key=lambda l: len(ancestors[l]))
+    ok = all(l in ancestors[deepest] for l in rel)
     return deepest, ok
 
   stmts: dict[Optional[str], list] = {}
@@ -500,31 +504,55 @@ def rule1_key(region: ir.Region, skeleton: tiling.TilingExpr, bound: Iterable[st
   placed = _naive_placed(region, skeleton)
   if placed is None:
     return None
-  return str(_normalize(region, tiling.strip_loops(placed, bound)))
+  return str(_normalize(region, tiling.strip_loops(placed, tuple(bound))))
 
 
-def _normalize(region: ir.Region, expr: tiling.TilingExpr) -> tiling.TilingExpr:
-  """Statements of one scope in dependence order (loads before their first
-  consumer, stores after the compute), so that splicing removed loops does
-  not make two equal per-block programs print differently."""
+def _op_order(region: ir.Region) -> tuple[dict, dict, dict]:
+  """(op index, values read, first reader's index) by value: what
+  ``_normalize`` sorts by."""
   idx = {op.out: i for i, op in enumerate(region.ops)}
-  first_use = {}
+  reads = {op.out: frozenset(op.inputs) for op in region.ops}
+  first_use: dict[str, int] = {}
   for i, op in enumerate(region.ops):
     for a in op.inputs:
       first_use.setdefault(a, i)
+  return idx, reads, first_use
+
+
+def _normalize(region: ir.Region, expr: tiling.TilingExpr,
+               order: Optional[tuple[dict, dict, dict]] = None) -> tiling.TilingExpr:
+  """Statements of one scope in dependence order (loads before their first
+  consumer, stores after the compute), so that splicing removed loops does
+  not make two equal per-block programs print differently. ``order``:
+  ``_op_order(region)``, when already computed."""
+  idx, reads, first_use = order or _op_order(region)
+  # A loop's sort key and the values its computes read, once per node
+  # (rec sorts every scope, and each sort keys whole subtrees). Keyed by
+  # id: every node keyed is part of the tree being built, alive until the end.
+  keys: dict[int, tuple] = {}
+  read_in: dict[int, frozenset] = {}
 
   def key(n):
     if isinstance(n, tiling.Stmt):
       if n.kind == "L":
         return (first_use.get(n.value, 0), 0, n.value)
       return (idx[n.value], 1 if n.kind == "C" else 2, "")
-    ks = [key(c) for c in n.body]
-    return (min(ks)[0] if ks else math.inf, 1, "")
+    k = keys.get(id(n))
+    if k is None:
+      ks = [key(c) for c in n.body]
+      k = keys[id(n)] = (min(ks)[0] if ks else math.inf, 1, "")
+    return k
+
+  def read(n) -> frozenset:
+    if isinstance(n, tiling.Stmt):
+      return reads[n.value] if n.kind == "C" else frozenset()
+    r = read_in.get(id(n))
+    if r is None:
+      r = read_in[id(n)] = frozenset().union(*(read(c) for c in n.body))
+    return r
 
   def uses(n, value) -> bool:
-    if isinstance(n, tiling.Stmt):
-      return n.kind == "C" and value in region.producer(n.value).inputs
-    return any(uses(c, value) for c in n.body)
+    return value in read(n)
 
   def rec(body):
     out = sorted((tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
@@ -544,12 +572,32 @@ def rule1_classes(region: ir.Region, skeletons: Sequence[tiling.TilingExpr],
                   bound: Iterable[str]) -> dict[str, list[tiling.TilingExpr]]:
   """Rule 1: skeletons grouped by per-block program (insertion ordered; the
   first skeleton of each group is its representative)."""
+  placed = naive_placements(region, skeletons)
+  return {k: members for k, (_, members) in rule1_programs(region, placed, bound).items()}
+
+
+def naive_placements(region: ir.Region, skeletons: Sequence[tiling.TilingExpr]
+                     ) -> list[tuple[tiling.TilingExpr, Optional[tiling.TilingExpr]]]:
+  """(skeleton, its naive placement or None) per skeleton: what Rule 1
+  reads of it under any grid, so a search over several grids places each
+  skeleton once."""
+  return [(sk, _naive_placed(region, sk)) for sk in skeletons]
+
+
+def rule1_programs(region: ir.Region,
+                   placed: Sequence[tuple[tiling.TilingExpr, Optional[tiling.TilingExpr]]],
+                   bound: Iterable[str]
+                   ) -> dict[str, tuple[tiling.TilingExpr, list[tiling.TilingExpr]]]:
+  """Rule 1 over ``naive_placements``: per-block program text ->
+  (that program, the skeletons that give it), insertion ordered."""
   bound = tuple(bound)
-  out: dict[str, list[tiling.TilingExpr]] = {}
-  for sk in skeletons:
-    key = rule1_key(region, sk, bound)
-    if key is not None:
-      out.setdefault(key, []).append(sk)
+  order = _op_order(region)
+  out: dict[str, tuple[tiling.TilingExpr, list[tiling.TilingExpr]]] = {}
+  for sk, p in placed:
+    if p is None:
+      continue
+    program = _normalize(region, tiling.strip_loops(p, bound), order)
+    out.setdefault(str(program), (program, []))[1].append(sk)
   return out
 
 
@@ -638,12 +686,8 @@ def space_counts(region: ir.Region, device, bound: Optional[Sequence[str]] = Non
   loops = tiling.tiled_loops(region)
   raw = len(sks) * math.prod(raw_tile_options(region.extent(l)) for l in loops)
   bound = tuple(region.spatial_loops() if bound is None else bound)
-  classes = rule1_classes(region, sks, bound)
-  kept = []
-  for key, members in classes.items():
-    sub = _normalize(region, tiling.strip_loops(_naive_placed(region, members[0]), bound))
-    if not violates_rule2(region, sub):
-      kept.append(key)
+  classes = rule1_programs(region, naive_placements(region, sks), bound)
+  kept = [key for key, (sub, _) in classes.items() if not violates_rule2(region, sub)]
   cands = {l: tile_candidates(region, l) for l in loops}
   combos = 1
   for l in loops:

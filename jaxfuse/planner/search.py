@@ -205,14 +205,11 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   grids = _bounded_grids(region, base, extra, len(sks))
   skeletons = {}
   counts = {"expressions": len(sks)}
+  placed = pruning.naive_placements(region, sks)
   for g in grids:
-    classes = pruning.rule1_classes(region, sks, g)
-    keep = []
-    for key, members in classes.items():
-      sub = pruning._normalize(region, tiling.strip_loops(  # pylint: disable=protected-access
-          pruning._naive_placed(region, members[0]), g))  # pylint: disable=protected-access
-      if not pruning.violates_rule2(region, sub):
-        keep.append(members[0])
+    classes = pruning.rule1_programs(region, placed, g)
+    keep = [members[0] for sub, members in classes.values()
+            if not pruning.violates_rule2(region, sub)]
     skeletons[g] = keep
     counts[f"grid({','.join(g)})"] = {"rule1": len(classes), "rule2": len(keep)}
   tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}

@@ -1,5 +1,7 @@
 """Planning (or tuning) time for every case of MCFuser Tables II/III and
-Chimera Table IV (``--set=large``: the large attention cases; ``all``: both).
+Chimera Table IV (``--set=large``: the large attention cases; ``train``:
+the regions capture finds in the attention training step at the large
+shapes, the largest a user's program plans; ``all``: every set).
 
 Builds each region directly with the Chain IR (jaxfuse.planner.examples),
 plans it with no cache and prints one row per case: time, chosen plan,
@@ -30,10 +32,12 @@ _DEVICE = flags.DEFINE_string("device", "h100", "device model to plan for")
 _REPEAT = flags.DEFINE_integer("repeat", 3, "plans per case; the median is reported")
 _DTYPE = flags.DEFINE_string("dtype", "float16", "input dtype of the regions")
 _FILTER = flags.DEFINE_string("filter", "", "only cases whose name contains this")
-_SET = flags.DEFINE_enum("set", "paper", ["paper", "large", "all"],
+_SET = flags.DEFINE_enum("set", "paper", ["paper", "large", "train", "all"],
                          "paper: MCFuser II/III and Chimera IV; large: the attention "
                          "benchmark's large cases (batch 8, 16 heads, 2048/4096 tokens, "
-                         "head dims 64/128); all: both")
+                         "head dims 64/128); train: the regions of jax.grad of that "
+                         "attention at 2048 tokens (forward, dq, and dk+dv merged), "
+                         "as capture finds them; all: every set")
 
 
 def _cases(dtype: str) -> list:
@@ -44,7 +48,37 @@ def _cases(dtype: str) -> list:
   if _SET.value in ("large", "all"):
     out += [(f"large/L-T{t}-d{d}", examples.attention(8, 16, t, t, d, dtype=dtype))
             for t in (2048, 4096) for d in (64, 128)]
+  if _SET.value in ("train", "all"):
+    for d in (64, 128):
+      for causal in (False, True):
+        n = f"train/L-T2048-d{d}{'-causal' if causal else ''}"
+        if not _FILTER.value or _FILTER.value in n + "/":
+          out += [(f"{n}/{i}", r) for i, r in enumerate(_train_regions(d, causal, dtype))]
   return [(n, r) for n, r in out if not _FILTER.value or _FILTER.value in n]
+
+
+def _train_regions(d: int, causal: bool, dtype: str) -> list:
+  """The regions ``jaxfuse.jit`` plans for ``jax.value_and_grad`` of plain
+  attention (8 x 2048 tokens x 16 heads x ``d``, token-major, a float32
+  loss), as capture finds them: abstract inputs, nothing is computed."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture, ir  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, g):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
+    if causal:
+      t = s.shape[-1]
+      s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(jnp.float32) * g)
+
+  x = jax.ShapeDtypeStruct((8, 2048, 16, d), jnp.dtype(dtype))
+  g = jax.ShapeDtypeStruct((8, 2048, 16, d), jnp.float32)
+  closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x, g)
+  return [ir.simplify(r.region) for r in capture.find_regions(closed)]
+
+
 _TUNE = flags.DEFINE_enum("tune", "model", ["model", "measure"],
                           "model: planning time of the model alone; measure: "
                           "measured-tuning time (CUDA GPU with torch)")

@@ -378,11 +378,15 @@ class Region:
   def value(self, name: str) -> Value:
     return self._values[name]
 
-  def producer(self, name: str):
+  @functools.cached_property
+  def _producers(self) -> dict:
+    out: dict = {}
     for op in self.ops:
-      if op.out == name:
-        return op
-    return None
+      out.setdefault(op.out, op)   # the first, as a scan of ops finds it
+    return out
+
+  def producer(self, name: str):
+    return self._producers.get(name)
 
   def consumers(self, name: str) -> list:
     return [op for op in self.ops if name in op.inputs]
@@ -408,7 +412,11 @@ class Region:
 
   @property
   def contractions(self) -> list[Contraction]:
-    return [op for op in self.ops if isinstance(op, Contraction)]
+    return list(self._contractions)
+
+  @functools.cached_property
+  def _contractions(self) -> tuple[Contraction, ...]:
+    return tuple(op for op in self.ops if isinstance(op, Contraction))
 
   def same_array(self) -> dict[str, str]:
     """Input value -> the first input that receives the same array, for

@@ -652,6 +652,13 @@ def test_plan_time_cpu(tmp_path):
   out = _run(["benchmarks/plan_time.py", "--filter=T2048-d64", "--set=large", "--repeat=1"],
              tmp_path)
   assert "| large/L-T2048-d64 | b=8,g=16,m=2048,n=2048,d=64,e=64 |" in out and "mcfuser" not in out
+  # The training step's regions as capture finds them: the forward, dq,
+  # and dk with dv merged (four contractions).
+  out = _run(["benchmarks/plan_time.py", "--filter=train/L-T2048-d64/", "--set=train",
+              "--repeat=1"], tmp_path)
+  rows = [l for l in out.splitlines() if l.startswith("| train/L-T2048-d64/")]
+  assert len(rows) == 3 and all("grid(" in l for l in rows) and "causal" not in out
+  assert any(",h_1=64 |" in l for l in rows)   # the merged region's second head loop
   # Measured tuning needs the GPU, and says so instead of timing nothing.
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAXFUSE_CACHE_DIR=str(tmp_path / "cache"))
   p = subprocess.run([sys.executable, "benchmarks/plan_time.py", "--tune=measure",

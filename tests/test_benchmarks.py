@@ -893,8 +893,9 @@ def test_fidelity_rescore_takes_globs_and_sums_the_samples_up(tmp_path):
 
 
 def test_fidelity_rescore_leaves_out_plans_the_planner_now_rejects(tmp_path):
-  """A saved plan that the current planner's rules reject (here 128x128
-  causal scores over the masked register budget) is not ranked again; the
+  """A saved plan that the current planner's rules reject (here 128x256
+  causal scores, over the masked register budget even at 8 warps) is not
+  ranked again; the
   regret still counts against the fastest plan of the whole sample, so a
   rule that drops the fastest plan shows."""
   from benchmarks import model_fidelity as mf
@@ -905,7 +906,7 @@ def test_fidelity_rescore_leaves_out_plans_the_planner_now_rejects(tmp_path):
             if p.tile("m") == 128 and p.tile("n") == 64]
   assert ranked
   kept = str(ranked[0])
-  dropped = kept.replace("n=64,", "n=128,")
+  dropped = kept.replace("n=64,", "n=256,")
   assert dropped != kept
   row = {"case": case, "dtype": "float16", "candidates": [
       {"rank": 0, "plan": dropped, "predicted_s": 1.0, "measured_s": 2e-4},

@@ -1225,8 +1225,10 @@ def test_masked_key_tiles_get_the_smaller_register_budget():
   """A causal mask's compares live beside the accumulators (Triton 3.6
   spills there), so a masked region gets MASKED_ACC_REGS_PER_THREAD per
   thread: 128x128 scores with a 128x64 output (192 per thread at 4 warps)
-  place unmasked and are rejected masked; 128x64 scores (128) place in
-  both."""
+  place at 4 warps unmasked and at 8 masked (choose_warps checks the
+  budget the plan is checked against); 128x64 scores (128) place at 4
+  warps in both. A 64-row tile cannot take 8 warps: 64x256 scores are
+  rejected."""
   from jaxfuse.codegen import testing  # pylint: disable=import-outside-toplevel
   full = testing.attention(2048, 2048, 64, B=8, heads=16, dtype="float16")
   causal = testing.attention(2048, 2048, 64, B=8, heads=16, dtype="float16", causal=True)
@@ -1235,12 +1237,16 @@ def test_masked_key_tiles_get_the_smaller_register_budget():
   assert cost_model.register_budget_bytes(8, rows=64, masked=True) == 128 * 1024
   wide = {"b": 1, "g": 1, "m": 128, "n": 128, "d": 64, "e": 64}
   narrow = dict(wide, n=64)
+  short = dict(wide, m=64, n=256)     # 80 KB at 64 rows: 4 warps only
   assert cost_model.choose_warps(causal, wide) == 4
+  assert cost_model.choose_warps(causal, wide, masked=True) == 8
+  assert cost_model.choose_warps(causal, narrow, masked=True) == 4
   search.check_tiles(full, wide, H100)
   search.check_tiles(causal, narrow, H100)
+  search.check_tiles(causal, wide, H100)
   with pytest.raises(tiling.PlacementError,
                      match=r"register budget of 4 warps \(65536 B with masked key tiles\)"):
-    search.check_tiles(causal, wide, H100)
+    search.check_tiles(causal, short, H100)
   assert search.rejection_kind("fp32 accumulators of 98304 B exceed the register budget of 4 "
                                "warps (65536 B with masked key tiles)") == (
       "fp32 accumulators exceed the register budget of masked key tiles")
@@ -1249,10 +1255,12 @@ def test_masked_key_tiles_get_the_smaller_register_budget():
   sp = search.build_space(causal, H100)
   sk = sp.skeletons[grid][0]
   with pytest.raises(tiling.PlacementError, match="masked key tiles"):
-    search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(wide.items())),
+    search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(short.items())),
                      sp.streamable, masked=sp.masked)
   assert search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(narrow.items())),
                           sp.streamable, masked=sp.masked).predicted.time_s > 0
+  assert search.make_plan(causal, H100, search.Candidate(grid, str(sk), tuple(wide.items())),
+                          sp.streamable, masked=sp.masked).num_warps == 8
   res = plan_region(causal, H100, use_cache=False, top=20)
   assert all(cost_model.accumulator_bytes(causal, dict(p.tiles))
              <= cost_model.register_budget_bytes(p.num_warps, masked=True) for p in res.ranked)
@@ -1288,7 +1296,7 @@ def test_whole_rows_of_a_wide_head_dimension_get_the_register_floor():
     assert cost_model.unsplit_floor_regs(r) == regs
   causal128 = testing.attention(1024, 1024, 128, B=1, heads=4, dtype="float16", causal=True)
   with pytest.raises(tiling.PlacementError, match="masked key tiles"):
-    search.check_tiles(causal128, dict(b=1, g=1, m=128, n=64, d=128, e=128), H100)
+    search.check_tiles(causal128, dict(b=1, g=1, m=64, n=256, d=128, e=128), H100)
   assert cost_model.unsplit_floor_regs(examples.gemm_chain(1, 512, 256, 64, 64)) == 64
   assert cost_model.register_budget_bytes(4, rows=64, floor_regs=160) == 80 * 1024
   assert cost_model.register_budget_bytes(4, floor_regs=160) == 96 * 1024
@@ -2468,6 +2476,9 @@ def test_the_pick_drops_a_stage_that_costs_a_program_per_sm():
   assert three.predicted.time_s > best.predicted.time_s
   streamable, masked = tiling.streamable_loops(r), tiling.masked_tile_relations(r)
   assert search.fewer_stages(r, three, H100, streamable, masked).num_stages == 2
+  # An 8-warp program already gives its SM two warpgroups: left as it is.
+  eight = dataclasses.replace(three, num_warps=8)
+  assert search.fewer_stages(r, eight, H100, streamable, masked) is eight
   # Programs per SM unchanged by the stage: the plan is kept as it is.
   g = examples.gemm_chain(1, 512, 256, 64, 64)
   pick = plan_region(g, H100, use_cache=False).best
@@ -2477,3 +2488,32 @@ def test_the_pick_drops_a_stage_that_costs_a_program_per_sm():
           == cost_model.programs_per_sm(g, pick.expr, sized, 3, H100, pick.num_warps))
   assert search.fewer_stages(g, pick, H100, tiling.streamable_loops(g),
                              tiling.masked_tile_relations(g)) is pick
+
+
+def test_a_row_dot_result_is_held_like_row_statistics():
+  """The attention training step's forward also computes the backward's
+  D = rowsum(do * o), a row dot whose result is one value per row. Like a
+  softmax's row max and sum it is not an accumulator tile: 128x128 scores
+  with a 128x64 output fill 4 warps' budget exactly, as in the inference
+  forward (counted, its 512 B sent them to 8 warps; the 128-row d128 pick
+  that this allows ran 611 against 735 us on an H100)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from test_capture_recompute import _train_step  # pylint: disable=g-import-not-at-top
+  arg = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float16)
+  g = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+  regions = [c.region for c in capture.find_regions(
+      jax.make_jaxpr(_train_step(False))(arg, arg, arg, g))]
+  fwd = next(r for r in regions if any(cost_model.is_row_dot(r, op) for op in r.contractions))
+  (d_op,) = [op for op in fwd.contractions if cost_model.is_row_dot(fwd, op)]
+  assert len(fwd.value(d_op.out).loops) == 3        # b, g, m: one value per row
+  tiles = {l: 1 for l in fwd.loop_extents}
+  rows = next(l for l in fwd.value(d_op.out).loops if fwd.extent(l) == 256)
+  dots = [op for op in fwd.contractions if op is not d_op]
+  tiles.update({l: 128 for l in fwd.value(dots[0].out).loops if fwd.extent(l) == 256})
+  tiles.update({l: 64 for l in fwd.loop_extents if fwd.extent(l) == 64})
+  assert tiles[rows] == 128
+  assert cost_model.accumulator_bytes(fwd, tiles) == 128 * 128 * 4 + 128 * 64 * 4
+  assert cost_model.accumulator_bytes(fwd, tiles) == cost_model.register_budget_bytes(4)
+  assert cost_model.choose_warps(fwd, tiles) == 4

@@ -84,8 +84,10 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # epilogue on attention's result no longer makes every plan illegal (cached
 # "no legal plan" verdicts would keep such regions on XLA); 34: the model's
 # pick may run at 2 pipeline stages where a third costs a program per SM
-# (search.fewer_stages).
-FORMAT_VERSION = 34
+# (search.fewer_stages); 35: a row dot's vector result is not counted as an
+# accumulator tile, and masked tiles over 4 warps' budget take 8 warps
+# (cost_model.accumulator_bytes, choose_warps).
+FORMAT_VERSION = 35
 
 
 def _version() -> str:

@@ -253,10 +253,10 @@ def check_tiles(region: ir.Region, tiles: dict[str, int], device: DeviceSpec,
     raise tiling.PlacementError(f"{hazard} (Rule 5)")
   if masked is None:
     masked = tiling.masked_tile_relations(region)
-  warps = cost_model.choose_warps(region, tiles)
-  acc = cost_model.register_tile_bytes(region, tiles, warps)
   if floor_regs is None:
     floor_regs = cost_model.unsplit_floor_regs(region)
+  warps = cost_model.choose_warps(region, tiles, bool(masked), floor_regs)
+  acc = cost_model.register_tile_bytes(region, tiles, warps)
   budget = cost_model.register_budget_bytes(warps, cost_model.tile_rows(region, tiles),
                                             masked=bool(masked), floor_regs=floor_regs)
   if acc > budget:
@@ -305,8 +305,10 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   tiles = dict(cand.tiles)
   if masked is None:
     masked = tiling.masked_tile_relations(region)
+  if floor_regs is None:
+    floor_regs = cost_model.unsplit_floor_regs(region)
   check_tiles(region, tiles, device, masked, floor_regs)
-  warps = cost_model.choose_warps(region, tiles)
+  warps = cost_model.choose_warps(region, tiles, bool(masked), floor_regs)
   acc = cost_model.accumulator_bytes(region, tiles)
   if cand.split:
     l, parts = cand.split
@@ -329,7 +331,8 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
       raise tiling.PlacementError("split plans store outputs only after the split loop")
   # Loops the code generator prints as pieces are priced at what it prints.
   sized = tiling.piece_sizes(region, expr, tiles, cand.grid)
-  warps, stages = cost_model.choose_warps_stages(region, expr, sized, device)
+  warps, stages = cost_model.choose_warps_stages(region, expr, sized, device, bool(masked),
+                                                 floor_regs)
   if cost_model.is_unpipelined(region, tiles, streamable):
     summed = pruning.summed_every_step(region, expr, tiles, warps)
     if summed:
@@ -362,7 +365,10 @@ def fewer_stages(region: ir.Region, plan: Plan, device: DeviceSpec,
   both depths instead changed the pick of 23 other benchmark regions, and
   18 of them ran 1.004-1.72x slower: the model ranks a plan that needs
   the second program against other plans 1-9% too well."""
-  if plan.num_stages <= 2 or plan.predicted is None:
+  # One warpgroup per program only, as measured: there the second program
+  # is what gives the SM a second warpgroup (OVERLAP_COMPUTE); an 8-warp
+  # program has two already.
+  if plan.num_stages <= 2 or plan.num_warps > 4 or plan.predicted is None:
     return plan
   expr, warps = plan.expr, plan.num_warps
   sized = tiling.piece_sizes(region, expr, plan.tile_map, plan.grid)

@@ -593,11 +593,18 @@ def rule1_programs(region: ir.Region,
   bound = tuple(bound)
   order = _op_order(region)
   out: dict[str, tuple[tiling.TilingExpr, list[tiling.TilingExpr]]] = {}
+  # Skeletons that differ only in bound loops strip to one expression
+  # (that is Rule 1's point): normalize and print each such expression once.
+  seen: dict[tiling.TilingExpr, tuple[str, tiling.TilingExpr]] = {}
   for sk, p in placed:
     if p is None:
       continue
-    program = _normalize(region, tiling.strip_loops(p, bound), order)
-    out.setdefault(str(program), (program, []))[1].append(sk)
+    stripped = tiling.strip_loops(p, bound)
+    got = seen.get(stripped)
+    if got is None:
+      program = _normalize(region, stripped, order)
+      got = seen[stripped] = (str(program), program)
+    out.setdefault(got[0], (got[1], []))[1].append(sk)
   return out
 
 

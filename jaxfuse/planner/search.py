@@ -293,7 +293,8 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
               streamable: frozenset[str],
               placements: Optional[dict] = None,
               masked: Optional[dict] = None,
-              floor_regs: Optional[int] = None) -> Plan:
+              floor_regs: Optional[int] = None,
+              checked: Optional[dict] = None) -> Plan:
   """Places a candidate and predicts it; raises PlacementError or ValueError.
 
   ``placements``: a memo of ``tiling.place`` for this region and
@@ -301,13 +302,25 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   reads the tiles only through the loops they cover in one tile).
   ``masked``: ``tiling.masked_tile_relations(region)``, ``floor_regs``:
   ``cost_model.unsplit_floor_regs(region)`` (each derived when None; a
-  search passes its space's, so each runs once per search)."""
+  search passes its space's, so each runs once per search). ``checked``: a
+  memo of ``check_tiles``'s verdict by tiles for this region (candidates
+  of other grids and skeletons share tiles)."""
   tiles = dict(cand.tiles)
   if masked is None:
     masked = tiling.masked_tile_relations(region)
   if floor_regs is None:
     floor_regs = cost_model.unsplit_floor_regs(region)
-  check_tiles(region, tiles, device, masked, floor_regs)
+  if checked is None:
+    check_tiles(region, tiles, device, masked, floor_regs)
+  else:
+    if cand.tiles not in checked:
+      try:
+        check_tiles(region, tiles, device, masked, floor_regs)
+        checked[cand.tiles] = None
+      except tiling.PlacementError as e:
+        checked[cand.tiles] = str(e)
+    if checked[cand.tiles] is not None:
+      raise tiling.PlacementError(checked[cand.tiles])
   warps = cost_model.choose_warps(region, tiles, bool(masked), floor_regs)
   acc = cost_model.accumulator_bytes(region, tiles)
   if cand.split:
@@ -565,6 +578,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
   rng = random.Random(seed)
   memo: dict[Candidate, Optional[Plan]] = {}
   placements: dict = {}
+  checked: dict = {}
   rejected: dict[str, int] = {}
   measured: dict[Candidate, float] = {}
 
@@ -573,7 +587,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
       return memo[c]
     try:
       p = make_plan(region, device, c, space.streamable, placements, space.masked,
-                    space.floor_regs)
+                    space.floor_regs, checked)
     except (tiling.PlacementError, ValueError) as e:
       key = rejection_kind(str(e))
       rejected[key] = rejected.get(key, 0) + 1

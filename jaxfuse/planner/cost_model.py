@@ -906,12 +906,13 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
 
   programs = num_programs(region, tiles, grid, split)
   sms = device.sm_count
-  num_warps = num_warps or choose_warps(region, tiles)
+  if masked is None:
+    masked = tiling.masked_tile_relations(region)
+  # The search's warps (make_plan) when the caller gives none.
+  num_warps = num_warps or choose_warps(region, tiles, bool(masked), unsplit_floor_regs(region))
   smem_bytes = pruning.pipelined_smem_bytes(region, expr, tiles, num_stages)
   pps = programs_per_sm(region, expr, tiles, num_stages, device, num_warps, smem_bytes)
   waves = math.ceil(programs / (sms * pps))
-  if masked is None:
-    masked = tiling.masked_tile_relations(region)
   fractions = {}
   if masked:
     fractions = masked_trip_fractions(region, expr, tiles, grid, split, masked)

@@ -79,7 +79,8 @@ from jaxfuse import ir
 from jaxfuse.devices import contraction_dtype
 from jaxfuse.planner import tiling
 
-__all__ = ["raw_tile_options", "tile_candidates", "rule1_key", "rule1_classes",
+__all__ = ["raw_tile_options", "tile_candidates", "naive_placements", "rule1_programs",
+           "rule1_classes",
            "violates_rule2", "padding_ratio", "rule3_ok", "smem_estimate",
            "rule4_ok", "dot_hazard", "broadcast_product", "deferred_sums", "summed_every_step",
            "DEFERRED_SUM_REGS_PER_THREAD", "MAX_BROADCAST_PRODUCT", "space_counts", "MAX_PADDED_SINGLE", "MAX_PADDING_RATIO",
@@ -497,14 +498,6 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
     return tuple(out)
 
   return tiling.TilingExpr(emit(None))
-
-
-def rule1_key(region: ir.Region, skeleton: tiling.TilingExpr, bound: Iterable[str]) -> Optional[str]:
-  """The per-block program of ``skeleton`` with ``bound`` loops on the grid."""
-  placed = _naive_placed(region, skeleton)
-  if placed is None:
-    return None
-  return str(_normalize(region, tiling.strip_loops(placed, tuple(bound))))
 
 
 def _op_order(region: ir.Region) -> tuple[dict, dict, dict]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxfuse import capture, codegen
+from jaxfuse import capture, codegen, ir
 from jaxfuse.codegen import streaming
 from jaxfuse.codegen import gluon_printer as gp
 from jaxfuse.devices import get_device
@@ -201,7 +201,8 @@ spec = importlib.util.spec_from_file_location("gluon_k", job["path"])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 fn = getattr(mod, job["name"])
-sig = {n: (job["pointer"] if n.endswith("_ptr") else "constexpr") for n in fn.arg_names}
+sig = {n: (job["pointers"][i] if i < len(job["pointers"]) else "constexpr")
+       for i, n in enumerate(fn.arg_names)}
 try:
   md = triton.compile(GluonASTSource(fn, sig, job["constexprs"]), target=GPUTarget("cuda", 90, 32),
                       options=dict(num_warps=4)).metadata
@@ -230,7 +231,9 @@ def _compile_for_sm90(region, plan, tmp_path):
   job = tmp_path / "job.json"
   job.write_text(json.dumps({
       "path": str(path), "name": pk.kernel_name, "constexprs": dict(pk.constexprs),
-      "pointer": {"float16": "*fp16", "bfloat16": "*bf16"}[gp.attention_form(region).dtype]}))
+      # One pointer per buffer, in the kernel's order (the region's).
+      "pointers": [{"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}[
+          region.value_map[b.value].dtype] for b in (*region.inputs, *region.outputs)]}))
   env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
   env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
   proc = subprocess.run([sys.executable, "-c", _COMPILE, str(job)], capture_output=True,
@@ -752,3 +755,107 @@ def test_a_failing_measurer_leaves_the_form_to_its_price():
   broken.kernel_forms = True
   res = plan_region(region, "h100", measure=broken, use_cache=False)
   assert res.best.form == gp.GLUON_ATTENTION
+
+
+def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1024, d=64):
+  """The forward region capture finds in ``jax.value_and_grad`` of
+  attention (a float32 loss): its result, the softmax's row max and sum
+  (which the backward reads) and the backward's ``rowsum(do * o)``."""
+  def loss(q, k, v, g):
+    spec = "bqhd,bkhd->bhqk" if layout == "bthd" else "bhqd,bhkd->bhqk"
+    s = jnp.einsum(spec, q, k) * d ** -0.5
+    if cap:
+      s = cap * jnp.tanh(s / cap)
+    if causal:
+      s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s.astype(jnp.float32) if f32 else s, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd" if layout == "bthd" else "bhqk,bhkd->bhqd", p, v)
+    return jnp.sum(o.astype(jnp.float32) * g)
+  shape = (2, t, heads, d) if layout == "bthd" else (2, heads, t, d)
+  x = jax.ShapeDtypeStruct(shape, jnp.float16)
+  g = jax.ShapeDtypeStruct(shape, jnp.float32)
+  closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x, g)
+  [fwd] = [f.region for f in capture.find_regions(closed) if len(f.region.contractions) == 3
+           and len(f.region.outputs) == 4]
+  return fwd
+
+
+@pytest.mark.parametrize("layout,causal,cap", [("bthd", False, 0.0), ("bhtd", False, 0.0),
+                                               ("bthd", True, 0.0), ("bhtd", True, 30.0)])
+def test_a_training_forward_is_the_forms(layout, causal, cap):
+  region = _train_forward(layout, causal, cap)
+  form = gp.attention_form(region)
+  assert isinstance(form, gp.AttentionForm), form
+  assert (form.band is not None) == causal and (form.cap is not None) == bool(cap)
+  vm = region.value_map
+  kinds = {r.kind: r for r in form.rows_out}
+  assert set(kinds) == {"max", "sum", "dot"}
+  buffers = [*region.inputs, *region.outputs]
+  # Every buffer is the kernel's, once.
+  indices = [op.index for op in (form.q, form.k, form.v, form.out, form.dout)]
+  assert sorted(indices + [r.index for r in form.rows_out]) == list(range(len(buffers)))
+  for r in form.rows_out:
+    assert vm[buffers[r.index].value].dtype == "float32"
+    assert r.row_stride == buffers[r.index].stride(form.m)
+  # The max and sum are the softmax's own reductions; the dot reads dout.
+  producers = {k: region.producer(buffers[r.index].value) for k, r in kinds.items()}
+  assert isinstance(producers["max"], ir.Reduction) and producers["max"].kind == "max"
+  assert isinstance(producers["sum"], ir.Reduction) and producers["sum"].kind == "sum"
+  assert isinstance(producers["dot"], ir.Contraction)
+  assert buffers[form.dout.index].value in region.input_names
+  assert form.dout.width == form.extents[3]
+
+
+def test_training_forwards_the_kernel_does_not_write_are_left_to_the_triton_form():
+  # A softmax in float16: its row sum leaves as a cast, which the kernel
+  # does not write.
+  why = gp.attention_form(_train_forward(f32=False))
+  assert isinstance(why, str) and "float32" in why, why
+
+  # A row dot of the output with the queries, which the scores read too.
+  def f(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return o, jnp.sum(o.astype(jnp.float32) * q.astype(jnp.float32), -1)
+  x = jnp.zeros((2, 1024, 16, 64), jnp.float16)
+  [found] = capture.find_regions(jax.make_jaxpr(f)(x, x, x))
+  assert isinstance(gp.attention_form(found.region), str)
+
+
+def test_the_training_forward_is_planned_as_the_form_and_priced_with_its_epilogue():
+  region = _train_forward("bthd", heads=16, t=2048, d=128)
+  res = plan_region(region, "h100", use_cache=False)
+  assert res.best.form == gp.GLUON_ATTENTION
+  h100 = get_device("h100")
+  form = gp.attention_form(region)
+  bare = dataclasses.replace(form, rows_out=(), dout=None)
+  # Each tile loads its [128, 128] dout tile and writes three float32 rows,
+  # at the SM's share of the memory bandwidth; the longest program (2 x 16
+  # heads x 16 query tiles over 132 SMs) runs 4 tiles.
+  per_tile = (128 * 128 * 2 + 3 * 128 * 4) / (h100.mem_bandwidth_Bps / 132)
+  t_form = kernel_forms.gluon_attention_time(form, h100)
+  t_bare = kernel_forms.gluon_attention_time(bare, h100)
+  assert t_form.time_s - t_bare.time_s == pytest.approx(4 * per_tile, rel=1e-6)
+  assert t_form.bytes_moved - t_bare.bytes_moved == 512 * (128 * 128 * 2 + 3 * 128 * 4)
+
+
+@pytest.mark.parametrize("layout,causal,d", [("bthd", False, 128), ("bhtd", True, 64)])
+def test_printed_training_forward_compiles_for_hopper(layout, causal, d, tmp_path):
+  region = _train_forward(layout, causal, heads=16, t=2048, d=d)
+  plan = plan_region(region, "h100", use_cache=False).best
+  assert plan.form == gp.GLUON_ATTENTION
+  pk, md = _compile_for_sm90(region, plan, tmp_path)
+  assert md["num_warps"] == 12 and md["shared"] <= 227 * 1024
+  form = gp.attention_form(region)
+  # The kernel takes every buffer, in the region's order.
+  names = {op.index: role for role, op in (("q", form.q), ("k", form.k), ("v", form.v),
+                                           ("out", form.out), ("dout", form.dout))}
+  names.update({r.index: r.kind for r in form.rows_out})
+  params = ", ".join(f"{names[i]}_ptr" for i in range(len(names)))
+  assert f"def {pk.kernel_name}({params}, BM: gl.constexpr" in pk.source
+  # The statistics leave in natural-log units; the row dot reads the
+  # output as stored (16-bit).
+  assert f"m_i * {math.log(2.0)!r})" in pk.source
+  assert "gl.sum(do_t.to(gl.float32) * o16.to(gl.float32), 1)" in pk.source
+  assert "o_part.store(o16)" in pk.source

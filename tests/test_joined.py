@@ -381,7 +381,11 @@ def test_a_row_dot_is_priced_on_the_fma_pipe():
   reg = ir.simplify(r.region)
   s, pv, d = reg.contractions
   assert [cost_model.is_row_dot(reg, c) for c in (s, pv, d)] == [False, False, True]
-  with_d = planner.plan_region(reg, "h100", use_cache=False).best
+  ranked = planner.plan_region(reg, "h100", use_cache=False).ranked
+  # On a Hopper the Gluon form computes the row dot too (its own price,
+  # tests/test_gluon.py); here the Triton form's price is tested.
+  assert ranked[0].form == "gluon-ws"
+  with_d = next(p for p in ranked if not p.form)
   tiles = dict(with_d.tiles)
   assert cost_model.tile_rows(reg, tiles) == tiles["m"]
   [r0] = capture.find_regions(jax.make_jaxpr(lambda *a: _attention_and_rowsum(*a)[0])(
@@ -390,7 +394,6 @@ def test_a_row_dot_is_priced_on_the_fma_pipe():
   plain = min((p for p in planner.plan_region(ir.simplify(r0.region), "h100", top=400,
                                               use_cache=False).ranked if not p.form),
               key=lambda p: p.predicted.time_s)
-  assert not with_d.form
   assert with_d.predicted.time_s < 1.3 * plain.predicted.time_s, (with_d, plain)
 
 

@@ -86,8 +86,10 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # pick may run at 2 pipeline stages where a third costs a program per SM
 # (search.fewer_stages); 35: a row dot's vector result is not counted as an
 # accumulator tile, and masked tiles over 4 warps' budget take 8 warps
-# (cost_model.accumulator_bytes, choose_warps).
-FORMAT_VERSION = 35
+# (cost_model.accumulator_bytes, choose_warps); 36: the Gluon attention form
+# takes a training forward (row statistics, the row dot; a cast between the
+# mask and the max).
+FORMAT_VERSION = 36
 
 
 def _version() -> str:

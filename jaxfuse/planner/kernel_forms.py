@@ -110,7 +110,8 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
   """The model's price of the Gluon attention kernel for ``form``
   (``gluon_printer.attention_form``) on ``dev``: the printed schedule's
   longest program (its tiles round-robin, or causal tiles in pairs of
-  equal work), each tile ``GLUON_TILE_S`` plus its kept key blocks, each
+  equal work), each tile ``GLUON_TILE_S`` (and a training forward's
+  epilogue) plus its kept key blocks, each
   block its two dots overlapped with its softmax.
 
   Example::
@@ -139,10 +140,16 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
     return max(t_dots, t_soft) + (1.0 - GLUON_OVERLAP) * min(t_dots, t_soft)
 
   t_block, t_cut = block(0), block(GLUON_MASK_OPS)
+  # A training forward's tile also loads its dout tile and writes its row
+  # statistics (gluon_printer._row_code), at the SM's share of the memory
+  # bandwidth: its epilogue has no key block's work to hide under.
+  item = 2
+  row_bytes = bm * 4 * len(form.rows_out) + (bm * e_ext * item if form.dout is not None else 0)
+  t_tile = GLUON_TILE_S + row_bytes / (dev.mem_bandwidth_Bps / sms)
   band = form.band
   per_tile, blocks, cuts = [], 0, 0.0
   for (lo, hi), cut in zip(gluon_printer.key_blocks(form, bn), gluon_printer.masked_blocks(form, bn)):
-    per_tile.append((hi - lo - cut) * t_block + cut * t_cut + GLUON_TILE_S)
+    per_tile.append((hi - lo - cut) * t_block + cut * t_cut + t_tile)
     blocks += hi - lo
     cuts += cut
   heads = math.prod(x for _, x in form.batch)
@@ -156,8 +163,8 @@ def gluon_attention_time(form, dev: DeviceSpec) -> Prediction:
   # Round-robin: program p runs units p, p + programs, ...
   t_program = max(sum(units[p::programs]) for p in range(min(programs, len(units))))
   flops = 2 * bm * bn * (d_ext + e_ext) * blocks * heads
-  item = 2
-  moved = heads * (len(per_tile) * bm * (d_ext + e_ext) + blocks * bn * (d_ext + e_ext)) * item
+  moved = heads * (len(per_tile) * (bm * (d_ext + e_ext) * item + row_bytes)
+                   + blocks * bn * (d_ext + e_ext) * item)
   # Tensor-core and vector work of the whole grid spread over the SMs.
   t_dot = t_dots * blocks * heads / sms
   t_vec = (softmax(0) * (blocks - cuts) + softmax(GLUON_MASK_OPS) * cuts) * heads / sms

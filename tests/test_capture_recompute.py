@@ -162,8 +162,8 @@ def test_a_product_that_reduces_its_wide_operand_is_not_copied():
   """rowsum(do * o) reads attention's o = p @ v: copying that product would
   read p again, so a hand-written recomputing backward (which already
   forms each gradient from its own q @ k.T) gets no further copies."""
-  from benchmarks import attention  # pylint: disable=g-import-not-at-top
-  flash = attention.make_train_step(attention.make_flash_attention(True, 0.125, "bhtd"))
+  from benchmarks import attention_workloads as aw  # pylint: disable=g-import-not-at-top
+  flash = aw.make_train_step(aw.make_flash_attention(True, 0.125, "bhtd"))
   assert capture_recompute.plan(_level(flash, *_args())) == {}
 
 

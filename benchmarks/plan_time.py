@@ -89,6 +89,10 @@ def _recording(measure, seen: dict):
         seen[str(p)] = t
     return times
   wrapped.begin = getattr(measure, "begin", None)   # plan_region starts it with the search
+  # Whether the search times other kernel forms too (launch.make_measure
+  # says; planner.plan_region reads it): without it, the Gluon form's
+  # compile and time were left out of the tuning timed here.
+  wrapped.kernel_forms = getattr(measure, "kernel_forms", False)
   return wrapped
 
 

@@ -668,6 +668,31 @@ def test_plan_time_cpu(tmp_path):
   assert "needs a CUDA GPU" in p.stdout + p.stderr
 
 
+def test_plan_time_times_tuning_as_jaxfuse_jit_runs_it():
+  """The measurer plan_time records through keeps what planner.plan_region
+  reads from jaxfuse's: its budget's start and whether it times the other
+  kernel forms (in a child: plan_time's flags would clash with other
+  binaries' in this process)."""
+  code = """
+import benchmarks.plan_time as pt
+def measure(plans):
+  return [1e-3 * (i + 1) for i in range(len(plans))]
+measure.begin = lambda: None
+measure.kernel_forms = True
+seen = {}
+w = pt._recording(measure, seen)
+assert w.begin is measure.begin and w.kernel_forms is True
+assert w(["a", "b"]) == [1e-3, 2e-3] and seen == {"a": 1e-3, "b": 2e-3}
+del measure.kernel_forms
+assert pt._recording(measure, {}).kernel_forms is False
+print("ok")
+"""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
 def test_unknown_case_is_a_clear_error(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run([sys.executable, "-m", "benchmarks.gemm_chain", "--cases=G99",

@@ -86,3 +86,23 @@ def test_masked_tile_relation_of_a_causal_mask():
   assert streaming.masked_tile_relations(testing.attention(mask=True)) == {}
   # A plain sum along n sees masked scores (exp(-inf) is added to no max).
   assert streaming.masked_tile_relations(testing.gemm_chain()) == {}
+
+
+def test_a_causal_mask_is_read_through_a_cast_to_float32_of_either_16_bit_type():
+  """A training step's softmax runs in float32 of 16-bit scores: the mask
+  is read through the cast for bfloat16 as for float16 (numpy gives
+  bfloat16 kind 'V', which once hid it: the kernel then ran every key
+  tile of a causal bfloat16 step)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+
+  def attention(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  for dtype in (jnp.float16, jnp.bfloat16):
+    x = jax.ShapeDtypeStruct((2, 512, 4, 64), dtype)
+    [found] = capture.find_regions(jax.make_jaxpr(attention)(x, x, x))
+    assert streaming.masked_tile_relations(found.region) == {"n": streaming.Band("m", upper=0)}

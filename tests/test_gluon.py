@@ -757,7 +757,8 @@ def test_a_failing_measurer_leaves_the_form_to_its_price():
   assert res.best.form == gp.GLUON_ATTENTION
 
 
-def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1024, d=64):
+def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1024, d=64,
+                   dtype=jnp.float16):
   """The forward region capture finds in ``jax.value_and_grad`` of
   attention (a float32 loss): its result, the softmax's row max and sum
   (which the backward reads) and the backward's ``rowsum(do * o)``."""
@@ -772,7 +773,7 @@ def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1
     o = jnp.einsum("bhqk,bkhd->bqhd" if layout == "bthd" else "bhqk,bhkd->bhqd", p, v)
     return jnp.sum(o.astype(jnp.float32) * g)
   shape = (2, t, heads, d) if layout == "bthd" else (2, heads, t, d)
-  x = jax.ShapeDtypeStruct(shape, jnp.float16)
+  x = jax.ShapeDtypeStruct(shape, dtype)
   g = jax.ShapeDtypeStruct(shape, jnp.float32)
   closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x, g)
   [fwd] = [f.region for f in capture.find_regions(closed) if len(f.region.contractions) == 3
@@ -780,13 +781,16 @@ def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1
   return fwd
 
 
-@pytest.mark.parametrize("layout,causal,cap", [("bthd", False, 0.0), ("bhtd", False, 0.0),
-                                               ("bthd", True, 0.0), ("bhtd", True, 30.0)])
-def test_a_training_forward_is_the_forms(layout, causal, cap):
-  region = _train_forward(layout, causal, cap)
+@pytest.mark.parametrize("layout,causal,cap,dtype", [
+    ("bthd", False, 0.0, jnp.float16), ("bhtd", False, 0.0, jnp.float16),
+    ("bthd", True, 0.0, jnp.float16), ("bhtd", True, 30.0, jnp.float16),
+    ("bthd", True, 0.0, jnp.bfloat16)])
+def test_a_training_forward_is_the_forms(layout, causal, cap, dtype):
+  region = _train_forward(layout, causal, cap, dtype=dtype)
   form = gp.attention_form(region)
   assert isinstance(form, gp.AttentionForm), form
   assert (form.band is not None) == causal and (form.cap is not None) == bool(cap)
+  assert form.dtype == jnp.dtype(dtype).name
   vm = region.value_map
   kinds = {r.kind: r for r in form.rows_out}
   assert set(kinds) == {"max", "sum", "dot"}

@@ -46,8 +46,6 @@ import dataclasses
 import math
 from typing import Optional
 
-import numpy as np
-
 from jaxfuse import ir
 
 __all__ = ["Band", "Compare", "Keep", "LengthBound", "Masked", "Scale", "StreamedLoop",
@@ -567,10 +565,12 @@ def masked_value(region: ir.Region, x, partial: bool = False) -> Optional[Masked
     # A float cast of a masked score (autodiff's softmax in float32 of
     # float16 scores) masks the same, when it keeps the fill.
     m = masked_value(region, op.args[0], partial)
-    vm = region.value_map
-    src, dst = (np.dtype(vm[a].dtype) for a in (op.args[0], x))
-    if (m is None or dst.kind != "f" or src.kind != "f"
-        or not (m.fill == -math.inf or dst.itemsize >= src.itemsize)):
+    # (By name: numpy gives bfloat16 kind 'V', not 'f'.)
+    names = [region.value_map[a].dtype for a in (op.args[0], x)]
+    if m is None or not all(n in ir.FLOAT_DTYPES for n in names):
+      return None
+    src, dst = (ir.np_dtype(n) for n in names)
+    if not (m.fill == -math.inf or dst.itemsize >= src.itemsize):
       return None
     return m
   if op.fn == "select" and isinstance(op.args[0], str):

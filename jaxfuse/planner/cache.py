@@ -88,8 +88,9 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # accumulator tile, and masked tiles over 4 warps' budget take 8 warps
 # (cost_model.accumulator_bytes, choose_warps); 36: the Gluon attention form
 # takes a training forward (row statistics, the row dot; a cast between the
-# mask and the max).
-FORMAT_VERSION = 36
+# mask and the max); 37: a mask is read through a cast from bfloat16
+# (streaming.masked_value), so such regions skip masked tiles.
+FORMAT_VERSION = 37
 
 
 def _version() -> str:

@@ -243,6 +243,12 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
   wide, factors, divisors = parts
   for i in (0, 1):
     dp = _producer(lvl, _through_converts(lvl, wide[i]))
+    # The product may reach the sum through a transpose (jax.nn.
+    # dot_product_attention's backward moves its size-1 group axis).
+    perm = None
+    if dp is not None and dp.prim == "transpose" and not dp.groups:
+      perm = tuple(int(j) for j in dp.params["permutation"])
+      dp = _producer(lvl, dp.invars[0])
     if dp is not None and is_contraction(dp) and not dp.groups:
       x = wide[1 - i]
       break
@@ -264,10 +270,15 @@ def _row_sum(lvl: Level, r: Item) -> "_RowSum | None":
     lb_[j] = lb_[j] or next(labels)
   dp_out = ([la[i] for i in lb] + [la[i] for i in range(na) if i not in lc and i not in lb]
             + [lb_[j] for j in range(nb) if j not in rc and j not in rb])
+  dp_shape = tuple(dp.outvars[0].aval.shape)
+  if perm is not None:
+    # From here on every axis is the sum's: label the transposed product.
+    dp_out = [dp_out[j] for j in perm]
+    dp_shape = tuple(dp_shape[j] for j in perm)
   n_labels = {lb_[j] for j in range(nb) if j not in rc and j not in rb}
   h_labels = {lb_[j] for j in rc}
   if (not isinstance(x, FVar)
-      or not tuple(x.aval.shape) == tuple(dp.outvars[0].aval.shape) == y_shape
+      or not tuple(x.aval.shape) == dp_shape == y_shape
       or {dp_out[i] for i in axes} != n_labels):
     return None
   # A product O of P (X over a row factor, cast) and the same B over n.

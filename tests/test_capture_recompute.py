@@ -255,3 +255,42 @@ def test_a_row_sum_without_the_matching_product_is_left_as_written():
   # Both round to float16 (dp there, p and o here): normwise, they agree.
   g, w_ = np.asarray(got[1], np.float64), np.asarray(want[1], np.float64)
   assert np.linalg.norm(g - w_) / np.linalg.norm(w_) < 2e-3
+
+
+def _dpa_train_step(causal):
+  def loss(q, k, v, g):
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+    return jnp.sum(o.astype(jnp.float32) * g)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
+  """jax.nn.dot_product_attention's backward sums rowsum(dp * e / l^2),
+  its dp = do @ v.T moved by a transpose (its size-1 group axis): that sum
+  too is computed from the forward's o, so the forward region writes D
+  (and runs as the Gluon form on Hopper); the step computes the same."""
+  fn = _dpa_train_step(causal)
+  args = _args(5)
+  # The float16 step as capture sees it (its dots' float16 algorithm does
+  # not run on a CPU): the forward region writes o, its row max and sum,
+  # and D.
+  for a in (args, [x.astype(jnp.float32) for x in args]):
+    lvl = _level(fn, *a)
+    new = capture_recompute.reassociate(lvl)
+    changed = [lvl.items[it.idx] for it, old in zip(new.items, lvl.items) if it is not old]
+    assert [it.prim for it in changed] == ["reduce_sum"]
+  regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  fwd = [r.region for r in regions if len(r.region.contractions) == 3]
+  assert len(fwd) == 1 and len(fwd[0].outputs) == 4
+  # Values, in float32: the rewritten program, and jaxfuse.jit's step.
+  args = [x.astype(jnp.float32) for x in args]
+  closed = live_code(jax.make_jaxpr(fn)(*args))
+  got = jax.core.eval_jaxpr(capture._recompute_shared(closed, "").jaxpr, (), *args)   # pylint: disable=protected-access
+  want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+  ref = jax.jit(fn)(*args)
+  with config.override(backend="interpret"):
+    got = jaxfuse.jit(fn)(*args)
+  _assert_close(got, ref)

@@ -759,23 +759,17 @@ def test_a_failing_measurer_leaves_the_form_to_its_price():
 
 def _train_forward(layout="bthd", causal=False, cap=0.0, f32=True, heads=16, t=1024, d=64,
                    dtype=jnp.float16):
-  """The forward region capture finds in ``jax.value_and_grad`` of
-  attention (a float32 loss): its result, the softmax's row max and sum
-  (which the backward reads) and the backward's ``rowsum(do * o)``."""
-  def loss(q, k, v, g):
-    spec = "bqhd,bkhd->bhqk" if layout == "bthd" else "bhqd,bhkd->bhqk"
-    s = jnp.einsum(spec, q, k) * d ** -0.5
-    if cap:
-      s = cap * jnp.tanh(s / cap)
-    if causal:
-      s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
-    p = jax.nn.softmax(s.astype(jnp.float32) if f32 else s, axis=-1).astype(q.dtype)
-    o = jnp.einsum("bhqk,bkhd->bqhd" if layout == "bthd" else "bhqk,bhkd->bhqd", p, v)
-    return jnp.sum(o.astype(jnp.float32) * g)
+  """The forward region capture finds in the attention benchmark's
+  training step (``jax.value_and_grad``, a float32 loss): its result, the
+  softmax's row max and sum (which the backward reads) and the backward's
+  ``rowsum(do * o)``."""
+  from benchmarks import attention_workloads as aw  # pylint: disable=g-import-not-at-top
+  step = aw.make_train_step(aw.make_attention(causal, d ** -0.5, layout, softcap=cap,
+                                              softmax_dtype=jnp.float32 if f32 else None))
   shape = (2, t, heads, d) if layout == "bthd" else (2, heads, t, d)
   x = jax.ShapeDtypeStruct(shape, dtype)
   g = jax.ShapeDtypeStruct(shape, jnp.float32)
-  closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, x, x, g)
+  closed = jax.make_jaxpr(step)(x, x, x, g)
   [fwd] = [f.region for f in capture.find_regions(closed) if len(f.region.contractions) == 3
            and len(f.region.outputs) == 4]
   return fwd

@@ -367,7 +367,7 @@ def _train_impls(case: harness.Case) -> list[harness.Impl]:
   """A training step's competitors: the plain function under jax.jit and
   jaxfuse.jit; the same attention with a hand-written FlashAttention-2-style
   backward (``make_flash_attention``) under both; the library calls'
-  own backward passes."""
+  own backward passes, and jaxfuse.jit of ``jax.nn.dot_product_attention``'s."""
   p = case.params
   causal, scale, layout = p["causal"], p["scale"], p["layout"]
   flash = make_train_step(make_flash_attention(causal, scale, layout))
@@ -400,6 +400,12 @@ def _train_impls(case: harness.Case) -> list[harness.Impl]:
       harness.JaxImpl("dpa-xla", dpa("xla"), prepare=to_btnh, restore=from_btnh,
                       check=_dpa_xla_check,
                       note="jax.nn.dot_product_attention(implementation='xla')"),
+      # The training step most users write: its autodiff backward reaches
+      # capture through dpa's size-1 group axis and transposes.
+      harness.JaxImpl("jaxfuse-dpa", dpa("xla"), compiler="jaxfuse", prepare=to_btnh,
+                      restore=from_btnh, check=_dpa_xla_check,
+                      note="jaxfuse.jit of jax.nn.dot_product_attention(implementation='xla'), "
+                      "its forward and autodiff backward"),
       harness.JaxImpl("pallas", make_train_step(pallas), prepare=to_btnh,
                       restore=from_btnh, needs_gpu=True,
                       check=lambda: _pallas_check(False),

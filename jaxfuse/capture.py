@@ -250,7 +250,7 @@ class _LevelAnalysis:
     with it: the same result shape and dtype, each contracting the same
     number of elements (``q @ k.T`` and ``do @ v.T`` in attention's
     backward, whose results meet in ``p * (dp - D)``)."""
-    return ("parallel", tuple(d.outvars[0].aval.shape), _dtype(d.outvars[0]),
+    return ("parallel", tuple(sorted(d.outvars[0].aval.shape)),
             contraction_size(d))
 
   def joined_groups(self, dots: list[Item], fwd: dict) -> dict[int, list[Item]]:
@@ -444,6 +444,19 @@ class _LevelAnalysis:
           stack.extend(c.outvars)
     return False
 
+  def view_of_several_dots(self, p: Item, removed: set[int]) -> bool:
+    """Is ``p`` a layout op whose result several of the region's
+    contractions read? Taken, it would be one value inside the region and
+    give its readers one set of loops, undoing the split of inputs per use:
+    ``jax.nn.dot_product_attention`` reshapes q to add a group axis, and
+    its backward's dk = ds.T @ q keeps the head dim that the recomputed
+    s = q @ k.T reduces. Left out, each reads the view (free in XLA)
+    through its own buffer."""
+    if p.prim not in LAYOUT_PRIMS:
+      return False
+    return sum(1 for o in p.outvars for c in self.lvl.consumers.get(o, ())
+               if c.idx in removed and is_contraction(c)) > 1
+
   def narrows(self, p: Item) -> bool:
     """Does ``p`` read more bytes than it writes (a float32 -> float16 cast)?"""
     def nbytes(a) -> int:
@@ -551,7 +564,8 @@ class _LevelAnalysis:
         if p is None or p.idx in members:
           continue
         if (prologue and len(members) - len(removed) < _MAX_PROLOGUE
-            and self.prologue_ok(p, dep, members)):
+            and self.prologue_ok(p, dep, members)
+            and not (split_inputs and self.view_of_several_dots(p, removed))):
           members.add(p.idx)
           if p.prim not in WINDOW_PRIMS:   # a window's operand stays an input
             stack.append(p)

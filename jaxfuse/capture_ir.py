@@ -120,6 +120,10 @@ _PRESET_PRECISION = {
     "BF16_BF16_BF16": "default", "BF16_BF16_F32": "default",
 }
 _LEVELS = {"DEFAULT": 0, "HIGH": 1, "HIGHEST": 2}
+# Algorithms that multiply 16-bit operands: the dtype each operand is
+# rounded to first.
+_OPERAND_ROUNDING = {"F16_F16_F16": "float16", "F16_F16_F32": "float16",
+                     "BF16_BF16_BF16": "bfloat16", "BF16_BF16_F32": "bfloat16"}
 
 
 def dot_precision(precision: Any, operand_dtypes: Sequence[str]) -> str:
@@ -252,6 +256,18 @@ def unify_axis(xs: list[Dim], ys: list[Dim], size: int) -> None:
   unify_seq(xs, ys)
 
 
+def _unit_cuts(shape: Sequence[int]) -> dict[int, list[int]]:
+  """The size-1 axes of ``shape`` by where they cut its row-major index:
+  the product of the extents before them."""
+  cuts: dict[int, list[int]] = {}
+  before = 1
+  for i, s in enumerate(shape):
+    if s == 1:
+      cuts.setdefault(before, []).append(i)
+    before *= s
+  return cuts
+
+
 def _fresh(size: int) -> list[Dim]:
   return [Dim(size)] if size > 1 else []
 
@@ -378,7 +394,12 @@ class _Builder:
       unify_axis(la[i], ra[j], lhs.aval.shape[i])
     lf = [i for i in range(len(la)) if i not in lc and i not in lb]
     rf = [j for j in range(len(ra)) if j not in rc and j not in rb]
-    self.axes[it.outvars[0]] = [la[i] for i in lb] + [la[i] for i in lf] + [ra[j] for j in rf]
+    # A size-1 batch axis may carry a dim on one side only (a layout op's
+    # unit axis carries none): the result keeps the one there is, as the
+    # operand's other readers index it (jax.nn.dot_product_attention's
+    # size-1 group axis).
+    batch = [la[i] or ra[j] for i, j in zip(lb, rb)]
+    self.axes[it.outvars[0]] = batch + [la[i] for i in lf] + [ra[j] for j in rf]
 
   def u_reduce(self, it: Item) -> None:
     axes = tuple(it.params["axes"])
@@ -409,8 +430,21 @@ class _Builder:
     if it.params.get("dimensions") is not None or len(it.invars) != 1:
       raise Reject("reshape with dimensions")
     src = self.ax(it.invars[0])
-    res = [_fresh(s) for s in it.outvars[0].aval.shape]
+    shape = it.outvars[0].aval.shape
+    res = [_fresh(s) for s in shape]
     unify_seq([d for ax in src for d in ax], [d for ax in res for d in ax])
+    # Size-1 axes at the same cut of the row-major index, as many on each
+    # side, are the same axis: [1, T, H, D] -> [1, T, H, 1, D] keeps the
+    # batch axis (jax.nn.dot_product_attention adds a group axis), where
+    # a fresh one would part its loop from the batch loop of the arrays
+    # it meets.
+    cuts_in = _unit_cuts(it.invars[0].aval.shape)
+    cuts_out = _unit_cuts(shape)
+    for cut, outs in cuts_out.items():
+      ins = cuts_in.get(cut, [])
+      if len(ins) == len(outs):
+        for i, o in zip(ins, outs):
+          res[o] = src[i]
     self.axes[it.outvars[0]] = res
 
   def u_transpose(self, it: Item) -> None:
@@ -781,7 +815,22 @@ class _Builder:
     r = self.fit(self.val[rhs], self.loops_of(rhs))
     if isinstance(l, ir.Literal) or isinstance(r, ir.Literal):
       raise Reject("contraction of a literal")
-    red = [x.name for i in lc for d in self.axes[lhs][i] for x in leaves(d)]
+    operand_dtypes = [_dtype_name(a.aval.dtype) for a in (lhs, rhs)]
+    rounded = _OPERAND_ROUNDING.get(getattr(it.params.get("precision"), "name", None))
+    if rounded is not None:
+      # The algorithm multiplies 16-bit operands: a wider one is rounded
+      # first, as XLA does. (Autodiff's transpose of a float16 product with a
+      # float32 result, jax.nn.dot_product_attention's scores, multiplies the
+      # float32 ds by float16 q and k: as TF32 on float32 tiles, its dq and
+      # dk kernels ran slower than XLA's.)
+      l, r = (self.ew("convert", [x], rounded, self.values[x].loops)
+              if self.values[x].dtype != rounded else x for x in (l, r))
+      operand_dtypes = [rounded, rounded]
+    # Both sides' contracted leaves: a size-1 axis may carry a dim on one
+    # side only (u_dot_general).
+    red = list(dict.fromkeys(
+        [x.name for i in lc for d in self.axes[lhs][i] for x in leaves(d)]
+        + [x.name for j in rc for d in self.axes[rhs][j] for x in leaves(d)]))
     if l in self.input_names and r not in self.input_names:
       # The operands commute. The code generator feeds tl.dot's left operand
       # from registers and its right one from shared memory (wgmma's B), so a
@@ -797,8 +846,7 @@ class _Builder:
     keep = union_loops - set(red)
     if not keep <= set(loops):
       raise Reject("contraction output loops do not match its view")
-    precision = dot_precision(it.params.get("precision"),
-                              [_dtype_name(a.aval.dtype) for a in (lhs, rhs)])
+    precision = dot_precision(it.params.get("precision"), operand_dtypes)
     name = self.fresh("c", [x for x in loops if x in keep], dt)
     self.ops.append(ir.Contraction(name, l, r, tuple(red), precision))
     self.val[o] = name

@@ -241,13 +241,14 @@ def test_attention_cpu_script(tmp_path):
 @pytest.mark.parametrize("layout", ["bhtd", "bthd"])
 def test_attention_train_step_cpu_script(tmp_path, layout):
   """--step=train: the loss and q, k, v gradients, checked against float32
-  for every implementation, the FlashAttention-2-style backward included."""
+  for every implementation, the FlashAttention-2-style backward and
+  jaxfuse.jit of jax.nn.dot_product_attention's step included."""
   prefix = tmp_path / "tr"
   out = _run(["benchmarks/attention.py", "--step=train", "--shapes=1x2x32x32x16c",
               f"--layout={layout}", "--reps=1", "--dtype=float32", f"--out={prefix}"],
              tmp_path)
   data = _check_outputs(prefix, out, must_run=("jaxfuse", "xla", "jaxfuse-flash",
-                                               "xla-flash", "dpa-xla"))
+                                               "xla-flash", "dpa-xla", "jaxfuse-dpa"))
   row = data["rows"][0]
   assert row["case"] == "B1-H2-M32-N32-D16-causal-train"
   assert row["params"]["step"] == "train" and row["params"]["causal"] is True

@@ -697,6 +697,35 @@ def test_float32_dot_precision_is_recorded(precision, want):
   assert _precisions(f, a, b, d) == [want, want]
 
 
+def test_16_bit_dot_algorithms_round_a_float32_operand_first():
+  """A dot whose algorithm multiplies float16 rounds a float32 operand to
+  float16 first, as XLA does (autodiff's transpose of attention's float16
+  scores with a float32 result multiplies the float32 ds by float16 q and
+  k): the region's contraction is float16 by float16."""
+  a, b = rand(2, 40, 24), rand(2, 24, 20, dtype=jnp.float16)
+  d = rand(2, 20, 16, dtype=jnp.float16)
+  alg = jax.lax.DotAlgorithmPreset.F16_F16_F32
+
+  def f(a, b, d):
+    x = jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), precision=alg,
+                            preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(jnp.tanh(x), d, (((2,), (1,)), ((0,), (0,))), precision=alg,
+                               preferred_element_type=jnp.float32)
+  r = one_region(f, a, b, d).region
+  for c in r.contractions:
+    assert (r.value(c.lhs).dtype, r.value(c.rhs).dtype, c.precision) == (
+        "float16", "float16", "default")
+  # Evaluated rounding each value to its dtype: as the operands rounded to
+  # float16 and multiplied exactly, not as the float32 ones.
+  [got] = ir.evaluate(r, [np.asarray(a), np.asarray(b), np.asarray(d)], precision="native")
+  f64 = lambda x, dt=np.float64: np.asarray(x).astype(dt).astype(np.float64)
+  x = np.tanh(f64(a, np.float16) @ f64(b)).astype(np.float32)
+  want = f64(x, np.float16) @ f64(d)
+  unrounded = f64(np.tanh(f64(a) @ f64(b))) @ f64(d)
+  err = lambda y: np.linalg.norm(got - y) / np.linalg.norm(y)
+  assert err(want) < 1e-6 < 1e-4 < err(unrounded)
+
+
 def test_default_matmul_precision_config_reaches_the_region():
   a, b, d = rand(2, 40, 24), rand(2, 24, 20), rand(2, 20, 16)
   with jax.default_matmul_precision("float32"):
@@ -973,6 +1002,25 @@ def test_sliding_window_mask_of_ranges_is_computed_in_the_region():
   [cap] = capture.find_regions(jp)
   assert len(cap.region.inputs) == 3
   assert sum(isinstance(op, ir.Iota) for op in cap.region.ops) == 2
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_size_1_axis_a_reshape_keeps_is_one_loop(causal):
+  """``jax.nn.dot_product_attention`` reshapes q to [B, T, H, 1, D] (a
+  group axis): at batch 1 the batch axis keeps its loop through the reshape
+  (a size-1 axis at the same cut of the index), so the region is the one of
+  batch 2 with b = 1. (It had lost the batch loop on q's side and kept it on
+  k's: a loop of one operand only, which the backward's products could not
+  place.)"""
+  def loops(b):
+    sd = jax.ShapeDtypeStruct((b, 64, 2, 16), np.float16)
+    [cap] = capture.find_regions(jax.make_jaxpr(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal))(sd, sd, sd))
+    r = cap.region
+    return (r.einsum_summary(), [l.name for l in r.loops],
+            sum(isinstance(op, ir.Reduction) for op in r.ops))
+  one, two = loops(1), loops(2)
+  assert one == two and one[0] == "bmgk,bngk->bgmn ; bgmn,bngh->bghm" and one[2] == 2
 
 
 def test_one_arange_read_as_rows_and_columns_is_two_loops():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -269,7 +270,9 @@ def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
   """jax.nn.dot_product_attention's backward sums rowsum(dp * e / l^2),
   its dp = do @ v.T moved by a transpose (its size-1 group axis): that sum
   too is computed from the forward's o, so the forward region writes D
-  (and runs as the Gluon form on Hopper); the step computes the same."""
+  (and runs as the Gluon form on Hopper). dq, dk and dv are regions too,
+  none of which reads a [T, T] array (the broadcast of D stays in the
+  kernel); the step computes the same."""
   fn = _dpa_train_step(causal)
   args = _args(5)
   # The float16 step as capture sees it (its dots' float16 algorithm does
@@ -280,9 +283,18 @@ def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
     new = capture_recompute.reassociate(lvl)
     changed = [lvl.items[it.idx] for it, old in zip(new.items, lvl.items) if it is not old]
     assert [it.prim for it in changed] == ["reduce_sum"]
-  regions = capture.find_regions(jax.make_jaxpr(fn)(*args))
-  fwd = [r.region for r in regions if len(r.region.contractions) == 3]
-  assert len(fwd) == 1 and len(fwd[0].outputs) == 4
+  regions = [r.region for r in capture.find_regions(jax.make_jaxpr(fn)(*args))]
+  assert sorted((len(r.contractions), len(r.outputs)) for r in regions) == [
+      (2, 1), (3, 1), (3, 1), (3, 4)]   # dv; dq and dk; the forward
+  scores = T * T * B * H
+  assert all(math.prod(b.shape) < scores for r in regions for b in r.inputs)
+  # dq and dk multiply ds rounded to float16, as the dots' float16
+  # algorithm does (ds is float32).
+  for r in regions:
+    if len(r.outputs) > 1:
+      continue   # the forward: its last product is the row dot D, in float32
+    last = r.contractions[-1]
+    assert {r.value(last.lhs).dtype, r.value(last.rhs).dtype} == {"float16"}
   # Values, in float32: the rewritten program, and jaxfuse.jit's step.
   args = [x.astype(jnp.float32) for x in args]
   closed = live_code(jax.make_jaxpr(fn)(*args))

@@ -1277,12 +1277,13 @@ def test_self_check_accepts_a_kernel_closer_to_exact_than_its_reference():
   from jaxfuse.planner import plan_region  # pylint: disable=g-import-not-at-top
   S = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
 
+  # (The fuzzed program repeated one key/value head; the region now reads
+  # that head in place, whose other inputs' draws no longer show the case.)
   def fn(q, k, v, bias):
-    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1).astype(v.dtype), v)
-  [cap] = capture.find_regions(jax.make_jaxpr(fn)(S(1, 1, 2, 16), S(1, 200, 1, 16),
-                                                 S(1, 200, 1, 16), S(1, 200)))
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(S(1, 1, 2, 16), S(1, 200, 2, 16),
+                                                 S(1, 200, 2, 16), S(1, 200)))
   r = cap.region
   k = generate(r, plan_region(r, "h100", use_cache=False).best, interpret=True)
   xs = launch.shared_inputs(r, launch.MEASURE_SEED)

@@ -247,9 +247,12 @@ class _LevelAnalysis:
   @staticmethod
   def parallel_key(d: Item) -> tuple:
     """Key under which ``d`` may be joined with a dot that shares no operand
-    with it: the same result shape and dtype, each contracting the same
-    number of elements (``q @ k.T`` and ``do @ v.T`` in attention's
-    backward, whose results meet in ``p * (dp - D)``)."""
+    with it: the same result extents in any axis order, each contracting
+    the same number of elements (``q @ k.T`` and ``do @ v.T`` in
+    attention's backward, whose results meet in ``p * (dp - D)``; in
+    ``jax.nn.dot_product_attention``'s they come out [B, H, T, 1, T] in
+    float32 and [B, H, 1, T, T] in float16, and the join is on their
+    transposes). Whether they meet is ``joined_groups``'s test."""
     return ("parallel", tuple(sorted(d.outvars[0].aval.shape)),
             contraction_size(d))
 

@@ -35,6 +35,7 @@ import heapq
 import math
 from typing import Any, Callable, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -940,6 +941,18 @@ class _LevelAnalysis:
       i += 1
     return found
 
+  def memory_of(self, a):
+    """The array whose memory ``a`` is: ``a`` seen through the reshapes and
+    unit-axis squeezes and broadcasts that made it (row-major relabellings,
+    free in XLA). ``jax.nn.dot_product_attention``'s backward reads q in dv
+    as is and in dk through its 5-D view: one array to ``ir_merge``."""
+    while isinstance(a, FVar):
+      p = self.lvl.producer.get(a)
+      if p is None or not _relabels(p):
+        break
+      a = p.invars[0]
+    return a
+
   def merged(self, f1: _Found, f2: _Found) -> _Found | None:
     """``f1`` and ``f2`` as one region, or None (``merge_regions``)."""
     if not {id(a) for a in f1.input_src} & {id(a) for a in f2.input_src}:
@@ -954,7 +967,8 @@ class _LevelAnalysis:
       # 1245 us with dv's ops first against 936 us with dk's (H100,
       # seventy-ninth session).
       f1, f2 = f2, f1
-    keys = lambda f: [(id(a), b.offset) for a, b in zip(f.input_src, f.region.inputs)]
+    keys = lambda f: [(id(self.memory_of(a)), b.offset)
+                      for a, b in zip(f.input_src, f.region.inputs)]
     try:
       m = ir_merge.merge(f1.region, f2.region, keys(f1), keys(f2))
     except ir.IRError as e:
@@ -986,6 +1000,32 @@ class _LevelAnalysis:
                   f1.removed | f2.removed, inputs, input_src, f1.outputs + f2.outputs,
                   m.region, {**f1.sub_items, **f2.sub_items},
                   {**f1.group_invars, **f2.group_invars}, aliases=aliases)
+
+
+def _relabels(it: Item) -> bool:
+  """Whether ``it`` gives its operand's row-major memory another shape
+  (the same elements in the same order)."""
+  if len(it.invars) != 1 or is_lit(it.invars[0]) or len(it.outvars) != 1:
+    return False
+  src, out = it.invars[0].aval, it.outvars[0].aval
+  if src.dtype != out.dtype or math.prod(src.shape) != math.prod(out.shape):
+    return False
+  if it.prim == "reshape":
+    return it.params.get("dimensions") is None
+  if it.prim == "squeeze":
+    return True
+  if it.prim == "broadcast_in_dim":   # adds size-1 axes, in order
+    bd = tuple(it.params["broadcast_dimensions"])
+    return list(bd) == sorted(bd) and len(it.invars) == 1
+  return False
+
+
+def _alias(value, var):
+  """``value`` (the input an alias stands for) in ``var``'s shape: a merged
+  region's inputs may view one array through different shapes
+  (``memory_of``)."""
+  shape = tuple(var.aval.shape)
+  return value if tuple(np.shape(value)) == shape else jax.lax.reshape(value, shape)
 
 
 def _same_as(input_src: Sequence) -> tuple[int, ...]:
@@ -1356,7 +1396,7 @@ class _Emitter:
     res = self.bind_region(f.captured, *invals)
     if res is None:
       renv = dict(zip(f.inputs, invals))
-      renv.update((a, renv[b]) for a, b in f.aliases.items())
+      renv.update((a, _alias(renv[b], a)) for a, b in f.aliases.items())
       self.emit_seq(f.items, renv, None, original=True, found=f)
       res = [renv[o] for o in f.outputs]
     else:
@@ -1443,7 +1483,7 @@ def _region_jaxpr(lvl: Level, f: _Found) -> ClosedJaxpr:
 
   def fn(*args):
     env = dict(zip(f.inputs, args))
-    env.update((a, env[b]) for a, b in f.aliases.items())
+    env.update((a, _alias(env[b], a)) for a, b in f.aliases.items())
     em.emit_seq(f.items, env, None, original=True, found=f)
     return [env[o] for o in f.outputs]
 

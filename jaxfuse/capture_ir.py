@@ -888,7 +888,7 @@ def build_region(items: Sequence[Item], inputs: Sequence[FVar], outputs: Sequenc
   """
   b = _Builder(items, inputs, outputs, chain, name)
   b.unify()
-  region = b.emit()
+  region = ir.drop_unit_loops(b.emit())
   if len(region.contractions) < len(chain):
     raise Reject(f"fewer than {len(chain)} contractions")
   _check_reduced_loops_stay_reduced(region)

@@ -42,7 +42,7 @@ __all__ = [
     "Loop", "Value", "Buffer", "Literal", "Contraction", "PRECISIONS", "Elementwise",
     "Reduction", "Iota", "Op", "Region", "ELEMENTWISE_FNS", "IRError",
     "evaluate", "simplify", "xla_epilogue_split", "xla_joins", "xla_merged_dots",
-    "xla_gemm_copies", "written_intermediates", "coalesce_loops",
+    "xla_gemm_copies", "written_intermediates", "coalesce_loops", "drop_unit_loops",
     "vector_dot_dims", "xla_vector_dot", "contraction_loops",
     "contiguous_strides", "dtype_itemsize", "with_shared_arrays",
     "WINDOW_ALIGN",
@@ -1184,6 +1184,61 @@ def _merge_loops(region: Region, outer: str, inner: str) -> Region:
               if isinstance(op, Contraction) else op for op in region.ops)
   return Region(loops, values, tuple(buf(b) for b in region.inputs),
                 tuple(buf(b) for b in region.outputs), ops, name=region.name)
+
+
+def _unit_loop_needed(region: Region, loop: str) -> bool:
+  """Whether size-1 ``loop`` carries a role its region cannot lose (see
+  ``drop_unit_loops``)."""
+  if loop == region.part_loop:
+    return True
+  vm = region.value_map
+  if any(vm[v].loops == (loop,) for v in vm):
+    return True   # the value would have no loop left
+  for op in region.ops:
+    if isinstance(op, (Reduction, Iota)) and op.loop == loop:
+      return True
+    if isinstance(op, Contraction):
+      a, b, o = (set(vm[x].loops) for x in (op.lhs, op.rhs, op.out))
+      for role in ((a & o) - b, (b & o) - a, set(op.reduce)):
+        if role == {loop}:
+          return True   # the only row, column or reduced loop of a dot
+  return False
+
+
+def drop_unit_loops(region: Region) -> Region:
+  """``region`` without the size-1 loops it does not need. A size-1 loop
+  indexes 0 only, so dropping one changes no value; but where it comes from
+  depends on how the program spelled its views: ``jax.nn.dot_product_attention``
+  gives q a size-1 group axis, so its backward's dk recomputes
+  ``s = q @ k.T`` with a loop that dv's recomputation lacks, and the two
+  (which ``ir_merge`` joins by their loops) stay two kernels. Kept: a
+  contraction's only row, column or reduced loop (a one-row GEMM is still
+  a GEMM to the code generator), a reduction's or iota's loop, the part
+  loop, and a value's only loop.
+
+  Example::
+
+      drop_unit_loops(r)   # c0[b,g,n,p,m] (p = 1) -> c0[b,g,n,m]
+  """
+  for l in region.loops:
+    if l.extent == 1 and not _unit_loop_needed(region, l.name):
+      region = _without_loop(region, l.name)
+  return region
+
+
+def _without_loop(region: Region, loop: str) -> Region:
+  def keep(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(l for l in names if l != loop)
+
+  def buf(b: Buffer) -> Buffer:
+    return dataclasses.replace(b, strides=tuple((l, s) for l, s in b.strides if l != loop))
+
+  values = tuple(Value(v.name, keep(v.loops), v.dtype) for v in region.values)
+  ops = tuple(dataclasses.replace(op, reduce=keep(op.reduce))
+              if isinstance(op, Contraction) else op for op in region.ops)
+  return Region(tuple(l for l in region.loops if l.name != loop), values,
+                tuple(buf(b) for b in region.inputs), tuple(buf(b) for b in region.outputs),
+                ops, name=region.name)
 
 
 def _drop_identities(region: Region) -> Region:

@@ -4,7 +4,8 @@
 both, with every op of ``b`` that computes what an op of ``a`` computes (the
 same function of the same values over corresponding loops) taken once: a
 common-subexpression merge. Input buffers are the same array where the
-caller's keys say so (capture: the same jaxpr variable at the same window).
+caller's keys say so (capture: the same memory at the same window, which
+two buffers may view through different shapes of one size).
 
 Why: after capture's recomputation (``capture_recompute``) an attention
 training step's dk and dv products each recompute ``p = softmax(q k^T)``
@@ -108,8 +109,11 @@ class _Matcher:
     ia, ba = self.a_in[va]
     if self.b_keys[ib] is None or self.b_keys[ib] != self.a_keys[ia]:
       return False
-    if (bb.shape, bb.offset, bb.window, bool(bb.part_loop)) != (
-        ba.shape, ba.offset, ba.window, bool(ba.part_loop)):
+    # One key is one memory: the buffers may give it different row-major
+    # shapes of one size (a view); part buffers are arrays per part.
+    shape = lambda buf: buf.shape if buf.part_loop else buf.size
+    if (shape(bb), bb.offset, bb.window, bool(bb.part_loop)) != (
+        shape(ba), ba.offset, ba.window, bool(ba.part_loop)):
       return False
     if not self._bind_value(lmap, inv, vb, va):
       return False

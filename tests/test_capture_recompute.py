@@ -16,6 +16,7 @@ from jaxfuse.capture_flat import flatten, live_code
 from jaxfuse.capture_ir import contraction_size
 from jaxfuse.codegen import streaming
 from jaxfuse.config import config
+from test_capture import check_region_matches_jaxpr
 
 B, H, T, D = 1, 2, 64, 32
 
@@ -270,7 +271,7 @@ def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
   """jax.nn.dot_product_attention's backward sums rowsum(dp * e / l^2),
   its dp = do @ v.T moved by a transpose (its size-1 group axis): that sum
   too is computed from the forward's o, so the forward region writes D
-  (and runs as the Gluon form on Hopper). dq, dk and dv are regions too,
+  (and runs as the Gluon form on Hopper). dq and dk+dv are regions too,
   none of which reads a [T, T] array (the broadcast of D stays in the
   kernel); the step computes the same."""
   fn = _dpa_train_step(causal)
@@ -284,17 +285,24 @@ def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
     changed = [lvl.items[it.idx] for it, old in zip(new.items, lvl.items) if it is not old]
     assert [it.prim for it in changed] == ["reduce_sum"]
   regions = [r.region for r in capture.find_regions(jax.make_jaxpr(fn)(*args))]
+  # dq; the forward; dk and dv as one region (dk reads q through dpa's
+  # 5-D view, dv reads q itself: one memory, and its size-1 group axis is
+  # no loop of either).
   assert sorted((len(r.contractions), len(r.outputs)) for r in regions) == [
-      (2, 1), (3, 1), (3, 1), (3, 4)]   # dv; dq and dk; the forward
+      (3, 1), (3, 4), (4, 2)]
   scores = T * T * B * H
   assert all(math.prod(b.shape) < scores for r in regions for b in r.inputs)
+  if causal:
+    # Every kernel skips the tiles the mask hides: dv's p is zero there by
+    # dpa's finite fill, since every query keeps a key.
+    assert all(streaming.masked_tile_relations(ir.simplify(r)) for r in regions)
   # dq and dk multiply ds rounded to float16, as the dots' float16
   # algorithm does (ds is float32).
   for r in regions:
-    if len(r.outputs) > 1:
+    if len(r.outputs) == 4:
       continue   # the forward: its last product is the row dot D, in float32
-    last = r.contractions[-1]
-    assert {r.value(last.lhs).dtype, r.value(last.rhs).dtype} == {"float16"}
+    for c in r.contractions:
+      assert {r.value(c.lhs).dtype, r.value(c.rhs).dtype} == {"float16"}
   # Values, in float32: the rewritten program, and jaxfuse.jit's step.
   args = [x.astype(jnp.float32) for x in args]
   closed = live_code(jax.make_jaxpr(fn)(*args))
@@ -302,6 +310,25 @@ def test_a_row_sum_reached_through_a_transpose_is_reassociated(causal):
   want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+  ref = jax.jit(fn)(*args)
+  with config.override(backend="interpret"):
+    got = jaxfuse.jit(fn)(*args)
+  _assert_close(got, ref)
+
+
+def test_a_merged_region_reads_one_array_through_two_shapes(monkeypatch):
+  """dpa's dk reads q through its 5-D view, dv reads q itself: merged, the
+  region reads one of them for both, and its original ops (what a failed
+  plan runs) give dv's ops that input in q's own shape. In float32 the
+  model keeps these two apart at these shapes, so the merge is forced."""
+  monkeypatch.setattr(capture, "_merge_pays", lambda *a: True)
+  fn = _dpa_train_step(False)
+  args = [x.astype(jnp.float32) for x in _args(6)]
+  caps = capture.find_regions(jax.make_jaxpr(fn)(*args))
+  merged = [c for c in caps if len(c.region.outputs) < 4 and len(c.region.contractions) > 3]
+  assert merged
+  for c in caps:
+    check_region_matches_jaxpr(c, rtol=1e-4, atol=1e-4)
   ref = jax.jit(fn)(*args)
   with config.override(backend="interpret"):
     got = jaxfuse.jit(fn)(*args)

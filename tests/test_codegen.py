@@ -509,11 +509,13 @@ def test_straight_line_chained_dot_is_refused():
     assert pruning.dot_hazard(r, best.tile_map) is None, best
 
 
-def test_planner_pick_with_a_batch_of_one_uses_tl_dot():
+def test_planner_pick_with_a_batch_of_one_uses_tl_dot(monkeypatch):
   """BERT's FFN chain at batch 1: the activations carry a loop of extent 1
   that the weights do not. Its tile is 1 (a scalar index); it was 16, which
   ran 16x the work and turned both contractions into broadcast-and-sum code
-  that Triton refused to compile (a 2M-element product tensor)."""
+  that Triton refused to compile (a 2M-element product tensor). Capture now
+  drops that loop (ir.drop_unit_loops); the planner still takes a region
+  that has one."""
   import jax
   import jax.numpy as jnp
   from jaxfuse import capture
@@ -523,8 +525,11 @@ def test_planner_pick_with_a_batch_of_one_uses_tl_dot():
   x = jnp.zeros((64, 1, 32), jnp.float16)
   w1 = jnp.zeros((32, 64), jnp.float16)
   w2 = jnp.zeros((64, 32), jnp.float16)
-  [cap] = capture.find_regions(jax.make_jaxpr(
-      lambda x, a, b: jnp.tanh(x.transpose(1, 0, 2) @ a) @ b)(x, w1, w2))
+  fn = lambda x, a, b: jnp.tanh(x.transpose(1, 0, 2) @ a) @ b
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(x, w1, w2))
+  assert all(l.extent > 1 for l in cap.region.loops)
+  monkeypatch.setattr(ir, "drop_unit_loops", lambda r: r)
+  [cap] = capture.find_regions(jax.make_jaxpr(fn)(x, w1, w2))
   r = cap.region
   one = [l.name for l in r.loops if l.extent == 1]
   assert one and not set(one) & set(tiling.batch_loops(r))
@@ -624,6 +629,37 @@ _IDIOMS = {
     "where(~(i < j), s, min)": lambda s, jnp: jnp.where(
         ~(jnp.arange(_T)[:, None] < jnp.arange(_T)[None, :]), s, jnp.finfo(jnp.float32).min),
 }
+
+
+@pytest.mark.parametrize("cmp", ["ge", "gt"])
+def test_a_backward_under_a_finite_fill_skips_tiles_where_every_row_keeps_one(cmp):
+  """``jax.nn.dot_product_attention``'s backward recomputes ``p =
+  exp(where(keep, s, fill) - m) / l`` with ``fill`` -0.7 x float32's max,
+  and dv = p^T do streams the queries. exp(fill - m) is 0 where the
+  forward's row max m is a kept score: every query keeps a key ('ge'), and
+  the kernel starts each key tile's query loop at the diagonal. Under 'gt'
+  query 0 keeps none (its m is the fill, its p weighs every key): every
+  tile runs. Both match the IR in Triton's interpreter."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.codegen import streaming  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planner.plan import parse_plan  # pylint: disable=g-import-not-at-top
+
+  def dv(q, k, do, m, l):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) * 0.25
+    i = jnp.arange(_T)
+    keep = i[:, None] >= i[None, :] if cmp == "ge" else i[:, None] > i[None, :]
+    s = jnp.where(keep, s, -0.7 * jnp.finfo(jnp.float32).max)
+    p = jnp.exp(s - m[..., None]) / l[..., None]
+    return jnp.einsum("bqk,bqd->bkd", p, do)
+
+  r = _captured(dv, (2, _T, 16), (2, _T, 16), (2, _T, 16), (2, _T), (2, _T))
+  want = {"n": streaming.Band("m", lower=0)} if cmp == "ge" else {}
+  assert streaming.masked_tile_relations(r) == want
+  text = ("grid(b,m) (Lx1,n(Lx0,Cc0,Ct0,Ci0,Ci1,Ct1,Ct2,Lx2,Ct3,Ct4,Lx3,Ct5,Lx4,Cc1),Sc1)  "
+          "tiles(b=1, m=16, n=16, k=16, h=16)  warps=4 stages=2")
+  k = run_and_check(r, parse_plan(text, [l.name for l in r.loops]))
+  first = next(l for l in k.source.splitlines() if "for start_n in range(" in l)
+  assert first.strip().startswith("for start_n in range(0,") == (cmp == "gt"), first
 
 
 @pytest.mark.parametrize("idiom", sorted(_IDIOMS))

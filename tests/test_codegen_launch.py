@@ -1674,7 +1674,7 @@ def test_dot_of_two_loaded_operands_yields_its_result_in_the_order_read():
 
 def test_wide_transposed_dot_operands_are_loaded_in_the_dots_order():
   """A training step's stacked q/k/v weight gradients (``g[p]^T x`` over 512
-  tokens, BERT-Base's ``pklm,kln->pmn``): the model's pick holds the whole
+  tokens, BERT-Base's ``plm,ln->pmn`` at batch 1): the model's pick holds the whole
   512-token reduction in one tile at 64 x 128 outputs. Printed with x's
   [n, l] tile (region order) fed to ``tl.dot(g, tl.trans(x))``, Triton 3.6
   miscompiled it on the H100 (relative error 1.0; the self-check dropped the
@@ -1693,8 +1693,9 @@ def test_wide_transposed_dot_operands_are_loaded_in_the_dots_order():
   g = jax.ShapeDtypeStruct((1, 512, 64), np.float16)
   [cap] = capture.find_regions(jax.make_jaxpr(weight_grads)(x, g, g))
   r = ir.simplify(cap.region)
-  assert r.einsum_summary() == "pklm,kln->pmn" and r.part_loop == "p"
-  picked = "grid(p,m,n) (Lx0,Lx1,Cc0,Sc0)  tiles(p=1, m=64, n=128, k=1, l=512)  warps=4 stages=3"
+  # (The batch of one is no loop: ir.drop_unit_loops.)
+  assert r.einsum_summary() == "plm,ln->pmn" and r.part_loop == "p"
+  picked = "grid(p,m,n) (Lx0,Lx1,Cc0,Sc0)  tiles(p=1, m=64, n=128, l=512)  warps=4 stages=3"
   # The left operand transposed: l before m in the region's order, 128 rows.
   ext = dict(l=512, m=128, n=64)
   left = ir.Region(tuple(ir.Loop(l, e) for l, e in ext.items()),

@@ -326,3 +326,38 @@ def test_lookups_are_built_once_and_handed_out_as_copies():
                               + r.inputs[1:],
                               outputs=(Buffer("E", (2, 6, 4), (("b", 24), ("m", 4), ("h", 1))),))
   assert wider.extent("m") == 6 and r.extent("m") == 5 and wider.signature() != sig
+
+
+@pytest.mark.parametrize("sizes, kept", [
+    (dict(B=1), ()),                  # a batch of one: no loop
+    (dict(B=1, M=1), ("m",)),         # a one-row GEMM chain keeps its row loop
+    (dict(B=1, H=1), ("h",)),         # ... and a one-column one its column loop
+    (dict(B=1, K=1), ("k",)),         # a dot's only reduced loop
+    (dict(B=2, M=1, N=1), ("m", "n")),
+])
+def test_drop_unit_loops_keeps_the_loops_a_dot_needs(sizes, kept):
+  """``drop_unit_loops`` removes a size-1 loop unless it is a dot's only
+  row, column or reduced loop; the region computes the same."""
+  r = _chain(**sizes)
+  d = ir.drop_unit_loops(r)
+  d.validate()
+  assert {l.name for l in d.loops if l.extent == 1} == set(kept)
+  assert {l.name for l in r.loops} - {l.name for l in d.loops} == {
+      l.name for l in r.loops if l.extent == 1} - set(kept)
+  rng = np.random.default_rng(3)
+  xs = [rng.normal(size=b.shape) for b in r.inputs]
+  np.testing.assert_allclose(ir.evaluate(d, xs)[0], ir.evaluate(r, xs)[0], rtol=1e-12)
+  assert ir.drop_unit_loops(d) == d
+
+
+def test_drop_unit_loops_keeps_a_reduction_loop_and_a_lone_loop():
+  """A row max over a size-1 loop and a value indexed by that loop alone
+  keep it: the reduction needs a loop to run along, a value needs one."""
+  loops = (Loop("m", 8), Loop("n", 1), Loop("k", 4))
+  vals = (Value("A", ("m", "k"), "float32"), Value("B", ("k", "n"), "float32"),
+          Value("C", ("m", "n"), "float32"), Value("R", ("m",), "float32"))
+  r = Region(loops, vals, (Buffer("A", (8, 4), (("m", 4), ("k", 1))),
+                           Buffer("B", (4, 1), (("k", 1), ("n", 1)))),
+             (Buffer("R", (8,), (("m", 1),)),),
+             (Contraction("C", "A", "B", ("k",)), Reduction("R", "max", "C", "n")))
+  assert ir.drop_unit_loops(r) == r

@@ -83,6 +83,20 @@ def test_different_arrays_or_functions_share_nothing():
     np.testing.assert_allclose(got[1], ir.evaluate(b, xb)[0], rtol=1e-6)
 
 
+def test_one_array_through_two_shapes_is_read_once():
+  """Equal keys are one memory: b may view A through another shape of the
+  same size (a reshape outside the region, such as dpa's 5-D view of q);
+  a shape of another size is another array."""
+  a, b, ak, bk = _two_heads()
+  p = b.inputs[0]
+  for shape, shared in (((32, 16), 1), ((32, 32), 0)):
+    view = dataclasses.replace(p, shape=shape)
+    b2 = dataclasses.replace(b, inputs=(view,) + b.inputs[1:])
+    m = ir_merge.merge(a, b2, ak, bk)
+    assert m.shared_contractions == shared
+    assert (m.b_inputs[0] == 0) == bool(shared)
+
+
 def test_bad_keys_are_refused():
   a, b, ak, _ = _two_heads()
   with pytest.raises(ValueError, match="keys"):

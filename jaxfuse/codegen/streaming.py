@@ -658,15 +658,22 @@ def masked_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
   return res
 
 
-def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
-  """The keep predicate outside which value ``v`` is zero: ``exp`` of a
-  score masked to -inf (less a finite shift: ``exp(s - m)`` with the
-  forward's row max), a select of 0 where a keep predicate fails, and their
-  products, quotients, casts and negations; None where that cannot be read. (A recomputing attention backward's
-  probabilities, ``exp(where(keep, s, -inf) - m) / l``, and its ``ds =
-  p * (dp - D)``.) Other factors and divisors are taken as finite and
-  nonzero, as the forward's skipped tiles take the values they would
-  multiply by exp(-inf) = 0."""
+def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[tuple[Keep, bool]]:
+  """``(keep, finite)``: the keep predicate outside which value ``v`` is
+  zero, and whether that rests on a finite fill. ``exp`` of a score masked
+  to -inf (less a finite shift: ``exp(s - m)`` with the forward's row max),
+  a select of 0 where a keep predicate fails, and their products,
+  quotients, casts and negations; None where that cannot be read. (A
+  recomputing attention backward's probabilities, ``exp(where(keep, s,
+  -inf) - m) / l``, and its ``ds = p * (dp - D)``.) Other factors and
+  divisors are taken as finite and nonzero, as the forward's skipped tiles
+  take the values they would multiply by exp(-inf) = 0.
+
+  A finite fill at most ``MASK_FILL_MAX`` (``jax.nn.dot_product_attention``
+  fills with -0.7 x float32's max) gives ``exp(fill - m) = 0`` too, where
+  the shift ``m`` is a kept score: so only for rows that keep some index,
+  which ``finite`` tells the caller to check (a row that keeps none has
+  ``m = fill`` and weighs every index alike)."""
   op = region.producer(v) if isinstance(v, str) else None
   if not isinstance(op, ir.Elementwise) or depth > 16:
     return None
@@ -676,23 +683,29 @@ def zero_outside(region: ir.Region, v, depth: int = 0) -> Optional[Keep]:
     if (isinstance(sub, ir.Elementwise) and sub.fn == "sub" and isinstance(sub.args[0], str)
         and masked_value(region, sub.args[1], partial=True) is None):
       x = sub.args[0]
-    m = masked_value(region, x) or masked_value(region, x, partial=True)
-    return m.keep if m is not None and m.fill == -math.inf else None
+    m = masked_value(region, x)
+    if m is not None and m.fill != -math.inf:
+      # A partial keep is not read with a finite fill: a row the other
+      # conjuncts empty would weigh every index.
+      return (m.keep, True) if m.fill <= MASK_FILL_MAX else None
+    m = m or masked_value(region, x, partial=True)
+    return (m.keep, False) if m is not None and m.fill == -math.inf else None
   if op.fn in ("convert", "neg") or (op.fn == "div" and isinstance(op.args[0], str)):
     return zero_outside(region, op.args[0], depth + 1)
   if op.fn == "select" and isinstance(op.args[0], str):
     # where(keep, x, 0): autodiff's gradient through a mask's jnp.where.
     p, on_false, on_true = op.args
+    keep = None
     if _literal(on_false) == 0.0 and isinstance(on_true, str):
-      return keep_predicate(region, p)
-    if _literal(on_true) == 0.0 and isinstance(on_false, str):
-      return _negate(keep_predicate(region, p))
-    return None
+      keep = keep_predicate(region, p)
+    elif _literal(on_true) == 0.0 and isinstance(on_false, str):
+      keep = _negate(keep_predicate(region, p))
+    return None if keep is None else (keep, False)
   if op.fn == "mul":
     for a in op.args:
-      keep = zero_outside(region, a, depth + 1) if isinstance(a, str) else None
-      if keep is not None:
-        return keep
+      z = zero_outside(region, a, depth + 1) if isinstance(a, str) else None
+      if z is not None:
+        return z
   return None
 
 
@@ -703,23 +716,39 @@ def _zero_tile_relation(region: ir.Region, st: StreamedLoop) -> Optional[Band]:
   nothing (a FlashAttention-style backward's dq, dk and dv under a causal
   mask)."""
   res = None
+  finite: list[Keep] = []
   for v, sc in st.accumulators:
     op = region.producer(v)
     if sc is not None:
       return None
     if isinstance(op, ir.Contraction):
-      keeps = [zero_outside(region, a) for a in (op.lhs, op.rhs)]
+      zs = [zero_outside(region, a) for a in (op.lhs, op.rhs)]
     elif isinstance(op, ir.Reduction) and op.kind == "sum":
-      keeps = [zero_outside(region, op.arg)]
+      zs = [zero_outside(region, op.arg)]
     else:
       return None
-    bands = {relation_to(k, st.loop) for k in keeps if k is not None} - {None}
+    zs = [z for z in zs if z is not None]
+    bands = {relation_to(k, st.loop) for k, _ in zs} - {None}
     if len(bands) != 1:
       return None
     (r,) = bands
     if res is not None and res != r:
       return None
     res = r
+    # The band's zero rests on a finite fill unless an operand is zero
+    # outside it by a -inf fill or a select of 0.
+    ours = [(k, f) for k, f in zs if relation_to(k, st.loop) == r]
+    if all(f for _, f in ours):
+      finite.extend(k for k, _ in ours)
+  ext = region.loop_extents
+  for keep in finite if res is not None else ():
+    # Each row's shift must be a kept score, whichever of the two loops
+    # the rows are (the query loop is streamed in dk and dv, not in dq):
+    # every index of each loop keeps one of the other's.
+    back = relation_to(keep, res.other)
+    if (back is None or not res.keeps_some(ext[st.loop], ext[res.other])
+        or not back.keeps_some(ext[res.other], ext[st.loop])):
+      return None
   return res
 
 

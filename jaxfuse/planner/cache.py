@@ -89,8 +89,11 @@ __all__ = ["Entry", "plan_key", "load", "store", "cache_path", "load_entry", "st
 # (cost_model.accumulator_bytes, choose_warps); 36: the Gluon attention form
 # takes a training forward (row statistics, the row dot; a cast between the
 # mask and the max); 37: a mask is read through a cast from bfloat16
-# (streaming.masked_value), so such regions skip masked tiles.
-FORMAT_VERSION = 37
+# (streaming.masked_value), so such regions skip masked tiles; 38: a
+# backward's exp of a score under a finite fill is zero outside the mask
+# (streaming.zero_outside), so dpa's dv skips masked tiles, and capture drops
+# size-1 loops (ir.drop_unit_loops).
+FORMAT_VERSION = 38
 
 
 def _version() -> str:

@@ -955,7 +955,8 @@ class _LevelAnalysis:
 
   def merged(self, f1: _Found, f2: _Found) -> _Found | None:
     """``f1`` and ``f2`` as one region, or None (``merge_regions``)."""
-    if not {id(a) for a in f1.input_src} & {id(a) for a in f2.input_src}:
+    mem = lambda f: {id(self.memory_of(a)) for a in f.input_src}
+    if not mem(f1) & mem(f2):
       return None   # no common input: nothing to compute once
     for x, y in ((f1, f2), (f2, f1)):
       dep = self.lvl.depends(set(x.removed))
@@ -1016,7 +1017,7 @@ def _relabels(it: Item) -> bool:
     return True
   if it.prim == "broadcast_in_dim":   # adds size-1 axes, in order
     bd = tuple(it.params["broadcast_dimensions"])
-    return list(bd) == sorted(bd) and len(it.invars) == 1
+    return list(bd) == sorted(bd)
   return False
 
 

@@ -83,14 +83,26 @@ TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-3}
 UNINFORMATIVE_ERROR = 10
 
 
-def judge_errors(impls: dict, tol: float) -> None:
+def judge_errors(impls: dict, tol: float, leaf_names: Optional[Sequence[str]] = None) -> None:
   """Sets each result's ``correct``: its error within ``tol`` or within 2x
   of XLA's at the same dtype; None (unchecked) for every result where
-  XLA's own error is over ``UNINFORMATIVE_ERROR`` tolerances."""
-  xla_err = impls.get("xla", {}).get("rel_err")
+  XLA's own error is over ``UNINFORMATIVE_ERROR`` tolerances.
+
+  Where the outputs are several arrays (``leaf_err``, from ``leaf_errors``)
+  and XLA's are known leaf by leaf, each leaf is judged the same way
+  against XLA's error on that leaf, and a leaf XLA itself gets wrong by
+  over ``UNINFORMATIVE_ERROR`` tolerances is left unchecked (a gradient
+  that is zero in exact arithmetic, such as a key bias's under softmax, is
+  rounding noise in both). Why: the normwise error over all leaves is the
+  largest leaves' error; a training step's 193 gradients could hide a wrong
+  small one. ``leaf_err`` is replaced by the summary ``leaf_check``."""
+  xla = impls.get("xla", {})
+  xla_err = xla.get("rel_err")
   known = xla_err is not None and math.isfinite(xla_err)
+  xla_leaves = xla.get("leaf_err")
   for res in impls.values():
     if "rel_err" not in res:
+      res.pop("leaf_err", None)
       continue
     if known and xla_err > UNINFORMATIVE_ERROR * tol:
       res["correct"] = None
@@ -98,6 +110,39 @@ def judge_errors(impls: dict, tol: float) -> None:
                           f"the tolerance {tol:g}: the reference check cannot tell")
     else:
       res["correct"] = bool(res["rel_err"] <= (max(tol, 2 * xla_err) if known else tol))
+    leaves = res.get("leaf_err")
+    if leaves and xla_leaves and len(xla_leaves) == len(leaves) and res["correct"] is not None:
+      _judge_leaves(res, leaves, xla_leaves, tol, leaf_names)
+  for res in impls.values():
+    res.pop("leaf_err", None)
+
+
+def _judge_leaves(res: dict, leaves: Sequence[float], xla_leaves: Sequence[float], tol: float,
+                  leaf_names: Optional[Sequence[str]]) -> None:
+  """``judge_errors``'s leaf-by-leaf check of one result."""
+  def name(i):
+    return leaf_names[i] if leaf_names and len(leaf_names) == len(leaves) else f"leaf {i}"
+  unchecked, worst, wrong = 0, None, []
+  for i, (e, x) in enumerate(zip(leaves, xla_leaves)):
+    if not math.isfinite(x) or x > UNINFORMATIVE_ERROR * tol:
+      unchecked += 1
+      continue
+    bound = max(tol, 2 * x)
+    if worst is None or e / bound > worst[0]:
+      worst = (e / bound, i, e, x)
+    if not e <= bound:
+      wrong.append(f"{name(i)} {e:.1e} (XLA {x:.1e})")
+  parts = [f"{len(leaves)} leaves"]
+  if worst is not None:
+    parts.append(f"worst {name(worst[1])} {worst[2]:.1e} (XLA {worst[3]:.1e})")
+  if unchecked:
+    parts.append(f"{unchecked} unchecked (XLA's own error over {UNINFORMATIVE_ERROR}x the "
+                 "tolerance)")
+  res["leaf_check"] = ", ".join(parts)
+  if wrong:
+    res["correct"] = False
+    res["leaf_mismatch"] = "; ".join(wrong[:5]) + (f"; {len(wrong) - 5} more" if len(wrong) > 5
+                                                   else "")
 
 
 # ---------------------------------------------------------------------------
@@ -899,6 +944,25 @@ def check_consumed(samples: Any, out: Any, tol: float) -> None:
                          f"outputs {want[:4]}")
 
 
+def leaf_errors(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> list[float]:
+  """Each output leaf's normwise relative error (``rel_error`` of that leaf
+  alone; a leaf whose reference is all zeros is measured against 1e-30)."""
+  if len(outs) != len(refs):
+    return [math.inf] * len(refs)
+  return [rel_error([o], [r])[0] for o, r in zip(outs, refs)]
+
+
+def leaf_names(fn: Callable, args: tuple) -> Optional[list[str]]:
+  """The output leaves' pytree paths (``[1][0]['wq']``); None where the
+  function cannot be traced abstractly."""
+  try:
+    shaped = jax.eval_shape(fn, *args)
+    return [jax.tree_util.keystr(p) or "output"
+            for p, _ in jax.tree_util.tree_flatten_with_path(shaped)[0]]
+  except Exception:  # pylint: disable=broad-except  (names only label a report)
+    return None
+
+
 def rel_error(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> tuple[float, float]:
   """(normwise relative error, max abs error / max |ref|) over all leaves."""
   if len(outs) != len(refs):
@@ -1246,6 +1310,9 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
         errs = [rel_error(per_call[i], refs[i][0]) for i in check_idx]
         res["rel_err"] = max(e[0] for e in errs)
         res["max_err"] = max(e[1] for e in errs)
+        if len(refs[check_idx[0]][0]) > 1:
+          res["leaf_err"] = [max(es) for es in zip(*(leaf_errors(per_call[i], refs[i][0])
+                                                    for i in check_idx))]
         timed = impl.build_timed(settings.call_outputs)
         if stacked is not None and timed is not None:
           timed = impl.build_stacked(stacked, True)
@@ -1297,7 +1364,9 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
       logging.warning("%s/%s failed:\n%s", case.name, impl.name, traceback.format_exc())
   _time_together(together, k, settings, case, roof)
 
-  judge_errors(row["impls"], tol)
+  names = (leaf_names(case.fn, sets[0])
+            if any("leaf_err" in r for r in row["impls"].values()) else None)
+  judge_errors(row["impls"], tol, names)
   row["tolerance"] = tol
   _speedups(row)
   return row
@@ -1372,6 +1441,8 @@ def summarize(rows: list[dict]) -> dict:
                              if r["jaxfuse_speedup"].get(n, {}).get("per_call", 2) < 1.0]
   out["mismatches"] = [f"{r['case']}/{n}" for r in rows for n, res in r["impls"].items()
                        if res.get("correct") is False]
+  out["leaf_mismatches"] = [f"{r['case']}/{n}: {res['leaf_mismatch']}" for r in rows
+                            for n, res in r["impls"].items() if "leaf_mismatch" in res]
   out["unchecked"] = [f"{r['case']}/{n}" for r in rows for n, res in r["impls"].items()
                       if "unchecked" in res]
   out["errors"] = [f"{r['case']}/{n}: {res['status']}" for r in rows
@@ -1730,6 +1801,8 @@ def main(binary: str, cases: Sequence[Case], impls_for: Callable[[Case], list[Im
   bad = [m for m in summary["mismatches"] if m.endswith("/jaxfuse")]
   if summary["mismatches"]:
     print(f"[{binary}] REFERENCE MISMATCH: {', '.join(summary['mismatches'])}")
+    for m in summary.get("leaf_mismatches", []):
+      print(f"[{binary}]   output leaves off float32 beyond XLA's own error: {m}")
   unchecked = [m for m in summary.get("unchecked", []) if m.endswith("/jaxfuse")]
   if unchecked:
     print(f"[{binary}] UNCHECKED (XLA's own error is over {UNINFORMATIVE_ERROR}x the "

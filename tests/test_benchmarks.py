@@ -610,6 +610,47 @@ def test_judge_errors_marks_rows_the_reference_cannot_check():
   assert harness.summarize([row])["unchecked"] == ["c/jaxfuse", "c/xla"]
 
 
+def test_judge_errors_checks_each_output_leaf_against_xlas():
+  from benchmarks import harness
+  tol = harness.TOLERANCE["float16"]
+  names = ["[0]", "[1]['w']", "[1]['bk']"]
+  # Normwise over all leaves both pass; jaxfuse's small second leaf is 40x
+  # off float32 where XLA's is right. The third leaf is rounding noise in
+  # both (XLA's own error over 10 tolerances): unchecked, not a mismatch.
+  impls = {"jaxfuse": {"rel_err": 1e-3, "leaf_err": [1e-3, 8e-2, 900.0]},
+           "xla": {"rel_err": 1e-3, "leaf_err": [1e-3, 2e-3, 1500.0]}}
+  harness.judge_errors(impls, tol, names)
+  jf, xla = impls["jaxfuse"], impls["xla"]
+  assert jf["correct"] is False and xla["correct"] is True
+  assert "[1]['w'] 8.0e-02 (XLA 2.0e-03)" in jf["leaf_mismatch"]
+  assert "1 unchecked" in jf["leaf_check"] and "worst [1]['w']" in jf["leaf_check"]
+  assert "leaf_err" not in jf and "leaf_err" not in xla   # summarized, not written out
+  row = {"case": "c", "floor_s": 1e-3, "jaxfuse_speedup": {}, "impls": impls}
+  summary = harness.summarize([row])
+  assert summary["mismatches"] == ["c/jaxfuse"]
+  assert summary["leaf_mismatches"] == [f"c/jaxfuse: {jf['leaf_mismatch']}"]
+  # Within 2x of XLA's error on every leaf it checks: correct.
+  impls = {"jaxfuse": {"rel_err": 1e-3, "leaf_err": [1e-3, 3.9e-3, 5.0]},
+           "xla": {"rel_err": 1e-3, "leaf_err": [1e-3, 2e-3, 1500.0]}}
+  harness.judge_errors(impls, tol, names)
+  assert impls["jaxfuse"]["correct"] is True and "leaf_mismatch" not in impls["jaxfuse"]
+  # No leaf errors from XLA: only the normwise check (noise leaves cannot be told).
+  impls = {"jaxfuse": {"rel_err": 1e-3, "leaf_err": [1e-3, 8e-2, 900.0]}}
+  harness.judge_errors(impls, tol, names)
+  assert impls["jaxfuse"]["correct"] is True and "leaf_check" not in impls["jaxfuse"]
+
+
+def test_leaf_errors_and_names():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from benchmarks import harness
+  r = [np.ones(4), np.full(3, 2.0)]
+  assert harness.leaf_errors([r[0], r[1] * 1.5], r) == [0.0, pytest.approx(0.5)]
+  assert harness.leaf_errors(r[:1], r) == [math.inf, math.inf]
+  fn = lambda x: (x.sum(), {"a": x, "b": [x * 2]})
+  assert harness.leaf_names(fn, (jnp.ones(3),)) == ["[0]", "[1]['a']", "[1]['b'][0]"]
+  assert harness.leaf_names(lambda x: x[5.5], (jnp.ones(3),)) is None
+
+
 def test_model_fidelity_cpu_dry_run(tmp_path):
   prefix = tmp_path / "mf"
   out = _run(["-m", "benchmarks.model_fidelity", f"--out={prefix}"], tmp_path)

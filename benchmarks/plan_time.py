@@ -53,7 +53,10 @@ def _cases(dtype: str) -> list:
     for d in (64, 128):
       for causal in (False, True):
         n = f"train/L-T2048-d{d}{'-causal' if causal else ''}"
-        if not _FILTER.value or _FILTER.value in n + "/":
+        # Capture runs only for the steps the filter can match: a filter
+        # within the step's name, or one of its regions ("train/L-T2048-d64/1").
+        f = _FILTER.value
+        if not f or f in n + "/" or f.startswith(n + "/"):
           out += [(f"{n}/{i}", r) for i, r in enumerate(_train_regions(d, causal, dtype))]
   return [(n, r) for n, r in out if not _FILTER.value or _FILTER.value in n]
 

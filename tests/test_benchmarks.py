@@ -701,6 +701,11 @@ def test_plan_time_cpu(tmp_path):
   rows = [l for l in out.splitlines() if l.startswith("| train/L-T2048-d64/")]
   assert len(rows) == 3 and all("grid(" in l for l in rows) and "causal" not in out
   assert any(",h_1=64 |" in l for l in rows)   # the merged region's second head loop
+  # One region of a step by its index.
+  out = _run(["benchmarks/plan_time.py", "--filter=train/L-T2048-d64/0", "--set=train",
+              "--repeat=1"], tmp_path)
+  rows = [l for l in out.splitlines() if l.startswith("| train/")]
+  assert len(rows) == 1 and rows[0].startswith("| train/L-T2048-d64/0 |")
   # Measured tuning needs the GPU, and says so instead of timing nothing.
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAXFUSE_CACHE_DIR=str(tmp_path / "cache"))
   p = subprocess.run([sys.executable, "benchmarks/plan_time.py", "--tune=measure",

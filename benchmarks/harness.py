@@ -102,7 +102,6 @@ def judge_errors(impls: dict, tol: float, leaf_names: Optional[Sequence[str]] = 
   xla_leaves = xla.get("leaf_err")
   for res in impls.values():
     if "rel_err" not in res:
-      res.pop("leaf_err", None)
       continue
     if known and xla_err > UNINFORMATIVE_ERROR * tol:
       res["correct"] = None
@@ -909,8 +908,11 @@ def _is_float(x) -> bool:
   return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def reference(case: Case, args: tuple) -> tuple[list[np.ndarray], str]:
-  """The case's function on upcast inputs: float32 on GPU, float64 on CPU."""
+def reference(case: Case, args: tuple) -> tuple[list[np.ndarray], str, list[str]]:
+  """The case's function on upcast inputs: float32 on GPU, float64 on CPU.
+  Returns its output leaves, how they were computed, and the leaves'
+  pytree paths (``[1][0]['wq']``; ``output`` for a single array), which
+  name the leaves in ``judge_errors``' report."""
   fn = case.ref_fn or case.fn
   host = jax.tree_util.tree_map(lambda a: np.asarray(jnp.asarray(a, jnp.float32))
                                 if _is_float(a) else np.asarray(a), args)
@@ -921,13 +923,19 @@ def reference(case: Case, args: tuple) -> tuple[list[np.ndarray], str]:
             lambda a: jnp.asarray(a, jnp.float64) if a.dtype.kind == "f" else jnp.asarray(a),
             host)
         out = jax.jit(fn)(*up)
-        return ([np.asarray(l, np.float64) for l in jax.tree_util.tree_leaves(out)],
-                "float64")
+        leaves, names = _named_leaves(out)
+        return leaves, "float64", names
   up = jax.tree_util.tree_map(jnp.asarray, host)
   with jax.default_matmul_precision("highest"):
     out = jax.jit(fn)(*up)
-  return ([np.asarray(l, np.float64) for l in jax.tree_util.tree_leaves(out)],
-          "float32 (highest matmul precision)")
+  leaves, names = _named_leaves(out)
+  return leaves, "float32 (highest matmul precision)", names
+
+
+def _named_leaves(out: Any) -> tuple[list[np.ndarray], list[str]]:
+  flat = jax.tree_util.tree_flatten_with_path(out)[0]
+  return ([np.asarray(l, np.float64) for _, l in flat],
+          [jax.tree_util.keystr(p) or "output" for p, _ in flat])
 
 
 def check_consumed(samples: Any, out: Any, tol: float) -> None:
@@ -950,17 +958,6 @@ def leaf_errors(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> list[
   if len(outs) != len(refs):
     return [math.inf] * len(refs)
   return [rel_error([o], [r])[0] for o, r in zip(outs, refs)]
-
-
-def leaf_names(fn: Callable, args: tuple) -> Optional[list[str]]:
-  """The output leaves' pytree paths (``[1][0]['wq']``); None where the
-  function cannot be traced abstractly."""
-  try:
-    shaped = jax.eval_shape(fn, *args)
-    return [jax.tree_util.keystr(p) or "output"
-            for p, _ in jax.tree_util.tree_flatten_with_path(shaped)[0]]
-  except Exception:  # pylint: disable=broad-except  (names only label a report)
-    return None
 
 
 def rel_error(outs: Sequence[np.ndarray], refs: Sequence[np.ndarray]) -> tuple[float, float]:
@@ -1364,9 +1361,7 @@ def run_case(case: Case, impls: Sequence[Impl], settings: Settings, roof: Roof) 
       logging.warning("%s/%s failed:\n%s", case.name, impl.name, traceback.format_exc())
   _time_together(together, k, settings, case, roof)
 
-  names = (leaf_names(case.fn, sets[0])
-            if any("leaf_err" in r for r in row["impls"].values()) else None)
-  judge_errors(row["impls"], tol, names)
+  judge_errors(row["impls"], tol, refs[check_idx[0]][2])
   row["tolerance"] = tol
   _speedups(row)
   return row

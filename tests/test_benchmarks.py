@@ -640,15 +640,20 @@ def test_judge_errors_checks_each_output_leaf_against_xlas():
   assert impls["jaxfuse"]["correct"] is True and "leaf_check" not in impls["jaxfuse"]
 
 
-def test_leaf_errors_and_names():
+def test_leaf_errors_and_the_references_leaf_names():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from benchmarks import harness
   r = [np.ones(4), np.full(3, 2.0)]
   assert harness.leaf_errors([r[0], r[1] * 1.5], r) == [0.0, pytest.approx(0.5)]
   assert harness.leaf_errors(r[:1], r) == [math.inf, math.inf]
   fn = lambda x: (x.sum(), {"a": x, "b": [x * 2]})
-  assert harness.leaf_names(fn, (jnp.ones(3),)) == ["[0]", "[1]['a']", "[1]['b'][0]"]
-  assert harness.leaf_names(lambda x: x[5.5], (jnp.ones(3),)) is None
+  case = harness.Case("c", fn, None, 1.0, 1.0)
+  x = np.arange(3, dtype=np.float32)
+  leaves, _, names = harness.reference(case, (jnp.asarray(x, jnp.float16),))
+  assert names == ["[0]", "[1]['a']", "[1]['b'][0]"]
+  np.testing.assert_allclose(leaves[2], 2 * x)
+  _, _, names = harness.reference(harness.Case("c", lambda x: x * 2, None, 1.0, 1.0), (x,))
+  assert names == ["output"]
 
 
 def test_model_fidelity_cpu_dry_run(tmp_path):

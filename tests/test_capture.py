@@ -1085,3 +1085,76 @@ def test_a_row_reduction_joins_an_epilogue_only_where_it_narrows_the_outputs():
     return (h - m) * jax.lax.rsqrt(((h - m) ** 2).mean(-1, keepdims=True) + 1e-5)
   for r in capture.find_regions(jax.make_jaxpr(ln)(x, w)):
     assert not any(isinstance(op, ir.Reduction) for op in r.region.ops)
+
+
+def test_an_epilogue_stops_where_the_region_writes_the_fewest_bytes():
+  """A LayerNorm-backward-like epilogue (float32 products that XLA sums
+  outside) is cut back to the chain's float16 result: XLA fuses those
+  products into its reductions, so writing them (two float32 arrays where
+  one float16 suffices) only adds traffic. What the program returns, or a
+  dot outside reads, is written either way and stays in the region; an
+  epilogue that writes no more than its GEMM's result (GELU) stays too."""
+  a, b = rand(64, 32, dtype=jnp.float16), rand(32, 48, dtype=jnp.float16)
+  d, res = rand(48, 40, dtype=jnp.float16), rand(64, 40, dtype=jnp.float16)
+  s1, s2 = rand(64, 40), rand(64, 40)
+
+  def reduced(a, b, d, res, s1, s2):
+    y = ((a @ b) @ d + res).astype(jnp.float32)
+    return (y * s1).sum(), (y * s2 * 3.0).sum()
+  r = one_region(reduced, a, b, d, res, s1, s2)
+  outs = [(buf.shape, r.region.value(buf.value).dtype) for buf in r.region.outputs]
+  assert outs == [((64, 40), "float16")]
+  assert [buf.shape for buf in r.region.inputs] == [(64, 32), (32, 48), (48, 40), (64, 40)]
+  check_region_matches_jaxpr(r, rtol=1e-2, atol=1e-2)
+  _check_rewrite(reduced, a, b, d, res, s1, s2, expect_calls=1)
+
+  def returned(a, b, d, res, s1, s2):
+    y = ((a @ b) @ d + res).astype(jnp.float32)
+    return y * s1, (y * s2).sum()
+  r = one_region(returned, a, b, d, res, s1, s2)
+  outs = [(buf.shape, r.region.value(buf.value).dtype) for buf in r.region.outputs]
+  # y * s1 is returned (written either way), so the cast to y stays; from
+  # y on, writing y * s2 costs what writing y would: the epilogue stays.
+  assert outs == [((64, 40), "float32"), ((64, 40), "float32")]
+  assert sum(isinstance(op, ir.Elementwise) and op.fn == "mul" for op in r.region.ops) == 2
+  check_region_matches_jaxpr(r, rtol=1e-2, atol=1e-2)
+
+  w = rand(40, 8)
+
+  def dotted(a, b, d, res, s1, w):
+    y = ((a @ b) @ d + res).astype(jnp.float32) * s1
+    return jnp.tanh(y) @ w, y.sum()
+  rs = regions_of(dotted, a, b, d, res, s1, w)
+  assert any(r.region.value(buf.value).dtype == "float32"
+             for r in rs for buf in r.region.outputs)
+
+  x, wg, bg = rand(32, 64, dtype=jnp.float16), rand(64, 96, dtype=jnp.float16), rand(96, dtype=jnp.float16)
+  gelu = lambda x, w, b: jax.nn.gelu(x @ w + b).sum()
+  r = one_region(gelu, x, wg, bg)
+  assert ir.xla_epilogue_split(r.region) is not None
+
+
+def test_fewest_written_is_a_minimum_cut():
+  """``_fewest_written`` on a flattened program: a value read by two ops
+  outside is written once, and where cuts tie the larger epilogue stays."""
+  def widened(x):
+    y = (x * 2.0).astype(jnp.float32)   # float16 -> float32
+    u, v = y + 1.0, y * 3.0
+    return u.sum(), v.sum(), (u * v).sum()
+
+  def narrowed(x):
+    y = (x * 2.0).astype(jnp.float32)
+    return jnp.tanh(y).astype(jnp.float16).sum()
+
+  x = rand(8, 8, dtype=jnp.float16)
+  # Items by index: widened: 0 mul, 1 cast, 2 add, 3 mul, 6 mul (the
+  # others sum); narrowed: 0 mul, 1 cast, 2 tanh, 3 cast to float16, then
+  # the sum's own cast to float32 (4), which XLA's reduction takes.
+  for prog, epi, want in ((widened, {1, 2, 3, 6}, set()), (narrowed, {1, 2, 3}, {1, 2, 3})):
+    lvl = capture.flatten(jax.make_jaxpr(prog)(x))
+    assert lvl.items[0].prim == "mul" and lvl.items[1].prim == "convert_element_type"
+    keep = capture._fewest_written(lvl, lvl.items, {0}, epi, {0} | epi)
+    # widened: x * 2 (float16) is the cheapest value to write; any cut
+    # after the cast writes at least one float32 array. narrowed: x * 2 and
+    # the float16 tanh cost the same, so the epilogue stays whole.
+    assert keep == want

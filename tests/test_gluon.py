@@ -810,12 +810,14 @@ def test_training_forwards_the_kernel_does_not_write_are_left_to_the_triton_form
   why = gp.attention_form(_train_forward(f32=False))
   assert isinstance(why, str) and "float32" in why, why
 
-  # A row dot of the output with the queries, which the scores read too.
+  # A returned product of the output with the queries, which the scores
+  # read too. (Were it only summed outside, capture would leave the product
+  # to XLA: ``capture._fewest_written``.)
   def f(q, k, v):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125
     p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
     o = jnp.einsum("bhqk,bkhd->bqhd", p, v)
-    return o, jnp.sum(o.astype(jnp.float32) * q.astype(jnp.float32), -1)
+    return o, o.astype(jnp.float32) * q.astype(jnp.float32)
   x = jnp.zeros((2, 1024, 16, 64), jnp.float16)
   [found] = capture.find_regions(jax.make_jaxpr(f)(x, x, x))
   assert isinstance(gp.attention_form(found.region), str)

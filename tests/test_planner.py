@@ -786,6 +786,40 @@ def test_memoized_placement_plans_what_place_plans(region):
   assert len(placed) == len(memo) and 0 < len(memo) < len(cands) / 3
 
 
+@pytest.mark.parametrize("region", [
+    examples.gemm_chain(1, 512, 512, 256, 256),
+    examples.attention(1, 12, 256, 256, 64),
+], ids=["gemm-chain", "attention"])
+def test_priced_memo_plans_what_make_plan_plans(region):
+  """The search memoizes what follows placement by placed expression,
+  tiles, grid and split (``make_plan(priced=)``): every candidate, over
+  every skeleton of every grid, must get the plan (its own skeleton
+  included) or the rejection it gets without the memo, and skeletons that
+  place alike must share an entry."""
+  sp = search.build_space(region, H100)
+  rng = random.Random(1)
+  tile_sets = [tuple((l, rng.choice(c)) for l, c in sp.tile_cands.items()) for _ in range(6)]
+  cands = [search.Candidate(g, str(sk), t, split)
+           for g in sp.grids for sk in sp.skeletons[g] for t in tile_sets
+           for split in sp.splits[:2]]
+  placements: dict = {}
+  priced: dict = {}
+
+  def outcome(c, memo):
+    try:
+      p = search.make_plan(region, H100, c, sp.streamable, placements, priced=memo)
+    except (tiling.PlacementError, ValueError) as e:
+      return f"{type(e).__name__}: {e}"
+    assert p.skeleton == c.skeleton
+    return f"{p} {p.skeleton} {p.predicted}"
+  valid = 0
+  for c in cands:
+    want = outcome(c, None)
+    assert outcome(c, priced) == want
+    valid += not want.startswith(("PlacementError", "ValueError"))
+  assert valid and len(priced) < len(cands)
+
+
 def test_printed_plans_are_cached_without_changing_equality():
   r = chain4(512, 256, 64, 128)
   p = plan_region(r, "h100", use_cache=False).best

@@ -186,6 +186,20 @@ def test_place_keeps_a_deferred_softmax_denominator_before_the_store():
   assert "def jaxfuse_bgmk_bgnk_bgmn__bgmn_bgnh_bgmh(" in source(r, plan)
 
 
+def test_placement_key_is_what_place_reads():
+  """Skeletons that differ only where their single-tile (k here) and grid
+  (m) loops sit share a placement key and place alike; a skeleton that
+  lacks a loop still raises its own error from the key."""
+  r = chain4(256, 512, 64, 256)
+  t = {"m": 64, "n": 64, "k": 64, "h": 64}          # k: one tile
+  keys = {sk: tiling.placement_key(r, sk, t, ("m",)) for sk in ("mhnk", "mhkn", "khnm", "hmnk")}
+  assert len(set(keys.values())) == 1
+  assert len({str(tiling.place(r, sk, t, grid=("m",))) for sk in keys}) == 1
+  assert tiling.placement_key(r, "mhnk", dict(t, k=32), ("m",)) != keys["mhnk"]
+  with pytest.raises(tiling.PlacementError, match="no place in"):
+    tiling.placement_key(r, "mhk", t, ("m",))
+
+
 def test_hoisting_cuts_a_traffic_by_h_times_n():
   m, n, k, h = 256, 512, 64, 256
   r = chain4(m, n, k, h)

@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -299,8 +300,9 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   """Places a candidate and predicts it; raises PlacementError or ValueError.
 
   ``placements``: a memo of ``tiling.place`` for this region and
-  ``streamable`` (one search's candidates share a few placements: place
-  reads the tiles only through the loops they cover in one tile).
+  ``streamable`` by ``tiling.placement_key`` (one search's candidates share
+  a few placements: place reads the skeleton only without its grid and
+  single-tile loops, and the tiles only through those loops).
   ``masked``: ``tiling.masked_tile_relations(region)``, ``floor_regs``:
   ``cost_model.unsplit_floor_regs(region)`` (each derived when None; a
   search passes its space's, so each runs once per search). ``checked``: a
@@ -452,16 +454,22 @@ def predict_plan(region: ir.Region, plan: Plan, device: DeviceSpec,
                             num_warps=plan.num_warps, masked=masked)
 
 
+@functools.lru_cache(maxsize=4096)
+def _parsed(skeleton: str, loops: tuple[str, ...]) -> tiling.TilingExpr:
+  """A candidate's skeleton text parsed (immutable, so shared)."""
+  return tiling.parse(skeleton, list(loops))
+
+
 def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
            streamable: frozenset[str], placements: Optional[dict]) -> tiling.TilingExpr:
   if placements is None:
     return tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
                         split=cand.split)
-  key = (cand.skeleton, cand.grid, cand.split,
-         tiling.single_tile_loops(region, tiles, cand.split))
+  skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
+  key = tiling.placement_key(region, skeleton, tiles, cand.grid, cand.split)
   if key not in placements:
     try:
-      placements[key] = tiling.place(region, cand.skeleton, tiles, cand.grid,
+      placements[key] = tiling.place(region, skeleton, tiles, cand.grid,
                                      streamable=streamable, split=cand.split)
     except tiling.PlacementError as e:
       placements[key] = e

@@ -797,6 +797,35 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
       place(chain, "mhnk", {"m": 64, "n": 64, "k": 512, "h": 64}, grid=("m",))
       # K=512 fits one tile: -> (La,h(n(Lb,Cc,Ld,Ce),Se)), A loads once per program
   """
+  sk, grid, _ = _placement_input(region, skeleton, tiles, grid, split)
+  stream = frozenset(streamable_loops(region) if streamable is None else streamable)
+  return _place_stripped(region, sk, stream)
+
+
+def placement_key(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
+                  grid: Optional[Sequence[str]] = None,
+                  split: Optional[tuple[str, int]] = None) -> tuple:
+  """What ``place``'s expression depends on besides the region and its
+  streamable loops: the skeleton with the grid's and the single-tile loops
+  stripped, the grid, those single-tile loops and the split. Raises what
+  ``place`` raises before it places (a loop with no place, a duplicate
+  loop, bad tiles or grid), so a memo keyed by it rejects each candidate
+  for its own reason. Why: skeletons that differ only where their grid and
+  single-tile loops sit place alike (a search of a merged dk+dv region
+  placed 856 keys of ``single_tile_loops`` that were 210 of these).
+
+  Example::
+
+      key = placement_key(chain, "mhnk", {"m": 64, "n": 64, "k": 512, "h": 64}, ("m",))
+  """
+  sk, grid, single = _placement_input(region, skeleton, tiles, grid, split)
+  return (str(sk), grid, single, split)
+
+
+def _placement_input(region, skeleton, tiles, grid, split):
+  """``place``'s checks of the skeleton, the tiles and the grid; returns
+  (the skeleton with the grid's and the single-tile loops stripped, the
+  grid, the single-tile loops)."""
   if isinstance(skeleton, str):
     skeleton = parse(skeleton, [l.name for l in region.loops])
   ext = region.loop_extents
@@ -815,7 +844,6 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
   if bad:
     raise PlacementError(f"grid loop(s) {bad} are reduced; only spatial loops "
                          "bind to program ids (use split for reductions)")
-  stream = frozenset(streamable_loops(region) if streamable is None else streamable)
   in_skel = skeleton.loops()
   dup = {l for l in in_skel if in_skel.count(l) > 1}
   if dup:
@@ -825,8 +853,11 @@ def place(region, skeleton: Union[TilingExpr, str], tiles: Mapping[str, int],
     if l not in grid and l not in single and l not in in_skel:
       raise PlacementError(f"loop {l} has {math.ceil(ext[l] / tiles[l])} tiles "
                            f"but no place in {skeleton} or the grid")
-  sk = strip_loops(skeleton, set(grid) | single)
+  return strip_loops(skeleton, set(grid) | single), grid, single
 
+
+def _place_stripped(region, sk: TilingExpr, stream: frozenset[str]) -> TilingExpr:
+  """``place`` from its stripped skeleton on."""
   # Build the mutable tree.
   root = _T(None, None)
   nodes: dict[str, _T] = {}

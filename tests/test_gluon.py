@@ -822,6 +822,16 @@ def test_training_forwards_the_kernel_does_not_write_are_left_to_the_triton_form
   [found] = capture.find_regions(jax.make_jaxpr(f)(x, x, x))
   assert isinstance(gp.attention_form(found.region), str)
 
+  # Summed instead, that row dot stays XLA's (it reads o and q once more,
+  # where the region would write and XLA read back a float32 product), and
+  # the attention left in the region is the form's.
+  def g(q, k, v):
+    o, prod = f(q, k, v)
+    return o, jnp.sum(prod, -1)
+  [found] = capture.find_regions(jax.make_jaxpr(g)(x, x, x))
+  assert [b.shape for b in found.region.outputs] == [(2, 1024, 16, 64)]
+  assert not isinstance(gp.attention_form(found.region), str)
+
 
 def test_the_training_forward_is_planned_as_the_form_and_priced_with_its_epilogue():
   region = _train_forward("bthd", heads=16, t=2048, d=128)

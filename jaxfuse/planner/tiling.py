@@ -766,7 +766,8 @@ def single_tile_loops(region, tiles: Mapping[str, int],
                       split: Optional[tuple[str, int]] = None) -> frozenset[str]:
   """Loops that ``tiles`` cover in one tile (a split loop never is one).
 
-  ``place`` reads ``tiles`` only through this set, so it keys placements."""
+  ``place`` reads ``tiles`` only through this set, so it is part of
+  ``placement_key``."""
   ext = region.loop_extents
   split_loop = split[0] if split else None
   return frozenset(l for l in ext if int(tiles[l]) >= ext[l] and l != split_loop)

@@ -347,6 +347,12 @@ class Region:
   def __post_init__(self):
     self.validate()
 
+  def __getstate__(self):
+    # The fields alone: the cached lookups and the planner's memo
+    # (``_op_memo``, hundreds of placed expressions after a search) are
+    # derived, and the measuring child gets regions pickled.
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
   # -- lookup -------------------------------------------------------------
   # The planner looks these up hundreds of thousands of times per search;
   # each Region builds them once (a frozen instance never changes) and

@@ -246,6 +246,37 @@ def test_rule1_classes_and_rule2_on_the_paper_chain():
     assert pruning.violates_rule2(r, tiling.parse(key)) == key.startswith(("(k", "(kn"))
 
 
+def test_rule2_before_rule1_keeps_the_same_classes():
+  """``rule1_programs(rule2=True)`` (what ``build_space`` runs) keeps the
+  classes that Rule 1 then Rule 2 keep, with the same members, without
+  normalizing what Rule 2 rejects: on the merged dk+dv region of an
+  attention backward, and on the paper chain, at every grid the search
+  takes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+  from test_capture_recompute import _train_step  # pylint: disable=g-import-not-at-top
+  arg = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float16)
+  g = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+  regions = capture.find_regions(jax.make_jaxpr(_train_step(True))(arg, arg, arg, g))
+  merged = next(c.region for c in regions if len(c.region.contractions) == 4)
+  for r in (merged, chain4(1024, 1024, 512, 512)):
+    sks = tiling.enumerate_skeletons(r)
+    placed = pruning.naive_placements(r, sks)
+    space = search.build_space(r, H100)
+    rejected = 0
+    for grid in space.grids:
+      both = {k: (str(sub), [str(m) for m in members])
+              for k, (sub, members) in pruning.rule1_programs(r, placed, grid).items()
+              if not pruning.violates_rule2(r, sub)}
+      first = pruning.rule1_programs(r, placed, grid, rule2=True)
+      assert {k: (str(sub), [str(m) for m in members])
+              for k, (sub, members) in first.items()} == both
+      assert [str(s) for s in space.skeletons[grid]] == [m[0] for _, m in both.values()]
+      rejected += space.counts[f"grid({','.join(grid)})"]["rule2_rejected"]
+    assert rejected > 0
+
+
 def test_rule3_tiles(monkeypatch):
   assert pruning.tile_candidates(chain4(1024, 64, 64, 64), "m") == (16, 32, 64, 128, 256, 512, 1024)
   att = examples.attention(1, 1, 208, 208, 80)

@@ -327,8 +327,12 @@ def is_row_dot(region: ir.Region, op: "ir.Contraction") -> bool:
   return not rows and not cols
 
 
-def _tensor_core_dots(region: ir.Region) -> list:
-  return [op for op in region.contractions if not is_row_dot(region, op)]
+def _tensor_core_dots(region: ir.Region) -> tuple:
+  got = region._op_memo.get(("tensor_core_dots", None))  # pylint: disable=protected-access
+  if got is None:
+    got = region._op_memo[("tensor_core_dots", None)] = tuple(  # pylint: disable=protected-access
+        op for op in region.contractions if not is_row_dot(region, op))
+  return got
 
 
 def _gemm_dims(region: ir.Region, op: "ir.Contraction",
@@ -1014,6 +1018,14 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                     waves=waves)
 
 
+def _op_loop_set(region: ir.Region, op) -> frozenset:
+  """``region.op_loops(op)`` as a set, once per op."""
+  got = region._op_memo.get(("op_loop_set", op))  # pylint: disable=protected-access
+  if got is None:
+    got = region._op_memo[("op_loop_set", op)] = frozenset(region.op_loops(op))  # pylint: disable=protected-access
+  return got
+
+
 def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
                     grid: Sequence[str], split: Optional[tuple[str, int]], trips,
                     streamable: frozenset, device: DeviceSpec,
@@ -1039,6 +1051,8 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
   sfu = 0
   t_dot = 0.0
   steps = 1
+  trip = {l: trips(l) for l in tiles}
+  in_grid = frozenset(grid)
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind != "C":
       continue
@@ -1046,16 +1060,18 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
     for l in enclosing:
       if l in scale:
         run *= scale[l]
-    steps = max(steps, math.prod(trips(l) for l in enclosing) * run if scale else
-                math.prod(trips(l) for l in enclosing))
+    n = 1
+    for l in enclosing:
+      n *= trip[l]
+    steps = max(steps, n * run if scale else n)
     op = region.producer(st.value)
-    ol = set(region.op_loops(op))
-    around = set(enclosing) | set(grid)
+    ol = _op_loop_set(region, op)
+    around = in_grid.union(enclosing)
     work = 1
     for l in ol:
-      work *= tiles[l] * (trips(l) if l in around else 1)
+      work *= tiles[l] * (trip[l] if l in around else 1)
     for l in around - ol:
-      work *= trips(l)
+      work *= trip[l]
     if split:
       # every part runs this statement; per-program trips of the split loop
       # are already its share

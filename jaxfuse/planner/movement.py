@@ -89,20 +89,16 @@ def chimera_volume(region: ir.Region, perm: Union[str, Sequence[str]],
   for l in ext:
     if l not in perm:
       raise ValueError(f"perm: loop {l} missing")
-  io = io_tensors(region)
-  vm = region.value_map
   order = list(perm)
   dv = 0.0
   mu = 0.0
   per: dict[str, float] = {}
-  for op in region.contractions:
-    op_loops = set(region.op_loops(op))
+  for op_loops, later, tensors in _chimera_ops(region):
     total_df = 0.0
-    for t in (op.lhs, op.rhs, op.out):
-      tl = set(vm[t].loops)
+    for t, tl, is_io in tensors:
       df = math.prod(min(tiles[l], ext[l]) if not continuous else tiles[l] for l in tl)
       total_df += math.prod(tiles[l] for l in tl)
-      if not io.get(t):
+      if not is_io:
         continue
       dm = df
       keep_reuse = True
@@ -118,13 +114,34 @@ def chimera_volume(region: ir.Region, perm: Union[str, Sequence[str]],
       per[t] = per.get(t, 0.0) + dm
       dv += dm
     # observation 3: the producer's private loops do not move consumer data
-    later = set()
-    for other in region.contractions:
-      if other is not op and region.ops.index(other) > region.ops.index(op):
-        later |= set(region.op_loops(other))
     order = [l for l in order if not (l in op_loops and l not in later)]
     mu = max(mu, total_df)
   return dv, mu, per
+
+
+def _chimera_ops(region: ir.Region) -> tuple:
+  """What ``chimera_volume`` reads of each contraction, in order: its
+  loops, the loops of the contractions after it, and (tensor, its loops,
+  whether it stands for a region buffer) for its operands and result.
+  Derived once per region: the Lagrange solve evaluates the volume
+  hundreds of times."""
+  got = region._op_memo.get(("chimera_ops", None))  # pylint: disable=protected-access
+  if got is not None:
+    return got
+  io = io_tensors(region)
+  vm = region.value_map
+  pos = {id(op): i for i, op in enumerate(region.ops)}
+  out = []
+  for op in region.contractions:
+    later = set()
+    for other in region.contractions:
+      if other is not op and pos[id(other)] > pos[id(op)]:
+        later |= set(region.op_loops(other))
+    out.append((frozenset(region.op_loops(op)), frozenset(later),
+                tuple((t, frozenset(vm[t].loops), bool(io.get(t)))
+                      for t in (op.lhs, op.rhs, op.out))))
+  got = region._op_memo[("chimera_ops", None)] = tuple(out)  # pylint: disable=protected-access
+  return got
 
 
 def op_footprints(region: ir.Region, tiles: Mapping[str, int]) -> dict[str, int]:

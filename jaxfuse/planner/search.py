@@ -208,11 +208,15 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   counts = {"expressions": len(sks)}
   placed = pruning.naive_placements(region, sks)
   for g in grids:
-    classes = pruning.rule1_programs(region, placed, g)
-    keep = [members[0] for sub, members in classes.values()
-            if not pruning.violates_rule2(region, sub)]
+    classes = pruning.rule1_programs(region, placed, g, rule2=True)
+    keep = [members[0] for _, members in classes.values()]
     skeletons[g] = keep
-    counts[f"grid({','.join(g)})"] = {"rule1": len(classes), "rule2": len(keep)}
+    # Rule 2 runs first here (see rule1_programs): the count is of the
+    # skeletons it rejects, then of the programs Rule 1 keeps of the rest.
+    counts[f"grid({','.join(g)})"] = {
+        "rule2_rejected": sum(p is not None for _, p in placed)
+                          - sum(len(m) for _, m in classes.values()),
+        "rule1_kept": len(keep)}
   tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
   splits: list[Optional[tuple[str, int]]] = [None]
   from jaxfuse.config import config  # pylint: disable=import-outside-toplevel

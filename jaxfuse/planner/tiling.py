@@ -37,6 +37,8 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from absl import logging
 
+from jaxfuse import ir
+
 __all__ = [
     "Stmt", "LoopNode", "TilingExpr", "Node", "PlacementError", "parse",
     "batch_loops", "free_spatial_loops", "dot_loops", "scalar_dot_loops", "tiled_loops",
@@ -124,7 +126,6 @@ def pieced_loops(region, block: Mapping[str, int], single: Iterable[str]
   ``tl.dot`` (one M, N and K loop of tile >= 16, at most one batch loop).
   Then a piece is one load and one ``tl.dot`` into the same accumulator,
   and nothing else sees the loop."""
-  from jaxfuse import ir  # pylint: disable=import-outside-toplevel
   ext = region.loop_extents
   # The search asks for every candidate plan: most regions have no loop to
   # piece, and say so before the readers are collected.
@@ -179,6 +180,15 @@ class PlacementError(ValueError):
   """A skeleton/tile/grid combination that no correct kernel realises."""
 
 
+class _Node:
+  """Pickles a node without what it caches (``_cached_hash``,
+  ``statement_contexts``, the text): string hashes differ between
+  processes, and the rest is derived."""
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
 @dataclasses.dataclass(frozen=True)
 class Stmt:
   """A Load ('L'), Compute ('C') or Store ('S') of the named IR value."""
@@ -193,11 +203,26 @@ class Stmt:
     return f"{self.kind}{self.value}"
 
 
+def _cached_hash(node, fields: tuple) -> int:
+  """``hash(fields)``, kept on the frozen ``node``: the planner keys dicts
+  by whole expressions thousands of times per region, and the generated
+  hash walks the tree each time. ``_Node.__getstate__`` leaves it out of
+  pickles (string hashes differ between processes)."""
+  h = node.__dict__.get("_hash")
+  if h is None:
+    h = hash(fields)
+    object.__setattr__(node, "_hash", h)
+  return h
+
+
 @dataclasses.dataclass(frozen=True)
-class LoopNode:
+class LoopNode(_Node):
   """A sequential loop over tiles of ``loop``; ``body`` runs in order."""
   loop: str
   body: tuple["Node", ...] = ()
+
+  def __hash__(self) -> int:
+    return _cached_hash(self, (self.loop, self.body))
 
 
 Node = Union[LoopNode, Stmt]
@@ -218,9 +243,12 @@ def _fmt_node(node: Node, sep: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class TilingExpr:
+class TilingExpr(_Node):
   """A scope of nodes (the per-program body, or a whole expression)."""
   body: tuple[Node, ...] = ()
+
+  def __hash__(self) -> int:
+    return _cached_hash(self, self.body)
 
   def __str__(self) -> str:
     # Cached: the search sorts and deduplicates plans by their text,
@@ -264,16 +292,23 @@ class TilingExpr:
 
 def statement_contexts(expr: TilingExpr) -> list[tuple[Stmt, tuple[str, ...]]]:
   """Each statement with the loops that enclose it (outermost first)."""
-  out: list[tuple[Stmt, tuple[str, ...]]] = []
+  # Cached on the expression: the model reads a placed plan's statements
+  # several times per prediction, and the search predicts one placement
+  # under many tiles.
+  got = expr.__dict__.get("_contexts")
+  if got is None:
+    out: list[tuple[Stmt, tuple[str, ...]]] = []
 
-  def walk(nodes, enclosing):
-    for n in nodes:
-      if isinstance(n, Stmt):
-        out.append((n, enclosing))
-      else:
-        walk(n.body, enclosing + (n.loop,))
-  walk(expr.body, ())
-  return out
+    def walk(nodes, enclosing):
+      for n in nodes:
+        if isinstance(n, Stmt):
+          out.append((n, enclosing))
+        else:
+          walk(n.body, enclosing + (n.loop,))
+    walk(expr.body, ())
+    got = tuple(out)
+    object.__setattr__(expr, "_contexts", got)
+  return list(got)
 
 
 def shared_loads(region, expr: TilingExpr, tiles: Mapping[str, int]
@@ -298,6 +333,20 @@ def shared_loads(region, expr: TilingExpr, tiles: Mapping[str, int]
   again = region.same_array() if any(b.array for b in region.inputs) else {}
   if not again:
     return {}
+  ext = region.loop_extents
+  # Tiles matter only through which loops are whole: memoized on that,
+  # since the model asks several times per prediction.
+  key = ("shared_loads", expr, tuple(sorted(l for l in ext if tiles.get(l) == ext[l])))
+  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  if got is None:
+    got = region._op_memo[key] = _shared_loads(region, expr, tiles, again)  # pylint: disable=protected-access
+  return dict(got)
+
+
+def _shared_loads(region, expr: TilingExpr, tiles: Mapping[str, int],
+                  again: Mapping[str, str]) -> dict[str, tuple[str, dict[str, str]]]:
+  """``shared_loads`` where some inputs are views of one array (``again``:
+  ``ir.Region.same_array``)."""
   ext = region.loop_extents
   seq = set(expr.loops())
   bufs = {b.value: b for b in region.inputs}
@@ -458,7 +507,6 @@ def parse(text: str, loops: Optional[Iterable[str]] = None) -> TilingExpr:
 
 def reduced_by(op) -> tuple[str, ...]:
   """The loops an op reduces (contraction axes or the reduction's loop)."""
-  from jaxfuse import ir  # pylint: disable=import-outside-toplevel
   if isinstance(op, ir.Contraction):
     return tuple(op.reduce)
   if isinstance(op, ir.Reduction):
@@ -723,18 +771,25 @@ def strip_loops(expr: TilingExpr, drop: Iterable[str]) -> TilingExpr:
   """Removes loop nodes in ``drop``, splicing their bodies into the parent."""
   drop = set(drop)
 
-  def rec(nodes) -> tuple[Node, ...]:
+  def rec(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
     out: list[Node] = []
+    changed = False
     for n in nodes:
       if isinstance(n, LoopNode):
         body = rec(n.body)
         if n.loop in drop:
           out.extend(body)
+          changed = True
+        elif body is n.body:
+          out.append(n)
         else:
           out.append(LoopNode(n.loop, body))
+          changed = True
       else:
         out.append(n)
-    return tuple(out)
+    # Unchanged subtrees are kept, with their cached hashes (Rule 1 strips
+    # each placement once per grid and keys a dict by the result).
+    return tuple(out) if changed else nodes
   return TilingExpr(rec(expr.body))
 
 

@@ -367,7 +367,8 @@ class Region:
 
   @functools.cached_property
   def _op_memo(self) -> dict:
-    # (function, op) -> what ``op_loops`` / ``contraction_loops`` derived.
+    # (function, op or None) -> what ``op_loops``, ``contraction_loops``,
+    # ``min_bytes`` or the planner's memos (keyed the same way) derived.
     return {}
 
   @property
@@ -619,6 +620,9 @@ class Region:
   def min_bytes(self) -> int:
     """The fewest bytes a fused kernel must move: each input read once, each
     output written once."""
+    got = self._op_memo.get(("min_bytes", None))
+    if got is not None:
+      return got
     total = 0
     vm = self.value_map
     again = self.same_array()
@@ -628,6 +632,7 @@ class Region:
       ext = self.loop_extents
       n = math.prod(ext[l] for l, s in b.strides if s != 0) if b.strides else 1
       total += n * dtype_itemsize(vm[b.value].dtype)
+    self._op_memo[("min_bytes", None)] = total
     return total
 
   def arithmetic_intensity(self) -> float:

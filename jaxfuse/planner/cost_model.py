@@ -344,7 +344,10 @@ def _gemm_dims(region: ir.Region, op: "ir.Contraction",
 
 def _rows(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int]) -> int:
   """Rows of ``op``'s output tile: its lhs-only output loops."""
-  return _gemm_dims(region, op, tiles)[0]
+  n = 1
+  for l in _dot_loops(region, op)[0]:
+    n *= tiles[l]
+  return n
 
 
 def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, int],
@@ -929,10 +932,14 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   mean = {l: f[0] for l, f in fractions.items()}
   layout = mma_sync_warps(region, tiles, num_warps, device)
   unpipelined = is_unpipelined(region, tiles, streamable)
-  work = _statement_work(region, expr, tiles, grid, split, trips, streamable, device, mean,
-                         layout, unpipelined)
-  bytes_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, mean).values())
-  flops, t_dot, vec, sfu, steps = work
+  # The longest program's too, under a mask (see t_grid below).
+  most = {l: f[1] for l, f in fractions.items()}
+  works = _statement_work(region, expr, tiles, grid, split, trips, streamable, device,
+                          [mean, most] if fractions else [mean], layout, unpipelined)
+  flops, t_dot, vec, sfu, steps = works[0]
+  volumes = movement.placed_volumes(region, expr, tiles, grid, split,
+                                    [mean, most] if fractions else [mean])
+  bytes_moved = sum(volumes[0].values())
   t_mem = bytes_moved / device.mem_bandwidth_Bps
   t_comp = t_dot + vec / device.vector_flops + sfu / device.sfu_ops
   extra = 0.0
@@ -985,11 +992,8 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   if fractions:
     # The longest program (heavy programs are issued first, so a partial
     # last wave holds short ones and the average sets the waves' time).
-    most = {l: f[1] for l, f in fractions.items()}
-    _, l_dot, l_vec, l_sfu, l_steps = _statement_work(region, expr, tiles, grid, split, trips,
-                                                      streamable, device, most, layout,
-                                                      unpipelined)
-    l_moved = sum(movement.placed_volume(region, expr, tiles, grid, split, most).values())
+    _, l_dot, l_vec, l_sfu, l_steps = works[1]
+    l_moved = sum(volumes[1].values())
     if split:
       l_moved += 2 * partial
     l_comp = l_dot + l_vec / device.vector_flops + l_sfu / device.sfu_ops
@@ -1029,10 +1033,10 @@ def _op_loop_set(region: ir.Region, op) -> frozenset:
 def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
                     grid: Sequence[str], split: Optional[tuple[str, int]], trips,
                     streamable: frozenset, device: DeviceSpec,
-                    scale: Mapping[str, float],
+                    scales: Sequence[Mapping[str, float]],
                     layout: Optional[tuple[int, int]] = None,
                     unpipelined: bool = False
-                    ) -> tuple[float, float, float, float, float]:
+                    ) -> list[tuple[float, float, float, float, float]]:
   """(flops, tensor-core seconds, vector ops, SFU ops, steps of the longest
   loop nest) of a placed plan's Compute statements over all programs, with
   the trips of each loop in ``scale`` times its fraction. ``layout``: the
@@ -1046,24 +1050,18 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
   if layout is not None:
     for op in _tensor_core_dots(region):
       row_loops.update(_dot_loops(region, op)[0])
-  flops = 0
-  vec = 0
-  sfu = 0
-  t_dot = 0.0
-  steps = 1
   trip = {l: trips(l) for l in tiles}
   in_grid = frozenset(grid)
+  # Per Compute statement: (enclosing loops, their trips, work at full
+  # trips, copies, kind, its two coefficients, tiles of the loops its
+  # accumulator is rescaled along).
+  terms = []
   for st, enclosing in tiling.statement_contexts(expr):
     if st.kind != "C":
       continue
-    run = 1.0
-    for l in enclosing:
-      if l in scale:
-        run *= scale[l]
     n = 1
     for l in enclosing:
       n *= trip[l]
-    steps = max(steps, n * run if scale else n)
     op = region.producer(st.value)
     ol = _op_loop_set(region, op)
     around = in_grid.union(enclosing)
@@ -1076,8 +1074,6 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
       # every part runs this statement; per-program trips of the split loop
       # are already its share
       work *= split[1]
-    if run != 1.0:
-      work *= run
     copies = 1.0
     if isinstance(op, ir.Contraction):
       if layout is not None:
@@ -1086,24 +1082,51 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
     elif ol & row_loops:
       copies = warp_replication(layout, math.prod(tiles[l] for l in ol & row_loops),
                                 math.prod(tiles[l] for l in ol - row_loops))
+    rescaled = ()
     if isinstance(op, ir.Contraction) and (unpipelined or is_row_dot(region, op)):
-      flops += 2 * work
       size = ir.dtype_itemsize(contraction_dtype(region, op))
-      vec += copies * work * BROADCAST_PRODUCT_OPS.get(size, 1)
+      kind, a, b = "fma", BROADCAST_PRODUCT_OPS.get(size, 1), 0
     elif isinstance(op, ir.Contraction):
-      flops += 2 * work
       peak = device.dot_peak(contraction_dtype(region, op), op.precision)
-      t_dot += copies * 2 * work / (peak * dot_efficiency(region, op, tiles, device))
-      for l in _rescaled_by_stream(region, op, streamable):
-        if l in around and trips(l) > 1:
-          vec += copies * (work // tiles[l] if run == 1.0 else work / tiles[l])
+      kind, a, b = "dot", peak * dot_efficiency(region, op, tiles, device), 0
+      rescaled = tuple(tiles[l] for l in _rescaled_by_stream(region, op, streamable)
+                       if l in around and trips(l) > 1)
     elif isinstance(op, ir.Elementwise):
-      v, f = elementwise_cost(op.fn)
-      vec += copies * v * work
-      sfu += copies * f * work
+      kind, (a, b) = "ew", elementwise_cost(op.fn)
     else:
-      vec += copies * work
-  return flops, t_dot, vec, sfu, steps
+      kind, a, b = "vec", 0, 0
+    terms.append((enclosing, n, work, copies, kind, a, b, rescaled))
+
+  out = []
+  for scale in scales:
+    flops = 0
+    vec = 0
+    sfu = 0
+    t_dot = 0.0
+    steps = 1
+    for enclosing, n, work, copies, kind, a, b, rescaled in terms:
+      run = 1.0
+      for l in enclosing:
+        if l in scale:
+          run *= scale[l]
+      steps = max(steps, n * run if scale else n)
+      if run != 1.0:
+        work *= run
+      if kind == "fma":
+        flops += 2 * work
+        vec += copies * work * a
+      elif kind == "dot":
+        flops += 2 * work
+        t_dot += copies * 2 * work / a
+        for t in rescaled:
+          vec += copies * (work // t if run == 1.0 else work / t)
+      elif kind == "ew":
+        vec += copies * a * work
+        sfu += copies * b * work
+      else:
+        vec += copies * work
+    out.append((flops, t_dot, vec, sfu, steps))
+  return out
 
 
 def floor_time(region: ir.Region, device: DeviceSpec) -> float:

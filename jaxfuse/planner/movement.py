@@ -37,7 +37,7 @@ from typing import Mapping, Optional, Sequence, Union
 from jaxfuse import ir
 from jaxfuse.planner import tiling
 
-__all__ = ["chimera_volume", "placed_volume", "hoisted_load_bytes", "op_footprints", "io_tensors"]
+__all__ = ["chimera_volume", "placed_volume", "placed_volumes", "hoisted_load_bytes", "op_footprints", "io_tensors"]
 
 
 def _trips(ext: int, tile: float, continuous: bool) -> float:
@@ -155,12 +155,11 @@ def op_footprints(region: ir.Region, tiles: Mapping[str, int]) -> dict[str, int]
   return out
 
 
-def _statement_bytes(region: ir.Region, st: tiling.Stmt, buf: "ir.Buffer",
-                     enclosing: Sequence[str],
-                     tiles: Mapping[str, int], grid: Sequence[str],
-                     split: Optional[tuple[str, int]],
-                     run_fraction: Optional[Mapping[str, float]]) -> int:
-  """Bytes one Load/Store statement moves over all programs."""
+def _statement_elements(region: ir.Region, buf: "ir.Buffer", enclosing: Sequence[str],
+                        tiles: Mapping[str, int], grid: Sequence[str],
+                        split: Optional[tuple[str, int]]) -> int:
+  """Elements one Load/Store statement moves over all programs, at full
+  trips."""
   ext = region.loop_extents
   xl = {l for l, s in buf.strides if s != 0}
   n = 1
@@ -175,10 +174,7 @@ def _statement_bytes(region: ir.Region, st: tiling.Stmt, buf: "ir.Buffer",
     n *= trips
   if split and split[0] not in xl:
     n *= split[1]
-  for l in enclosing:
-    if run_fraction and l in run_fraction:
-      n *= run_fraction[l]
-  return round(n * ir.dtype_itemsize(region.value_map[st.value].dtype))
+  return n
 
 
 def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
@@ -192,15 +188,34 @@ def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str
   tiles a causal mask hides are skipped); statements inside it move that
   fraction.
   """
+  return placed_volumes(region, expr, tiles, grid, split, [run_fraction])[0]
+
+
+def placed_volumes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
+                   grid: Sequence[str], split: Optional[tuple[str, int]],
+                   run_fractions: Sequence[Optional[Mapping[str, float]]]
+                   ) -> list[dict[str, int]]:
+  """``placed_volume`` at each of ``run_fractions``, what does not depend on
+  the fraction derived once (the model prices a masked plan's average and
+  longest program)."""
   bufs = {b.value: b for b in region.inputs + region.outputs}
+  vm = region.value_map
   shared = tiling.shared_loads(region, expr, tiles)
-  out: dict[str, int] = {}
-  for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind == "C" or st.value in shared:
-      continue
-    out[st.value] = out.get(st.value, 0) + _statement_bytes(
-        region, st, bufs[st.value], enclosing, tiles, grid, split, run_fraction)
-  return out
+  moved = [(st.value, enclosing,
+            _statement_elements(region, bufs[st.value], enclosing, tiles, grid, split),
+            ir.dtype_itemsize(vm[st.value].dtype))
+           for st, enclosing in tiling.statement_contexts(expr)
+           if st.kind != "C" and st.value not in shared]
+  outs = []
+  for run_fraction in run_fractions:
+    out: dict[str, int] = {}
+    for value, enclosing, n, size in moved:
+      for l in enclosing:
+        if run_fraction and l in run_fraction:
+          n *= run_fraction[l]
+      out[value] = out.get(value, 0) + round(n * size)
+    outs.append(out)
+  return outs
 
 
 def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
@@ -215,6 +230,8 @@ def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mappin
     return 0
   bufs = {b.value: b for b in region.inputs}
   shared = tiling.shared_loads(region, expr, tiles)
-  return sum(_statement_bytes(region, n, bufs[n.value], (), tiles, grid, split, None)
+  vm = region.value_map
+  return sum(_statement_elements(region, bufs[n.value], (), tiles, grid, split)
+             * ir.dtype_itemsize(vm[n.value].dtype)
              for n in expr.body
              if isinstance(n, tiling.Stmt) and n.kind == "L" and n.value not in shared)

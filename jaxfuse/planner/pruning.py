@@ -421,19 +421,25 @@ def _upstream_contractions(region: ir.Region, v: str, *, elementwise_only: bool 
 
 # -- Rule 1 / Rule 2 --------------------------------------------------------
 
-def _naive_ops(region: ir.Region) -> tuple:
-  """What ``_naive_placed`` reads of each op, once per region: (op loops,
-  (input, its loops) per region input it reads, its result, the result's
+def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
+  """What ``_naive_placed`` reads of each op, once per region: the distinct
+  loop tuples of ops and inputs, and per op (index of its loops, (input,
+  index of its loops) per region input it reads, its result, the result's
   loops when the region returns it, else None)."""
   got = region._op_memo.get(("naive_ops", None))  # pylint: disable=protected-access
   if got is None:
     inputs, outputs = set(region.input_names), set(region.output_names)
-    got = region._op_memo[("naive_ops", None)] = tuple(  # pylint: disable=protected-access
-        (region.op_loops(op),
-         tuple((x, region.value(x).loops) for x in op.inputs if x in inputs),
+    index: dict[tuple[str, ...], int] = {}
+
+    def at(loops):
+      return index.setdefault(tuple(loops), len(index))
+    ops = tuple(
+        (at(region.op_loops(op)),
+         tuple((x, at(region.value(x).loops)) for x in op.inputs if x in inputs),
          op.out,
          frozenset(region.value(op.out).loops) if op.out in outputs else None)
         for op in region.ops)
+    got = region._op_memo[("naive_ops", None)] = (tuple(index), ops)  # pylint: disable=protected-access
   return got
 
 
@@ -464,28 +470,23 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
   def anc(l):
     return ancestors[l] if l is not None else ()
 
-  # Ops and inputs share loop tuples: each is anchored once per skeleton.
-  anchors: dict[tuple[str, ...], tuple[Optional[str], bool]] = {}
-
   def anchor(loops):
-    got = anchors.get(loops)
-    if got is None:
-      rel = [l for l in loops if l in parent]
-      if not rel:
-        got = (None, True)
-      else:
-        deepest = max(rel, key=lambda l: len(ancestors[l]))
-        got = (deepest, all(l in ancestors[deepest] for l in rel))
-      anchors[loops] = got
-    return got
+    rel = [l for l in loops if l in parent]
+    if not rel:
+      return None, True
+    deepest = max(rel, key=lambda l: len(ancestors[l]))
+    return deepest, all(l in ancestors[deepest] for l in rel)
 
+  # Ops and inputs share loop tuples: each is anchored once per skeleton.
+  loop_sets, ops = _naive_ops(region)
+  anchors = [anchor(loops) for loops in loop_sets]
   stmts: dict[Optional[str], list] = {}
-  for i, (op_loops, loads, out, out_loops) in enumerate(_naive_ops(region)):
-    a, ok = anchor(op_loops)
+  for i, (op_loops, loads, out, out_loops) in enumerate(ops):
+    a, ok = anchors[op_loops]
     if not ok:
       return None
     for x, x_loops in loads:
-      la, _ = anchor(x_loops)
+      la, _ = anchors[x_loops]
       # the load sits at its rightmost related loop on the consumer's path
       if la is not None and a is not None and la not in anc(a):
         la = a
@@ -613,55 +614,59 @@ def rule1_programs(region: ir.Region,
   forming classes. The classes kept are those ``violates_rule2`` passes,
   with the same members: Rule 2 reads only which loops enclose each
   compute, which normalizing (a reordering of siblings) keeps, so it is
-  checked on the stripped expression and rejected ones are never
-  normalized (on an attention training step's merged dk+dv region, Rule 2
-  rejects 858 of 890 classes at the default grid)."""
+  checked on the placement's enclosing loops less the bound ones, and
+  rejected skeletons are never stripped or normalized (on an attention
+  training step's merged dk+dv region, Rule 2 rejects 858 of 890 classes
+  at the default grid)."""
   bound = tuple(bound)
   order = _op_order(region)
   out: dict[str, tuple[tiling.TilingExpr, list[tiling.TilingExpr]]] = {}
   # Skeletons that differ only in bound loops strip to one expression
   # (that is Rule 1's point): normalize and print each such expression once.
-  seen: dict[tiling.TilingExpr, Optional[tuple[str, tiling.TilingExpr]]] = {}
+  seen: dict[tiling.TilingExpr, tuple[str, tiling.TilingExpr]] = {}
+  drop = frozenset(bound)
   for sk, p in placed:
     if p is None:
       continue
+    if rule2 and _violates_rule2(region, tiling.statement_contexts(p), drop):
+      continue
     stripped = tiling.strip_loops(p, bound)
-    if stripped in seen:
-      got = seen[stripped]
-    elif rule2 and violates_rule2(region, stripped):
-      got = seen[stripped] = None
-    else:
+    got = seen.get(stripped)
+    if got is None:
       program = _normalize(region, stripped, order)
       got = seen[stripped] = (str(program), program)
-    if got is not None:
-      out.setdefault(got[0], (got[1], []))[1].append(sk)
+    out.setdefault(got[0], (got[1], []))[1].append(sk)
   return out
 
 
 def violates_rule2(region: ir.Region, sub: tiling.TilingExpr) -> bool:
   """Rule 2 on a per-block expression: some op's reduced loop encloses a
   loop that indexes the op's result."""
+  return _violates_rule2(region, tiling.statement_contexts(sub), ())
+
+
+def _violates_rule2(region: ir.Region, contexts, drop: Collection[str]) -> bool:
+  """``violates_rule2`` on an expression's ``statement_contexts``, with the
+  loops in ``drop`` stripped (``tiling.strip_loops``: Rule 2 reads only the
+  loops that enclose each compute, so the stripped tree need not be built)."""
   loops = region._op_memo.get(("rule2_loops", None))  # pylint: disable=protected-access
   if loops is None:
     # (reduced loops, result loops) per op's result, once per region.
     loops = region._op_memo[("rule2_loops", None)] = {  # pylint: disable=protected-access
         op.out: (frozenset(tiling.reduced_by(op)), frozenset(region.value(op.out).loops))
         for op in region.ops}
-
-  def walk(nodes, enclosing: tuple[str, ...]) -> bool:
-    for n in nodes:
-      if isinstance(n, tiling.LoopNode):
-        if walk(n.body, enclosing + (n.loop,)):
-          return True
-      elif n.kind == "C":
-        red, out_loops = loops[n.value]
-        if not red:
-          continue
-        for i, l in enumerate(enclosing):
-          if l in red and any(x in out_loops for x in enclosing[i + 1:]):
-            return True
-    return False
-  return walk(sub.body, ())
+  for st, enclosing in contexts:
+    if st.kind != "C":
+      continue
+    red, out_loops = loops[st.value]
+    if not red:
+      continue
+    if drop:
+      enclosing = [l for l in enclosing if l not in drop]
+    for i, l in enumerate(enclosing):
+      if l in red and any(x in out_loops for x in enclosing[i + 1:]):
+        return True
+  return False
 
 
 # -- Rule 4 ------------------------------------------------------------------

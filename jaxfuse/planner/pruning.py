@@ -73,7 +73,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Collection, Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Mapping, Optional, Sequence, Union
 
 from jaxfuse import ir
 from jaxfuse.devices import contraction_dtype
@@ -443,10 +443,18 @@ def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
   return got
 
 
-def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[tiling.TilingExpr]:
+_NOT_NESTED, _RULE2_EVERYWHERE = "not nested", "rule 2 everywhere"
+
+
+def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
+                  rule2_under: Sequence[Collection[str]] = ()
+                  ) -> Union[tiling.TilingExpr, str]:
   """The skeleton with L/C/S statements at their rightmost related loop
-  (MCFuser Fig. 4(a)), no hoisting, no validity checks. None when an op's
-  loops are not nested in this skeleton."""
+  (MCFuser Fig. 4(a)), no hoisting, no validity checks. ``_NOT_NESTED``
+  when an op's loops are not nested in this skeleton; with
+  ``rule2_under`` (sets of bound loops), ``_RULE2_EVERYWHERE`` when Rule 2
+  rejects the placement under each of them: a compute sits at its
+  anchor, so where computes sit is known before any statement is placed."""
   parent: dict[str, Optional[str]] = {}
   children: dict[Optional[str], list] = {None: []}
 
@@ -480,11 +488,18 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr) -> Optional[ti
   # Ops and inputs share loop tuples: each is anchored once per skeleton.
   loop_sets, ops = _naive_ops(region)
   anchors = [anchor(loops) for loops in loop_sets]
+  if not all(anchors[op[0]][1] for op in ops):
+    return _NOT_NESTED
+  if rule2_under:
+    computes = [(tiling.Stmt("C", out), tuple(reversed(anc(anchors[i][0]))))
+                for i, _, out, _ in ops]
+    pairs = _rule2_pairs(region, computes)
+    if all(any(r not in drop and not later <= drop for r, later in pairs)
+           for drop in rule2_under):
+      return _RULE2_EVERYWHERE
   stmts: dict[Optional[str], list] = {}
   for i, (op_loops, loads, out, out_loops) in enumerate(ops):
-    a, ok = anchors[op_loops]
-    if not ok:
-      return None
+    a, _ = anchors[op_loops]
     for x, x_loops in loads:
       la, _ = anchors[x_loops]
       # the load sits at its rightmost related loop on the consumer's path
@@ -595,12 +610,33 @@ def rule1_classes(region: ir.Region, skeletons: Sequence[tiling.TilingExpr],
   return {k: members for k, (_, members) in rule1_programs(region, placed, bound).items()}
 
 
-def naive_placements(region: ir.Region, skeletons: Sequence[tiling.TilingExpr]
+def naive_placements(region: ir.Region, skeletons: Sequence[tiling.TilingExpr], *,
+                     rule2_under: Sequence[Collection[str]] = (),
+                     counts: Optional[dict] = None
                      ) -> list[tuple[tiling.TilingExpr, Optional[tiling.TilingExpr]]]:
   """(skeleton, its naive placement or None) per skeleton: what Rule 1
   reads of it under any grid, so a search over several grids places each
-  skeleton once."""
-  return [(sk, _naive_placed(region, sk)) for sk in skeletons]
+  skeleton once. None: an op's loops are not nested in the skeleton.
+
+  ``rule2_under``: the sets of bound loops (grids) the caller applies Rule
+  2 under; skeletons whose placement Rule 2 rejects under every one are
+  left out, unplaced (on an attention training step's merged dk+dv region,
+  587 of 1006). ``counts``: gets ``not_nested`` and
+  ``rule2_everywhere``, the skeletons of each kind."""
+  out = []
+  n = {_NOT_NESTED: 0, _RULE2_EVERYWHERE: 0}
+  for sk in skeletons:
+    p = _naive_placed(region, sk, tuple(frozenset(b) for b in rule2_under))
+    if isinstance(p, str):
+      n[p] += 1
+      if p == _RULE2_EVERYWHERE:
+        continue
+      p = None
+    out.append((sk, p))
+  if counts is not None:
+    counts["not_nested"] = n[_NOT_NESTED]
+    counts["rule2_everywhere"] = n[_RULE2_EVERYWHERE]
+  return out
 
 
 def rule1_programs(region: ir.Region,
@@ -642,31 +678,40 @@ def rule1_programs(region: ir.Region,
 def violates_rule2(region: ir.Region, sub: tiling.TilingExpr) -> bool:
   """Rule 2 on a per-block expression: some op's reduced loop encloses a
   loop that indexes the op's result."""
-  return _violates_rule2(region, tiling.statement_contexts(sub), ())
+  return _violates_rule2(region, tiling.statement_contexts(sub), frozenset())
 
 
-def _violates_rule2(region: ir.Region, contexts, drop: Collection[str]) -> bool:
+def _violates_rule2(region: ir.Region, contexts, drop: frozenset) -> bool:
   """``violates_rule2`` on an expression's ``statement_contexts``, with the
   loops in ``drop`` stripped (``tiling.strip_loops``: Rule 2 reads only the
   loops that enclose each compute, so the stripped tree need not be built)."""
+  return any(r not in drop and not later <= drop for r, later in _rule2_pairs(region, contexts))
+
+
+def _rule2_pairs(region: ir.Region, contexts) -> list[tuple[str, frozenset]]:
+  """(reduced loop, the loops indexing the op's result that it encloses)
+  per compute of ``contexts`` and loop it reduces: Rule 2 rejects where
+  one such pair survives stripping (its reduced loop, and one of the
+  others)."""
   loops = region._op_memo.get(("rule2_loops", None))  # pylint: disable=protected-access
   if loops is None:
     # (reduced loops, result loops) per op's result, once per region.
     loops = region._op_memo[("rule2_loops", None)] = {  # pylint: disable=protected-access
         op.out: (frozenset(tiling.reduced_by(op)), frozenset(region.value(op.out).loops))
         for op in region.ops}
+  pairs = []
   for st, enclosing in contexts:
     if st.kind != "C":
       continue
     red, out_loops = loops[st.value]
     if not red:
       continue
-    if drop:
-      enclosing = [l for l in enclosing if l not in drop]
     for i, l in enumerate(enclosing):
-      if l in red and any(x in out_loops for x in enclosing[i + 1:]):
-        return True
-  return False
+      if l in red:
+        later = out_loops.intersection(enclosing[i + 1:])
+        if later:
+          pairs.append((l, later))
+  return pairs
 
 
 # -- Rule 4 ------------------------------------------------------------------

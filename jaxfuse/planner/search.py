@@ -206,7 +206,9 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
   grids = _bounded_grids(region, base, extra, len(sks))
   skeletons = {}
   counts = {"expressions": len(sks)}
-  placed = pruning.naive_placements(region, sks)
+  made: dict = {}
+  placed = pruning.naive_placements(region, sks, rule2_under=grids, counts=made)
+  nested = len(sks) - made["not_nested"]
   for g in grids:
     classes = pruning.rule1_programs(region, placed, g, rule2=True)
     keep = [members[0] for _, members in classes.values()]
@@ -214,8 +216,7 @@ def build_space(region: ir.Region, device: DeviceSpec, *,
     # Rule 2 runs first here (see rule1_programs): the count is of the
     # skeletons it rejects, then of the programs Rule 1 keeps of the rest.
     counts[f"grid({','.join(g)})"] = {
-        "rule2_rejected": sum(p is not None for _, p in placed)
-                          - sum(len(m) for _, m in classes.values()),
+        "rule2_rejected": nested - sum(len(m) for _, m in classes.values()),
         "rule1_kept": len(keep)}
   tile_cands = {l.name: pruning.tile_candidates(region, l.name) for l in region.loops}
   splits: list[Optional[tuple[str, int]]] = [None]

@@ -396,7 +396,17 @@ class Region:
     return self._producers.get(name)
 
   def consumers(self, name: str) -> list:
-    return [op for op in self.ops if name in op.inputs]
+    got = self._consumers.get(name)
+    return list(got) if got is not None else []
+
+  @functools.cached_property
+  def _consumers(self) -> dict[str, tuple]:
+    # The model asks per plan it prices (``tf32_transposed_elements``).
+    out: dict[str, list] = {}
+    for op in self.ops:
+      for a in dict.fromkeys(op.inputs):
+        out.setdefault(a, []).append(op)
+    return {k: tuple(v) for k, v in out.items()}
 
   def computed_from(self, names, target: str, *, through_contractions: bool = True) -> bool:
     """Whether any of ``names`` (a value name or several) is ``target`` or

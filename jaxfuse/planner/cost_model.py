@@ -1022,11 +1022,45 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
                     waves=waves)
 
 
-def _op_loop_set(region: ir.Region, op) -> frozenset:
-  """``region.op_loops(op)`` as a set, once per op."""
-  got = region._op_memo.get(("op_loop_set", op))  # pylint: disable=protected-access
-  if got is None:
-    got = region._op_memo[("op_loop_set", op)] = frozenset(region.op_loops(op))  # pylint: disable=protected-access
+def _work_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence[str],
+                     streamable: frozenset) -> tuple:
+  """What ``_statement_work`` reads of each Compute statement whatever the
+  tiles, once per placed expression, grid and streamable loops (the search
+  prices one placement at several tiles): (enclosing loops, the op's
+  loops inside ``grid`` or the enclosing ones, its loops outside them,
+  the other enclosing or grid loops, the op, its kind, the kind's
+  coefficient, the op's loops on the dots' rows and the rest of them,
+  and the loops along which a dot's accumulator is rescaled)."""
+  key = ("work_statements", expr, tuple(grid), streamable)
+  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  if got is not None:
+    return got
+  row_loops = set()
+  for op in _tensor_core_dots(region):
+    row_loops.update(_dot_loops(region, op)[0])
+  out = []
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind != "C":
+      continue
+    op = region.producer(st.value)
+    ol = region.op_loops(op)
+    around = set(grid) | set(enclosing)
+    coeff, rescaled = 0, ()
+    if isinstance(op, ir.Contraction):
+      size = ir.dtype_itemsize(contraction_dtype(region, op))
+      kind = "row" if is_row_dot(region, op) else "dot"
+      coeff = BROADCAST_PRODUCT_OPS.get(size, 1)
+      rescaled = tuple(l for l in _rescaled_by_stream(region, op, streamable) if l in around)
+    elif isinstance(op, ir.Elementwise):
+      kind, coeff = "ew", elementwise_cost(op.fn)
+    else:
+      kind = "vec"
+    out.append((enclosing, tuple(l for l in ol if l in around),
+                tuple(l for l in ol if l not in around),
+                tuple(l for l in around if l not in ol), op, kind, coeff,
+                tuple(l for l in ol if l in row_loops),
+                tuple(l for l in ol if l not in row_loops), rescaled))
+  got = region._op_memo[key] = tuple(out)  # pylint: disable=protected-access
   return got
 
 
@@ -1038,64 +1072,56 @@ def _statement_work(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[s
                     unpipelined: bool = False
                     ) -> list[tuple[float, float, float, float, float]]:
   """(flops, tensor-core seconds, vector ops, SFU ops, steps of the longest
-  loop nest) of a placed plan's Compute statements over all programs, with
-  the trips of each loop in ``scale`` times its fraction. ``layout``: the
-  chain's mma.sync warps (``mma_sync_warps``); the tensor-core and vector
-  work of a tile its warps repeat counts once per copy (dots, and the ops
-  on tiles of the dots' rows, which share their layout; an op on a loaded
-  operand tile alone keeps a blocked layout over all warps).
-  ``unpipelined``: the plan's contractions are broadcast products
-  (``is_unpipelined``), priced on the FMA pipe."""
-  row_loops = set()
-  if layout is not None:
-    for op in _tensor_core_dots(region):
-      row_loops.update(_dot_loops(region, op)[0])
+  loop nest) of a placed plan's Compute statements over all programs, per
+  mapping of ``scales``: with the trips of each loop in it times its
+  fraction (the model prices a masked plan's average and longest program;
+  what does not depend on the fraction is derived once for both).
+  ``layout``: the chain's mma.sync warps (``mma_sync_warps``); the
+  tensor-core and vector work of a tile its warps repeat counts once per
+  copy (dots, and the ops on tiles of the dots' rows, which share their
+  layout; an op on a loaded operand tile alone keeps a blocked layout over
+  all warps). ``unpipelined``: the plan's contractions are broadcast
+  products (``is_unpipelined``), priced on the FMA pipe."""
   trip = {l: trips(l) for l in tiles}
-  in_grid = frozenset(grid)
   # Per Compute statement: (enclosing loops, their trips, work at full
   # trips, copies, kind, its two coefficients, tiles of the loops its
   # accumulator is rescaled along).
   terms = []
-  for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind != "C":
-      continue
+  for (enclosing, ol_around, ol_within, others, op, kind, coeff, ol_rows, ol_rest,
+       rescaled) in _work_statements(region, expr, grid, streamable):
     n = 1
     for l in enclosing:
       n *= trip[l]
-    op = region.producer(st.value)
-    ol = _op_loop_set(region, op)
-    around = in_grid.union(enclosing)
     work = 1
-    for l in ol:
-      work *= tiles[l] * (trip[l] if l in around else 1)
-    for l in around - ol:
+    for l in ol_around:
+      work *= tiles[l] * trip[l]
+    for l in ol_within:
+      work *= tiles[l]
+    for l in others:
       work *= trip[l]
     if split:
       # every part runs this statement; per-program trips of the split loop
       # are already its share
       work *= split[1]
     copies = 1.0
-    if isinstance(op, ir.Contraction):
+    a, b = 0, 0
+    if kind in ("row", "dot"):
       if layout is not None:
         rows, cols, _, _ = _gemm_dims(region, op, tiles)
         copies = warp_replication(layout, rows, cols)
-    elif ol & row_loops:
-      copies = warp_replication(layout, math.prod(tiles[l] for l in ol & row_loops),
-                                math.prod(tiles[l] for l in ol - row_loops))
-    rescaled = ()
-    if isinstance(op, ir.Contraction) and (unpipelined or is_row_dot(region, op)):
-      size = ir.dtype_itemsize(contraction_dtype(region, op))
-      kind, a, b = "fma", BROADCAST_PRODUCT_OPS.get(size, 1), 0
-    elif isinstance(op, ir.Contraction):
-      peak = device.dot_peak(contraction_dtype(region, op), op.precision)
-      kind, a, b = "dot", peak * dot_efficiency(region, op, tiles, device), 0
-      rescaled = tuple(tiles[l] for l in _rescaled_by_stream(region, op, streamable)
-                       if l in around and trips(l) > 1)
-    elif isinstance(op, ir.Elementwise):
-      kind, (a, b) = "ew", elementwise_cost(op.fn)
+      if kind == "row" or unpipelined:
+        kind, a = "fma", coeff
+      else:
+        peak = device.dot_peak(contraction_dtype(region, op), op.precision)
+        a = peak * dot_efficiency(region, op, tiles, device)
     else:
-      kind, a, b = "vec", 0, 0
-    terms.append((enclosing, n, work, copies, kind, a, b, rescaled))
+      if layout is not None and ol_rows:
+        copies = warp_replication(layout, math.prod(tiles[l] for l in ol_rows),
+                                  math.prod(tiles[l] for l in ol_rest))
+      if kind == "ew":
+        a, b = coeff
+    terms.append((enclosing, n, work, copies, kind, a, b,
+                  tuple(tiles[l] for l in rescaled if trip[l] > 1) if kind == "dot" else ()))
 
   out = []
   for scale in scales:

@@ -93,10 +93,13 @@ def chimera_volume(region: ir.Region, perm: Union[str, Sequence[str]],
   dv = 0.0
   mu = 0.0
   per: dict[str, float] = {}
+  # A tile's extent along each loop, and the loop's trips, once per call.
+  held = {l: tiles[l] if continuous else min(tiles[l], ext[l]) for l in ext if l in tiles}
+  trips = {l: _trips(ext[l], tiles[l], continuous) for l in ext if l in tiles}
   for op_loops, later, tensors in _chimera_ops(region):
     total_df = 0.0
     for t, tl, is_io in tensors:
-      df = math.prod(min(tiles[l], ext[l]) if not continuous else tiles[l] for l in tl)
+      df = math.prod(held[l] for l in tl)
       total_df += math.prod(tiles[l] for l in tl)
       if not is_io:
         continue
@@ -108,9 +111,9 @@ def chimera_volume(region: ir.Region, perm: Union[str, Sequence[str]],
         if l in tl:
           keep_reuse = False
           # exact coverage along a loop that indexes the tensor
-          dm *= ext[l] / (min(tiles[l], ext[l]) if not continuous else tiles[l])
+          dm *= ext[l] / held[l]
         elif not keep_reuse:
-          dm *= _trips(ext[l], tiles[l], continuous)
+          dm *= trips[l]
       per[t] = per.get(t, 0.0) + dm
       dv += dm
     # observation 3: the producer's private loops do not move consumer data
@@ -155,26 +158,43 @@ def op_footprints(region: ir.Region, tiles: Mapping[str, int]) -> dict[str, int]
   return out
 
 
-def _statement_elements(region: ir.Region, buf: "ir.Buffer", enclosing: Sequence[str],
-                        tiles: Mapping[str, int], grid: Sequence[str],
-                        split: Optional[tuple[str, int]]) -> int:
-  """Elements one Load/Store statement moves over all programs, at full
-  trips."""
+def _moved_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence[str],
+                      split: Optional[tuple[str, int]], skip: frozenset) -> tuple:
+  """What ``placed_volumes`` reads of each Load/Store statement (but those of
+  ``skip``: the loads ``tiling.shared_loads`` shares) whatever the tiles,
+  once per placed expression, grid and split: (statement, enclosing loops,
+  elements of its buffer, the enclosing or grid loops that do not index
+  the buffer, its split factor, its item size)."""
+  key = ("moved_statements", expr, tuple(grid), split, skip)
+  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  if got is not None:
+    return got
   ext = region.loop_extents
-  xl = {l for l, s in buf.strides if s != 0}
-  n = 1
-  for l in xl:
-    n *= ext[l]
-  for l in set(enclosing) | set(grid):
-    if l in xl:
+  bufs = {b.value: b for b in region.inputs + region.outputs}
+  vm = region.value_map
+  out = []
+  for st, enclosing in tiling.statement_contexts(expr):
+    if st.kind == "C" or st.value in skip:
       continue
-    trips = math.ceil(ext[l] / tiles[l])
-    if split and l == split[0]:
-      trips = math.ceil(trips / split[1])
-    n *= trips
-  if split and split[0] not in xl:
-    n *= split[1]
-  return n
+    xl = {l for l, s in bufs[st.value].strides if s != 0}
+    n = 1
+    for l in xl:
+      n *= ext[l]
+    out.append((st, enclosing, n, tuple(l for l in set(enclosing) | set(grid) if l not in xl),
+                split[1] if split and split[0] not in xl else 1,
+                ir.dtype_itemsize(vm[st.value].dtype)))
+  got = region._op_memo[key] = tuple(out)  # pylint: disable=protected-access
+  return got
+
+
+def _trips_of(region: ir.Region, tiles: Mapping[str, int],
+              split: Optional[tuple[str, int]]) -> dict[str, int]:
+  """Each tiled loop's trips per program (a split loop's share of them)."""
+  ext = region.loop_extents
+  out = {l: math.ceil(ext[l] / tiles[l]) for l in ext if l in tiles}
+  if split:
+    out[split[0]] = math.ceil(out[split[0]] / split[1])
+  return out
 
 
 def placed_volume(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],
@@ -198,14 +218,13 @@ def placed_volumes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[st
   """``placed_volume`` at each of ``run_fractions``, what does not depend on
   the fraction derived once (the model prices a masked plan's average and
   longest program)."""
-  bufs = {b.value: b for b in region.inputs + region.outputs}
-  vm = region.value_map
-  shared = tiling.shared_loads(region, expr, tiles)
-  moved = [(st.value, enclosing,
-            _statement_elements(region, bufs[st.value], enclosing, tiles, grid, split),
-            ir.dtype_itemsize(vm[st.value].dtype))
-           for st, enclosing in tiling.statement_contexts(expr)
-           if st.kind != "C" and st.value not in shared]
+  trips = _trips_of(region, tiles, split)
+  moved = []
+  for st, enclosing, n, looped, parts, size in _moved_statements(
+      region, expr, grid, split, frozenset(tiling.shared_loads(region, expr, tiles))):
+    for l in looped:
+      n *= trips[l]
+    moved.append((st.value, enclosing, n * parts, size))
   outs = []
   for run_fraction in run_fractions:
     out: dict[str, int] = {}
@@ -228,10 +247,12 @@ def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mappin
   loops has none."""
   if all(isinstance(n, tiling.Stmt) for n in expr.body):
     return 0
-  bufs = {b.value: b for b in region.inputs}
-  shared = tiling.shared_loads(region, expr, tiles)
-  vm = region.value_map
-  return sum(_statement_elements(region, bufs[n.value], (), tiles, grid, split)
-             * ir.dtype_itemsize(vm[n.value].dtype)
-             for n in expr.body
-             if isinstance(n, tiling.Stmt) and n.kind == "L" and n.value not in shared)
+  trips = _trips_of(region, tiles, split)
+  total = 0
+  for st, enclosing, n, looped, parts, size in _moved_statements(
+      region, expr, grid, split, frozenset(tiling.shared_loads(region, expr, tiles))):
+    if st.kind == "L" and not enclosing:
+      for l in looped:
+        n *= trips[l]
+      total += n * parts * size
+  return total

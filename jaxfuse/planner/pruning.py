@@ -423,9 +423,11 @@ def _upstream_contractions(region: ir.Region, v: str, *, elementwise_only: bool 
 
 def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
   """What ``_naive_placed`` reads of each op, once per region: the distinct
-  loop tuples of ops and inputs, and per op (index of its loops, (input,
+  loop tuples of ops and inputs; per op (index of its loops, (input,
   index of its loops) per region input it reads, its result, the result's
-  loops when the region returns it, else None)."""
+  loops when the region returns it, else None); and per op that reduces
+  (index of its loops, the loops it reduces, its result's loops), for
+  Rule 2."""
   got = region._op_memo.get(("naive_ops", None))  # pylint: disable=protected-access
   if got is None:
     inputs, outputs = set(region.input_names), set(region.output_names)
@@ -439,7 +441,11 @@ def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
          op.out,
          frozenset(region.value(op.out).loops) if op.out in outputs else None)
         for op in region.ops)
-    got = region._op_memo[("naive_ops", None)] = (tuple(index), ops)  # pylint: disable=protected-access
+    reducing = tuple((at(region.op_loops(op)), frozenset(tiling.reduced_by(op)),
+                      frozenset(region.value(op.out).loops))
+                     for op in region.ops if tiling.reduced_by(op))
+    got = region._op_memo[("naive_ops", None)] = (  # pylint: disable=protected-access
+        tuple(index), ops, reducing)
   return got
 
 
@@ -486,14 +492,20 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
     return deepest, all(l in ancestors[deepest] for l in rel)
 
   # Ops and inputs share loop tuples: each is anchored once per skeleton.
-  loop_sets, ops = _naive_ops(region)
+  loop_sets, ops, reducing = _naive_ops(region)
   anchors = [anchor(loops) for loops in loop_sets]
   if not all(anchors[op[0]][1] for op in ops):
     return _NOT_NESTED
   if rule2_under:
-    computes = [(tiling.Stmt("C", out), tuple(reversed(anc(anchors[i][0]))))
-                for i, _, out, _ in ops]
-    pairs = _rule2_pairs(region, computes)
+    # _rule2_pairs of the computes, each at its anchor.
+    pairs = []
+    for at, red, out_loops in reducing:
+      inner_first = anc(anchors[at][0])
+      for k, l in enumerate(inner_first):
+        if l in red:
+          later = out_loops.intersection(inner_first[:k])
+          if later:
+            pairs.append((l, later))
     if all(any(r not in drop and not later <= drop for r, later in pairs)
            for drop in rule2_under):
       return _RULE2_EVERYWHERE

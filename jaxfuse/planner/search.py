@@ -301,7 +301,8 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
               masked: Optional[dict] = None,
               floor_regs: Optional[int] = None,
               checked: Optional[dict] = None,
-              priced: Optional[dict] = None) -> Plan:
+              priced: Optional[dict] = None,
+              placement_keys: Optional[dict] = None) -> Plan:
   """Places a candidate and predicts it; raises PlacementError or ValueError.
 
   ``placements``: a memo of ``tiling.place`` for this region and
@@ -311,12 +312,15 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
   ``masked``: ``tiling.masked_tile_relations(region)``, ``floor_regs``:
   ``cost_model.unsplit_floor_regs(region)`` (each derived when None; a
   search passes its space's, so each runs once per search). ``checked``: a
-  memo of ``check_tiles``'s verdict by tiles for this region (candidates
+  memo of ``check_tiles``'s verdict, and of the warps and accumulator
+  bytes that follow from the tiles, by tiles for this region (candidates
   of other grids and skeletons share tiles). ``priced``: a memo of what
   follows placement (warps, stages, the prediction, or the rejection) by
   placed expression, tiles, grid and split for this region: many skeletons
   place to one expression (on a merged dk+dv backward region, 1233 valid
-  candidates were 556 distinct plans)."""
+  candidates were 556 distinct plans). ``placement_keys``: a memo of
+  ``tiling.placement_key`` by skeleton text, grid, split and single-tile
+  loops (what the key reads of the tiles), with ``placements``."""
   tiles = dict(cand.tiles)
   if masked is None:
     masked = tiling.masked_tile_relations(region)
@@ -324,22 +328,26 @@ def make_plan(region: ir.Region, device: DeviceSpec, cand: Candidate,
     floor_regs = cost_model.unsplit_floor_regs(region)
   if checked is None:
     check_tiles(region, tiles, device, masked, floor_regs)
+    warps = cost_model.choose_warps(region, tiles, bool(masked), floor_regs)
+    acc = cost_model.accumulator_bytes(region, tiles)
   else:
-    if cand.tiles not in checked:
+    got = checked.get(cand.tiles)
+    if got is None:
       try:
         check_tiles(region, tiles, device, masked, floor_regs)
-        checked[cand.tiles] = None
+        got = (None, cost_model.choose_warps(region, tiles, bool(masked), floor_regs),
+               cost_model.accumulator_bytes(region, tiles))
       except tiling.PlacementError as e:
-        checked[cand.tiles] = str(e)
-    if checked[cand.tiles] is not None:
-      raise tiling.PlacementError(checked[cand.tiles])
-  warps = cost_model.choose_warps(region, tiles, bool(masked), floor_regs)
-  acc = cost_model.accumulator_bytes(region, tiles)
+        got = (str(e), 0, 0)
+      checked[cand.tiles] = got
+    if got[0] is not None:
+      raise tiling.PlacementError(got[0])
+    _, warps, acc = got
   if cand.split:
     l, parts = cand.split
     if math.ceil(region.extent(l) / tiles[l]) < parts:
       raise tiling.PlacementError(f"split {l}x{parts} has fewer tiles than parts")
-  expr = _place(region, cand, tiles, streamable, placements)
+  expr = _place(region, cand, tiles, streamable, placements, placement_keys)
   if priced is None:
     return _priced_plan(region, device, cand, expr, tiles, warps, acc, streamable, masked,
                         floor_regs)
@@ -466,13 +474,26 @@ def _parsed(skeleton: str, loops: tuple[str, ...]) -> tiling.TilingExpr:
 
 
 def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
-           streamable: frozenset[str], placements: Optional[dict]) -> tiling.TilingExpr:
+           streamable: frozenset[str], placements: Optional[dict],
+           placement_keys: Optional[dict] = None) -> tiling.TilingExpr:
   if placements is None:
     return tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
                         split=cand.split)
-  skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
-  key = tiling.placement_key(region, skeleton, tiles, cand.grid, cand.split)
+  key = None
+  if placement_keys is not None:
+    # The key reads the tiles only through the single-tile loops (and checks
+    # them, which the search's tiles always pass). Its errors are not kept:
+    # their text names a tile count.
+    known = (cand.skeleton, cand.grid, cand.split,
+             tiling.single_tile_loops(region, tiles, cand.split))
+    key = placement_keys.get(known)
+  if key is None:
+    skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
+    key = tiling.placement_key(region, skeleton, tiles, cand.grid, cand.split)
+    if placement_keys is not None:
+      placement_keys[known] = key
   if key not in placements:
+    skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
     try:
       placements[key] = tiling.place(region, skeleton, tiles, cand.grid,
                                      streamable=streamable, split=cand.split)
@@ -624,6 +645,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
   placements: dict = {}
   checked: dict = {}
   priced: dict = {}
+  placement_keys: dict = {}
   rejected: dict[str, int] = {}
   measured: dict[Candidate, float] = {}
 
@@ -632,7 +654,7 @@ def _search(region: ir.Region, device: DeviceSpec, space: Space, *, seed: int,
       return memo[c]
     try:
       p = make_plan(region, device, c, space.streamable, placements, space.masked,
-                    space.floor_regs, checked, priced)
+                    space.floor_regs, checked, priced, placement_keys)
     except (tiling.PlacementError, ValueError) as e:
       key = rejection_kind(str(e))
       rejected[key] = rejected.get(key, 0) + 1

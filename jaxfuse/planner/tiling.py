@@ -696,30 +696,36 @@ def enumerate_skeletons(region, loops: Optional[Sequence[str]] = None, *,
 
   out: list[TilingExpr] = []
 
-  def gen(ls: frozenset[str]) -> Iterator[tuple[Node, ...]]:
+  # _components of each loop set: gen reaches one set from many prefixes.
+  components: dict[frozenset[str], list] = {}
+
+  def gen(ls: frozenset[str]) -> Iterator[tuple[tuple[Node, ...], bool]]:
+    """(body, whether it is deep: ``TilingExpr.is_deep``) over ``ls``."""
     if not ls:
-      yield ()
+      yield (), True
       return
     for l in sorted(ls, key=order.index):
-      for sub in gen(ls - {l}):
-        yield (LoopNode(l, sub),)
+      for sub, deep in gen(ls - {l}):
+        yield (LoopNode(l, sub),), deep
     if not flat:
       return
-    groups = _components(ls, op_loops)
+    groups = components.get(ls)
+    if groups is None:
+      groups = components[ls] = _components(ls, op_loops)
     if len(groups) < 2:
       return
     for perm in itertools.permutations(range(len(groups))):
       if not _respects(perm, groups, deps):
         continue
-      subs = [list(gen(frozenset(groups[g][0]))) for g in perm]
+      subs = [[body for body, _ in gen(frozenset(groups[g][0]))] for g in perm]
       for combo in itertools.product(*subs):
-        yield tuple(itertools.chain.from_iterable(combo))
+        # two or more loops side by side at this scope
+        yield tuple(itertools.chain.from_iterable(combo)), False
 
   deep: list[TilingExpr] = []
   flats: list[TilingExpr] = []
-  for body in gen(frozenset(loops)):
-    e = TilingExpr(body)
-    (deep if e.is_deep() else flats).append(e)
+  for body, is_deep in gen(frozenset(loops)):
+    (deep if is_deep else flats).append(TilingExpr(body))
     if len(deep) + len(flats) >= limit:
       logging.info("jaxfuse planner: tiling expressions capped at %d", limit)
       break
@@ -1035,6 +1041,8 @@ def _place_stripped(region, sk: TilingExpr, stream: frozenset[str]) -> TilingExp
 
   deferred = _deferred_pairs(region) if stream else frozenset()
 
+  subtree_defs_uses: dict[int, tuple[set[str], set[str]]] = {}
+
   def defs_uses(it) -> tuple[set[str], set[str]]:
     """Values an item (statement or loop subtree) defines and reads."""
     if isinstance(it, Stmt):
@@ -1042,28 +1050,37 @@ def _place_stripped(region, sk: TilingExpr, stream: frozenset[str]) -> TilingExp
         op = ops[idx[it.value]]
         return {it.value}, {a for a in op.inputs if (it.value, a) not in deferred}
       return ({it.value}, set()) if it.kind == "L" else (set(), {it.value})
-    d, u = set(), set()
-    for _, sub in it.items:
-      sd, su = defs_uses(sub)
-      d |= sd
-      u |= su
-    return d, u - d
+    got = subtree_defs_uses.get(id(it))
+    if got is None:
+      d, u = set(), set()
+      for _, sub in it.items:
+        sd, su = defs_uses(sub)
+        d |= sd
+        u |= su
+      got = subtree_defs_uses[id(it)] = (d, u - d)
+    return got
 
   def emit(t: _T) -> tuple[Node, ...]:
     # Op-index order, except that an item never precedes one that defines a
-    # value it reads (an iota or scale at this scope feeding a loop below).
+    # value it reads (an iota or scale at this scope feeding a loop below):
+    # each step takes the first pending item that no other pending item
+    # defines a value for (``defined`` counts the pending definers).
     pending = sorted(t.items, key=lambda p: p[0])
     info = [defs_uses(it) for _, it in pending]
+    defined: dict[str, int] = {}
+    for d, _ in info:
+      for v in d:
+        defined[v] = defined.get(v, 0) + 1
     out: list[Node] = []
     while pending:
       pick = 0
-      for i in range(len(pending)):
-        later_defs = set().union(*(info[j][0] for j in range(len(pending)) if j != i))
-        if not (info[i][1] & later_defs):
+      for i, (d, u) in enumerate(info):
+        if all(defined.get(v, 0) - (v in d) == 0 for v in u):
           pick = i
           break
       _, it = pending.pop(pick)
-      info.pop(pick)
+      for v in info.pop(pick)[0]:
+        defined[v] -= 1
       if isinstance(it, Stmt):
         out.append(it)
       else:

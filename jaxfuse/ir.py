@@ -439,6 +439,11 @@ class Region:
     """Input value -> the first input that receives the same array, for
     each input after the first of its ``Buffer.array`` group. Only plain
     buffers of equal shape, dtype and offset join (not windows or parts)."""
+    return dict(self._same_array)
+
+  @functools.cached_property
+  def _same_array(self) -> dict[str, str]:
+    # The model asks per plan it prices (``tiling.shared_loads``).
     vm = self.value_map
     first: dict[tuple, str] = {}
     out: dict[str, str] = {}

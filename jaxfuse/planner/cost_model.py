@@ -358,8 +358,11 @@ def dot_efficiency(region: ir.Region, op: "ir.Contraction", tiles: Mapping[str, 
   the contracted loops (batch loops, tile 1, drop out).
   """
   rows, cols, _, red = _gemm_dims(region, op, tiles)
-  chain16 = (len(_tensor_core_dots(region)) > 1
-             and ir.dtype_itemsize(contraction_dtype(region, op)) <= 2)
+  chain16 = region._op_memo.get(("chain16", op))  # pylint: disable=protected-access
+  if chain16 is None:
+    chain16 = region._op_memo[("chain16", op)] = (  # pylint: disable=protected-access
+        len(_tensor_core_dots(region)) > 1
+        and ir.dtype_itemsize(contraction_dtype(region, op)) <= 2)
   narrow = NARROW_ROWS_EFFICIENCY if chain16 else NARROW_ROWS_EFFICIENCY_OTHER
   eta = 1.0 if rows >= device.mma_rows else narrow * rows / device.mma_rows
   h = HALF_EFFICIENCY_TILE
@@ -876,9 +879,14 @@ def is_unpipelined(region: ir.Region, tiles: Mapping[str, int],
     return False
   if streamable is None:
     streamable = tiling.streamable_loops(region)
-  return (not streamable
-          and all(pruning.broadcast_product(region, op, tiles) is not None
-                  for op in region.contractions))
+  if streamable:
+    return False
+  key = ("unpipelined", tuple(tiles.items()))
+  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  if got is None:
+    got = region._op_memo[key] = all(  # pylint: disable=protected-access
+        pruning.broadcast_product(region, op, tiles) is not None for op in region.contractions)
+  return got
 
 
 def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int],

@@ -423,9 +423,10 @@ def _upstream_contractions(region: ir.Region, v: str, *, elementwise_only: bool 
 
 def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
   """What ``_naive_placed`` reads of each op, once per region: the distinct
-  loop tuples of ops and inputs; per op (index of its loops, (input,
-  index of its loops) per region input it reads, its result, the result's
-  loops when the region returns it, else None); and per op that reduces
+  loop tuples of ops and inputs; per op (index of its loops, (Load, index
+  of the input's loops) per region input it reads, its Compute, and where
+  the region returns its result (the result's loops, its Store), else
+  None); and per op that reduces
   (index of its loops, the loops it reduces, its result's loops), for
   Rule 2."""
   got = region._op_memo.get(("naive_ops", None))  # pylint: disable=protected-access
@@ -435,11 +436,14 @@ def _naive_ops(region: ir.Region) -> tuple[tuple, tuple]:
 
     def at(loops):
       return index.setdefault(tuple(loops), len(index))
+    # The statements too: immutable, so every skeleton's placement shares them.
     ops = tuple(
         (at(region.op_loops(op)),
-         tuple((x, at(region.value(x).loops)) for x in op.inputs if x in inputs),
-         op.out,
-         frozenset(region.value(op.out).loops) if op.out in outputs else None)
+         tuple((tiling.Stmt("L", x), at(region.value(x).loops))
+               for x in op.inputs if x in inputs),
+         tiling.Stmt("C", op.out),
+         (frozenset(region.value(op.out).loops), tiling.Stmt("S", op.out))
+         if op.out in outputs else None)
         for op in region.ops)
     reducing = tuple((at(region.op_loops(op)), frozenset(tiling.reduced_by(op)),
                       frozenset(region.value(op.out).loops))
@@ -510,24 +514,25 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
            for drop in rule2_under):
       return _RULE2_EVERYWHERE
   stmts: dict[Optional[str], list] = {}
-  for i, (op_loops, loads, out, out_loops) in enumerate(ops):
+  for i, (op_loops, loads, compute, stored) in enumerate(ops):
     a, _ = anchors[op_loops]
-    for x, x_loops in loads:
+    for load, x_loops in loads:
       la, _ = anchors[x_loops]
       # the load sits at its rightmost related loop on the consumer's path
       if la is not None and a is not None and la not in anc(a):
         la = a
-      stmts.setdefault(la, []).append(((i, 0), tiling.Stmt("L", x)))
-    stmts.setdefault(a, []).append(((i, 1), tiling.Stmt("C", out)))
-    if out_loops is not None:
+      stmts.setdefault(la, []).append(((i, 0), load))
+    stmts.setdefault(a, []).append(((i, 1), compute))
+    if stored is not None:
       # As in tiling.place: the store follows the scope in which the output
       # is complete, i.e. it leaves every enclosing loop that does not index
       # the output (those accumulate into it).
+      out_loops, store = stored
       sa = a
       for l in anc(a):
         if l not in out_loops:
           sa = parent[l]
-      stmts.setdefault(sa, []).append(((i, 2), tiling.Stmt("S", out)))
+      stmts.setdefault(sa, []).append(((i, 2), store))
 
   firsts: dict[Optional[str], float] = {}
 
@@ -566,12 +571,17 @@ def _op_order(region: ir.Region) -> tuple[dict, dict, dict]:
 
 
 def _normalize(region: ir.Region, expr: tiling.TilingExpr,
-               order: Optional[tuple[dict, dict, dict]] = None) -> tiling.TilingExpr:
+               order: Optional[tuple[dict, dict, dict]] = None,
+               memo: Optional[dict] = None) -> tiling.TilingExpr:
   """Statements of one scope in dependence order (loads before their first
   consumer, stores after the compute), so that splicing removed loops does
   not make two equal per-block programs print differently. ``order``:
-  ``_op_order(region)``, when already computed."""
+  ``_op_order(region)``, when already computed; ``memo``: normalized
+  scopes by scope, for this region (a scope's order depends on it alone,
+  and Rule 1's expressions share most of theirs)."""
   idx, reads, first_use = order or _op_order(region)
+  if memo is None:
+    memo = {}
   # A loop's sort key and the values its computes read, once per node
   # (rec sorts every scope, and each sort keys whole subtrees). Keyed by
   # id: every node keyed is part of the tree being built, alive until the end.
@@ -601,6 +611,9 @@ def _normalize(region: ir.Region, expr: tiling.TilingExpr,
     return value in read(n)
 
   def rec(body):
+    got = memo.get(body)
+    if got is not None:
+      return got
     out = sorted((tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
                   for n in body), key=key)
     # A load goes before the first sibling that consumes it (a loop holding
@@ -610,7 +623,8 @@ def _normalize(region: ir.Region, expr: tiling.TilingExpr,
       if out[first] is not ld:
         out.remove(ld)
         out.insert(first, ld)
-    return tuple(out)
+    got = memo[body] = tuple(out)
+    return got
   return tiling.TilingExpr(rec(expr.body))
 
 
@@ -673,15 +687,22 @@ def rule1_programs(region: ir.Region,
   # (that is Rule 1's point): normalize and print each such expression once.
   seen: dict[tiling.TilingExpr, tuple[str, tiling.TilingExpr]] = {}
   drop = frozenset(bound)
+  normalized = region._op_memo.setdefault(("normalized", None), {})  # pylint: disable=protected-access
+  pairs = region._op_memo.setdefault(("rule2_pairs", None), {})  # pylint: disable=protected-access
   for sk, p in placed:
     if p is None:
       continue
-    if rule2 and _violates_rule2(region, tiling.statement_contexts(p), drop):
-      continue
+    if rule2:
+      # Rule 2's pairs of a placement are the same under every grid.
+      got = pairs.get(p)
+      if got is None:
+        got = pairs[p] = _rule2_pairs(region, tiling.statement_contexts(p))
+      if any(r not in drop and not later <= drop for r, later in got):
+        continue
     stripped = tiling.strip_loops(p, bound)
     got = seen.get(stripped)
     if got is None:
-      program = _normalize(region, stripped, order)
+      program = _normalize(region, stripped, order, normalized)
       got = seen[stripped] = (str(program), program)
     out.setdefault(got[0], (got[1], []))[1].append(sk)
   return out
@@ -760,16 +781,25 @@ def pipelined_smem_bytes(region: ir.Region, expr: "tiling.TilingExpr",
   eq. (1) said 208 KB. Used to choose ``num_stages``, not for Rule 4. A
   load of a tile the kernel already holds (``tiling.shared_loads``) takes
   none."""
-  vm = region.value_map
-  shared = tiling.shared_loads(region, expr, tiles)
-  total = 0
-  for st, enclosing in tiling.statement_contexts(expr):
-    if st.kind != "L" or st.value in shared:
-      continue
-    val = vm[st.value]
-    size = math.prod(tiles[l] for l in val.loops) * ir.dtype_itemsize(val.dtype)
-    total += size * (num_stages if enclosing else 1)
-  return total
+  # Linear in the stages: (looped, hoisted) bytes once per expression and
+  # tiles (the search asks at two stage counts, the model at the plan's).
+  key = ("pipelined_smem", expr, tuple(tiles.items()))
+  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  if got is None:
+    vm = region.value_map
+    shared = tiling.shared_loads(region, expr, tiles)
+    looped = hoisted = 0
+    for st, enclosing in tiling.statement_contexts(expr):
+      if st.kind != "L" or st.value in shared:
+        continue
+      val = vm[st.value]
+      size = math.prod(tiles[l] for l in val.loops) * ir.dtype_itemsize(val.dtype)
+      if enclosing:
+        looped += size
+      else:
+        hoisted += size
+    got = region._op_memo[key] = (looped, hoisted)  # pylint: disable=protected-access
+  return got[0] * num_stages + got[1]
 
 
 def rule4_ok(region: ir.Region, tiles: Mapping[str, int], smem_per_block: int, *,

@@ -330,13 +330,13 @@ def shared_loads(region, expr: TilingExpr, tiles: Mapping[str, int]
 
   The code generator prints the one load (``triton_printer``); the model
   counts its bytes and shared memory once (``movement``, ``pruning``)."""
-  again = region.same_array() if any(b.array for b in region.inputs) else {}
+  again = region._same_array  # pylint: disable=protected-access
   if not again:
     return {}
-  ext = region.loop_extents
   # Tiles matter only through which loops are whole: memoized on that,
   # since the model asks several times per prediction.
-  key = ("shared_loads", expr, tuple(sorted(l for l in ext if tiles.get(l) == ext[l])))
+  key = ("shared_loads", expr,
+         tuple(l for l, e in region._extents.items() if tiles.get(l) == e))  # pylint: disable=protected-access
   got = region._op_memo.get(key)  # pylint: disable=protected-access
   if got is None:
     got = region._op_memo[key] = _shared_loads(region, expr, tiles, again)  # pylint: disable=protected-access

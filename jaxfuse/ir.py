@@ -371,6 +371,18 @@ class Region:
     # ``min_bytes`` or the planner's memos (keyed the same way) derived.
     return {}
 
+  @functools.cached_property
+  def plan_memo(self) -> dict:
+    """What the planner derives while it searches this region (per placed
+    expression and tiles), keyed by (what, ...). A search drops it when it
+    ends (``drop_plan_memo``): it holds megabytes on a large region, and a
+    region outlives its planning."""
+    return {}
+
+  def drop_plan_memo(self) -> None:
+    """Forgets ``plan_memo``."""
+    self.__dict__.pop("plan_memo", None)
+
   @property
   def loop_extents(self) -> dict[str, int]:
     return self._extents.copy()

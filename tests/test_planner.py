@@ -277,6 +277,41 @@ def test_rule2_before_rule1_keeps_the_same_classes():
     assert rejected > 0
 
 
+def test_a_search_pauses_the_collector_and_drops_its_memo():
+  """``search`` runs with Python's cyclic collector paused (its
+  collections walked every object of the process), restores it after,
+  also when the search raises, and leaves no ``plan_memo`` on the region."""
+  import gc  # pylint: disable=g-import-not-at-top
+  r = chain4(512, 256, 64, 128)
+  seen = []
+  real = cost_model.predict
+
+  def spy(*args, **kwargs):
+    seen.append(gc.isenabled())
+    return real(*args, **kwargs)
+  assert gc.isenabled()
+  with mock.patch.object(cost_model, "predict", spy):
+    res = search.search(r, H100)
+  assert res.ranked and seen and not any(seen)
+  assert gc.isenabled() and "plan_memo" not in r.__dict__
+  # The model's memo is there while the search runs.
+  with mock.patch.object(cost_model, "predict",
+                         lambda *a, **k: (seen.append(len(r.plan_memo)), real(*a, **k))[1]):
+    search.search(r, H100)
+  assert seen[-1] > 0 and "plan_memo" not in r.__dict__
+  # A failing search restores both too; a collector the caller paused stays paused.
+  with mock.patch.object(search, "_search", side_effect=RuntimeError("boom")):
+    with pytest.raises(RuntimeError):
+      search.search(r, H100)
+  assert gc.isenabled() and "plan_memo" not in r.__dict__
+  gc.disable()
+  try:
+    search.search(r, H100)
+    assert not gc.isenabled()
+  finally:
+    gc.enable()
+
+
 def test_rule3_tiles(monkeypatch):
   assert pruning.tile_candidates(chain4(1024, 64, 64, 64), "m") == (16, 32, 64, 128, 256, 512, 1024)
   att = examples.attention(1, 1, 208, 208, 80)

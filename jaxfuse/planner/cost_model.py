@@ -413,16 +413,18 @@ def inner_loop_starts(expr: tiling.TilingExpr, trips) -> int:
   entered once per program, like a loop-free body, and are not counted.
   Why: each entry refills that loop's software pipeline
   (``NESTED_LOOP_FILL_S``)."""
+  # An explicit stack, not a recursive closure: the closure's reference to
+  # itself is a cycle, garbage that only the collector frees, and the model
+  # runs this per plan it prices.
   total = 0
-
-  def walk(nodes, entries, nested):
-    nonlocal total
+  stack = [(expr.body, 1, False)]
+  while stack:
+    nodes, entries, nested = stack.pop()
     for n in nodes:
       if isinstance(n, tiling.LoopNode):
         if nested:
           total += entries
-        walk(n.body, entries * trips(n.loop), True)
-  walk(expr.body, 1, False)
+        stack.append((n.body, entries * trips(n.loop), True))
   return total
 
 
@@ -882,9 +884,9 @@ def is_unpipelined(region: ir.Region, tiles: Mapping[str, int],
   if streamable:
     return False
   key = ("unpipelined", tuple(tiles.items()))
-  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  got = region.plan_memo.get(key)
   if got is None:
-    got = region._op_memo[key] = all(  # pylint: disable=protected-access
+    got = region.plan_memo[key] = all(
         pruning.broadcast_product(region, op, tiles) is not None for op in region.contractions)
   return got
 
@@ -1040,7 +1042,7 @@ def _work_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence[
   coefficient, the op's loops on the dots' rows and the rest of them,
   and the loops along which a dot's accumulator is rescaled)."""
   key = ("work_statements", expr, tuple(grid), streamable)
-  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  got = region.plan_memo.get(key)
   if got is not None:
     return got
   row_loops = set()
@@ -1068,7 +1070,7 @@ def _work_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence[
                 tuple(l for l in around if l not in ol), op, kind, coeff,
                 tuple(l for l in ol if l in row_loops),
                 tuple(l for l in ol if l not in row_loops), rescaled))
-  got = region._op_memo[key] = tuple(out)  # pylint: disable=protected-access
+  got = region.plan_memo[key] = tuple(out)
   return got
 
 

@@ -166,7 +166,7 @@ def _moved_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence
   elements of its buffer, the enclosing or grid loops that do not index
   the buffer, its split factor, its item size)."""
   key = ("moved_statements", expr, tuple(grid), split, skip)
-  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  got = region.plan_memo.get(key)
   if got is not None:
     return got
   ext = region.loop_extents
@@ -183,7 +183,7 @@ def _moved_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence
     out.append((st, enclosing, n, tuple(l for l in set(enclosing) | set(grid) if l not in xl),
                 split[1] if split and split[0] not in xl else 1,
                 ir.dtype_itemsize(vm[st.value].dtype)))
-  got = region._op_memo[key] = tuple(out)  # pylint: disable=protected-access
+  got = region.plan_memo[key] = tuple(out)
   return got
 
 

@@ -465,17 +465,20 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
   ``rule2_under`` (sets of bound loops), ``_RULE2_EVERYWHERE`` when Rule 2
   rejects the placement under each of them: a compute sits at its
   anchor, so where computes sit is known before any statement is placed."""
+  # No recursive closures here or below: a closure's reference to itself
+  # is a cycle, and every skeleton's tables would be garbage that only the
+  # collector frees.
   parent: dict[str, Optional[str]] = {}
   children: dict[Optional[str], list] = {None: []}
-
-  def build(body, p):
+  stack: list = [(skeleton.body, None)]
+  while stack:
+    body, p = stack.pop()
     for n in body:
       if isinstance(n, tiling.LoopNode):
         parent[n.loop] = p
         children.setdefault(p, []).append(n.loop)
         children.setdefault(n.loop, [])
-        build(n.body, n.loop)
-  build(skeleton.body, None)
+        stack.append((n.body, n.loop))
 
   ancestors: dict[str, tuple[str, ...]] = {}
   for l in parent:
@@ -534,28 +537,30 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
           sa = parent[l]
       stmts.setdefault(sa, []).append(((i, 2), store))
 
-  firsts: dict[Optional[str], float] = {}
+  return tiling.TilingExpr(_naive_emit(None, stmts, children, {}))
 
-  def sub_min(l):
-    m = firsts.get(l)
-    if m is None:
-      m = min([k[0] for k, _ in stmts.get(l, [])] or [math.inf])
-      for c in children.get(l, []):
-        m = min(m, sub_min(c))
-      firsts[l] = m
-    return m
 
-  def emit(l):
-    items = list(stmts.get(l, []))
+def _naive_first(l: Optional[str], stmts: dict, children: dict, firsts: dict) -> float:
+  """The first op index placed in loop ``l``'s subtree (``_naive_placed``)."""
+  m = firsts.get(l)
+  if m is None:
+    m = min([k[0] for k, _ in stmts.get(l, [])] or [math.inf])
     for c in children.get(l, []):
-      items.append(((sub_min(c), 1), c))
-    items.sort(key=lambda p: p[0])
-    out = []
-    for _, it in items:
-      out.append(it if isinstance(it, tiling.Stmt) else tiling.LoopNode(it, emit(it)))
-    return tuple(out)
+      m = min(m, _naive_first(c, stmts, children, firsts))
+    firsts[l] = m
+  return m
 
-  return tiling.TilingExpr(emit(None))
+
+def _naive_emit(l: Optional[str], stmts: dict, children: dict,
+                firsts: dict) -> tuple[tiling.Node, ...]:
+  """Loop ``l``'s body: its statements and child loops in op order."""
+  items = list(stmts.get(l, []))
+  for c in children.get(l, []):
+    items.append(((_naive_first(c, stmts, children, firsts), 1), c))
+  items.sort(key=lambda p: p[0])
+  return tuple(it if isinstance(it, tiling.Stmt)
+               else tiling.LoopNode(it, _naive_emit(it, stmts, children, firsts))
+               for _, it in items)
 
 
 def _op_order(region: ir.Region) -> tuple[dict, dict, dict]:
@@ -579,53 +584,59 @@ def _normalize(region: ir.Region, expr: tiling.TilingExpr,
   ``_op_order(region)``, when already computed; ``memo``: normalized
   scopes by scope, for this region (a scope's order depends on it alone,
   and Rule 1's expressions share most of theirs)."""
-  idx, reads, first_use = order or _op_order(region)
-  if memo is None:
-    memo = {}
-  # A loop's sort key and the values its computes read, once per node
-  # (rec sorts every scope, and each sort keys whole subtrees). Keyed by
-  # id: every node keyed is part of the tree being built, alive until the end.
-  keys: dict[int, tuple] = {}
-  read_in: dict[int, frozenset] = {}
+  normalizer = _Normalizer(order or _op_order(region), {} if memo is None else memo)
+  return tiling.TilingExpr(normalizer.scope(expr.body))
 
-  def key(n):
+
+class _Normalizer:
+  """``_normalize``'s state: methods, not recursive closures (a closure's
+  reference to itself is a cycle, and each call's tables would be garbage
+  that only the collector frees)."""
+
+  def __init__(self, order: tuple[dict, dict, dict], memo: dict):
+    self.idx, self.reads, self.first_use = order
+    self.memo = memo
+    # A loop's sort key and the values its computes read, once per node
+    # (scope sorts every scope, and each sort keys whole subtrees). Keyed by
+    # id: every node keyed is in the tree being built or in ``memo``, alive
+    # until the end.
+    self.keys: dict[int, tuple] = {}
+    self.read_in: dict[int, frozenset] = {}
+
+  def key(self, n) -> tuple:
     if isinstance(n, tiling.Stmt):
       if n.kind == "L":
-        return (first_use.get(n.value, 0), 0, n.value)
-      return (idx[n.value], 1 if n.kind == "C" else 2, "")
-    k = keys.get(id(n))
+        return (self.first_use.get(n.value, 0), 0, n.value)
+      return (self.idx[n.value], 1 if n.kind == "C" else 2, "")
+    k = self.keys.get(id(n))
     if k is None:
-      ks = [key(c) for c in n.body]
-      k = keys[id(n)] = (min(ks)[0] if ks else math.inf, 1, "")
+      ks = [self.key(c) for c in n.body]
+      k = self.keys[id(n)] = (min(ks)[0] if ks else math.inf, 1, "")
     return k
 
-  def read(n) -> frozenset:
+  def read(self, n) -> frozenset:
     if isinstance(n, tiling.Stmt):
-      return reads[n.value] if n.kind == "C" else frozenset()
-    r = read_in.get(id(n))
+      return self.reads[n.value] if n.kind == "C" else frozenset()
+    r = self.read_in.get(id(n))
     if r is None:
-      r = read_in[id(n)] = frozenset().union(*(read(c) for c in n.body))
+      r = self.read_in[id(n)] = frozenset().union(*(self.read(c) for c in n.body))
     return r
 
-  def uses(n, value) -> bool:
-    return value in read(n)
-
-  def rec(body):
-    got = memo.get(body)
+  def scope(self, body: tuple) -> tuple:
+    got = self.memo.get(body)
     if got is not None:
       return got
-    out = sorted((tiling.LoopNode(n.loop, rec(n.body)) if isinstance(n, tiling.LoopNode) else n
-                  for n in body), key=key)
+    out = sorted((tiling.LoopNode(n.loop, self.scope(n.body))
+                  if isinstance(n, tiling.LoopNode) else n for n in body), key=self.key)
     # A load goes before the first sibling that consumes it (a loop holding
     # a later op's compute can sort ahead of that op's load).
     for ld in [n for n in out if isinstance(n, tiling.Stmt) and n.kind == "L"]:
-      first = next(i for i, n in enumerate(out) if n is ld or uses(n, ld.value))
+      first = next(i for i, n in enumerate(out) if n is ld or ld.value in self.read(n))
       if out[first] is not ld:
         out.remove(ld)
         out.insert(first, ld)
-    got = memo[body] = tuple(out)
+    got = self.memo[body] = tuple(out)
     return got
-  return tiling.TilingExpr(rec(expr.body))
 
 
 def rule1_classes(region: ir.Region, skeletons: Sequence[tiling.TilingExpr],
@@ -687,8 +698,8 @@ def rule1_programs(region: ir.Region,
   # (that is Rule 1's point): normalize and print each such expression once.
   seen: dict[tiling.TilingExpr, tuple[str, tiling.TilingExpr]] = {}
   drop = frozenset(bound)
-  normalized = region._op_memo.setdefault(("normalized", None), {})  # pylint: disable=protected-access
-  pairs = region._op_memo.setdefault(("rule2_pairs", None), {})  # pylint: disable=protected-access
+  normalized = region.plan_memo.setdefault(("normalized", None), {})
+  pairs = region.plan_memo.setdefault(("rule2_pairs", None), {})
   for sk, p in placed:
     if p is None:
       continue
@@ -784,7 +795,7 @@ def pipelined_smem_bytes(region: ir.Region, expr: "tiling.TilingExpr",
   # Linear in the stages: (looped, hoisted) bytes once per expression and
   # tiles (the search asks at two stage counts, the model at the plan's).
   key = ("pipelined_smem", expr, tuple(tiles.items()))
-  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  got = region.plan_memo.get(key)
   if got is None:
     vm = region.value_map
     shared = tiling.shared_loads(region, expr, tiles)
@@ -798,7 +809,7 @@ def pipelined_smem_bytes(region: ir.Region, expr: "tiling.TilingExpr",
         looped += size
       else:
         hoisted += size
-    got = region._op_memo[key] = (looped, hoisted)  # pylint: disable=protected-access
+    got = region.plan_memo[key] = (looped, hoisted)
   return got[0] * num_stages + got[1]
 
 

@@ -268,15 +268,18 @@ class TilingExpr(_Node):
 
   def loops(self) -> list[str]:
     """Loop names in pre-order."""
-    out: list[str] = []
-
-    def walk(nodes):
-      for n in nodes:
+    got = self.__dict__.get("_loops")
+    if got is None:
+      out: list[str] = []
+      stack = list(reversed(self.body))
+      while stack:
+        n = stack.pop()
         if isinstance(n, LoopNode):
           out.append(n.loop)
-          walk(n.body)
-    walk(self.body)
-    return out
+          stack.extend(reversed(n.body))
+      got = tuple(out)
+      object.__setattr__(self, "_loops", got)
+    return list(got)
 
   def statements(self) -> list[Stmt]:
     """Statements in program order."""
@@ -284,10 +287,13 @@ class TilingExpr(_Node):
 
   def is_deep(self) -> bool:
     """True when every scope holds at most one loop (a single chain)."""
-    def ok(nodes):
-      loops = [n for n in nodes if isinstance(n, LoopNode)]
-      return len(loops) <= 1 and all(ok(l.body) for l in loops)
-    return ok(self.body)
+    stack = [self.body]
+    while stack:
+      loops = [n for n in stack.pop() if isinstance(n, LoopNode)]
+      if len(loops) > 1:
+        return False
+      stack.extend(l.body for l in loops)
+    return True
 
 
 def statement_contexts(expr: TilingExpr) -> list[tuple[Stmt, tuple[str, ...]]]:
@@ -298,14 +304,14 @@ def statement_contexts(expr: TilingExpr) -> list[tuple[Stmt, tuple[str, ...]]]:
   got = expr.__dict__.get("_contexts")
   if got is None:
     out: list[tuple[Stmt, tuple[str, ...]]] = []
-
-    def walk(nodes, enclosing):
-      for n in nodes:
-        if isinstance(n, Stmt):
-          out.append((n, enclosing))
-        else:
-          walk(n.body, enclosing + (n.loop,))
-    walk(expr.body, ())
+    stack = [(n, ()) for n in reversed(expr.body)]
+    while stack:
+      n, enclosing = stack.pop()
+      if isinstance(n, Stmt):
+        out.append((n, enclosing))
+      else:
+        inner = enclosing + (n.loop,)
+        stack.extend((c, inner) for c in reversed(n.body))
     got = tuple(out)
     object.__setattr__(expr, "_contexts", got)
   return list(got)
@@ -337,9 +343,9 @@ def shared_loads(region, expr: TilingExpr, tiles: Mapping[str, int]
   # since the model asks several times per prediction.
   key = ("shared_loads", expr,
          tuple(l for l, e in region._extents.items() if tiles.get(l) == e))  # pylint: disable=protected-access
-  got = region._op_memo.get(key)  # pylint: disable=protected-access
+  got = region.plan_memo.get(key)
   if got is None:
-    got = region._op_memo[key] = _shared_loads(region, expr, tiles, again)  # pylint: disable=protected-access
+    got = region.plan_memo[key] = _shared_loads(region, expr, tiles, again)
   return dict(got)
 
 
@@ -775,28 +781,30 @@ def _respects(perm, groups, deps) -> bool:
 
 def strip_loops(expr: TilingExpr, drop: Iterable[str]) -> TilingExpr:
   """Removes loop nodes in ``drop``, splicing their bodies into the parent."""
-  drop = set(drop)
+  return TilingExpr(_strip(expr.body, frozenset(drop)))
 
-  def rec(nodes: tuple[Node, ...]) -> tuple[Node, ...]:
-    out: list[Node] = []
-    changed = False
-    for n in nodes:
-      if isinstance(n, LoopNode):
-        body = rec(n.body)
-        if n.loop in drop:
-          out.extend(body)
-          changed = True
-        elif body is n.body:
-          out.append(n)
-        else:
-          out.append(LoopNode(n.loop, body))
-          changed = True
-      else:
+
+def _strip(nodes: tuple[Node, ...], drop: frozenset) -> tuple[Node, ...]:
+  # A module function, not a recursive closure (a closure's reference to
+  # itself is a cycle only the collector frees; Rule 1 strips thousands).
+  out: list[Node] = []
+  changed = False
+  for n in nodes:
+    if isinstance(n, LoopNode):
+      body = _strip(n.body, drop)
+      if n.loop in drop:
+        out.extend(body)
+        changed = True
+      elif body is n.body:
         out.append(n)
-    # Unchanged subtrees are kept, with their cached hashes (Rule 1 strips
-    # each placement once per grid and keys a dict by the result).
-    return tuple(out) if changed else nodes
-  return TilingExpr(rec(expr.body))
+      else:
+        out.append(LoopNode(n.loop, body))
+        changed = True
+    else:
+      out.append(n)
+  # Unchanged subtrees are kept, with their cached hashes (Rule 1 strips
+  # each placement once per grid and keys a dict by the result).
+  return tuple(out) if changed else nodes
 
 
 # --------------------------------------------------------------------------

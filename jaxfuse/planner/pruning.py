@@ -513,8 +513,7 @@ def _naive_placed(region: ir.Region, skeleton: tiling.TilingExpr,
           later = out_loops.intersection(inner_first[:k])
           if later:
             pairs.append((l, later))
-    if all(any(r not in drop and not later <= drop for r, later in pairs)
-           for drop in rule2_under):
+    if all(_pairs_violate(pairs, drop) for drop in rule2_under):
       return _RULE2_EVERYWHERE
   stmts: dict[Optional[str], list] = {}
   for i, (op_loops, loads, compute, stored) in enumerate(ops):
@@ -708,7 +707,7 @@ def rule1_programs(region: ir.Region,
       got = pairs.get(p)
       if got is None:
         got = pairs[p] = _rule2_pairs(region, tiling.statement_contexts(p))
-      if any(r not in drop and not later <= drop for r, later in got):
+      if _pairs_violate(got, drop):
         continue
     stripped = tiling.strip_loops(p, bound)
     got = seen.get(stripped)
@@ -729,7 +728,13 @@ def _violates_rule2(region: ir.Region, contexts, drop: frozenset) -> bool:
   """``violates_rule2`` on an expression's ``statement_contexts``, with the
   loops in ``drop`` stripped (``tiling.strip_loops``: Rule 2 reads only the
   loops that enclose each compute, so the stripped tree need not be built)."""
-  return any(r not in drop and not later <= drop for r, later in _rule2_pairs(region, contexts))
+  return _pairs_violate(_rule2_pairs(region, contexts), drop)
+
+
+def _pairs_violate(pairs, drop: frozenset) -> bool:
+  """Whether one of ``_rule2_pairs`` survives stripping the loops in
+  ``drop``: its reduced loop and one of the loops it encloses."""
+  return any(r not in drop and not later <= drop for r, later in pairs)
 
 
 def _rule2_pairs(region: ir.Region, contexts) -> list[tuple[str, frozenset]]:

@@ -348,9 +348,9 @@ class Region:
     self.validate()
 
   def __getstate__(self):
-    # The fields alone: the cached lookups and the planner's memo
-    # (``_op_memo``, hundreds of placed expressions after a search) are
-    # derived, and the measuring child gets regions pickled.
+    # The fields alone: the cached lookups and memos (``_op_memo``,
+    # ``plan_memo``) are derived, some keyed by string hashes that differ
+    # between processes, and the measuring child gets regions pickled.
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   # -- lookup -------------------------------------------------------------

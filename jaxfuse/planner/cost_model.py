@@ -915,11 +915,10 @@ def predict(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[str, int]
   ext = region.loop_extents
   vm = region.value_map
 
+  trip = movement.program_trips(region, tiles, split)
+
   def trips(l):
-    t = math.ceil(ext[l] / tiles[l])
-    if split and l == split[0]:
-      t = math.ceil(t / split[1])
-    return t
+    return trip[l]
 
   programs = num_programs(region, tiles, grid, split)
   sms = device.sm_count

@@ -37,7 +37,7 @@ from typing import Mapping, Optional, Sequence, Union
 from jaxfuse import ir
 from jaxfuse.planner import tiling
 
-__all__ = ["chimera_volume", "placed_volume", "placed_volumes", "hoisted_load_bytes", "op_footprints", "io_tensors"]
+__all__ = ["chimera_volume", "placed_volume", "placed_volumes", "program_trips", "hoisted_load_bytes", "op_footprints", "io_tensors"]
 
 
 def _trips(ext: int, tile: float, continuous: bool) -> float:
@@ -187,9 +187,10 @@ def _moved_statements(region: ir.Region, expr: tiling.TilingExpr, grid: Sequence
   return got
 
 
-def _trips_of(region: ir.Region, tiles: Mapping[str, int],
-              split: Optional[tuple[str, int]]) -> dict[str, int]:
-  """Each tiled loop's trips per program (a split loop's share of them)."""
+def program_trips(region: ir.Region, tiles: Mapping[str, int],
+                  split: Optional[tuple[str, int]] = None) -> dict[str, int]:
+  """Each tiled loop's trips per program (a split loop's share of them):
+  what the data-movement model and the cost model count loops by."""
   ext = region.loop_extents
   out = {l: math.ceil(ext[l] / tiles[l]) for l in ext if l in tiles}
   if split:
@@ -218,7 +219,7 @@ def placed_volumes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mapping[st
   """``placed_volume`` at each of ``run_fractions``, what does not depend on
   the fraction derived once (the model prices a masked plan's average and
   longest program)."""
-  trips = _trips_of(region, tiles, split)
+  trips = program_trips(region, tiles, split)
   moved = []
   for st, enclosing, n, looped, parts, size in _moved_statements(
       region, expr, grid, split, frozenset(tiling.shared_loads(region, expr, tiles))):
@@ -247,7 +248,7 @@ def hoisted_load_bytes(region: ir.Region, expr: tiling.TilingExpr, tiles: Mappin
   loops has none."""
   if all(isinstance(n, tiling.Stmt) for n in expr.body):
     return 0
-  trips = _trips_of(region, tiles, split)
+  trips = program_trips(region, tiles, split)
   total = 0
   for st, enclosing, n, looped, parts, size in _moved_statements(
       region, expr, grid, split, frozenset(tiling.shared_loads(region, expr, tiles))):

@@ -482,6 +482,7 @@ def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
   if placements is None:
     return tiling.place(region, cand.skeleton, tiles, cand.grid, streamable=streamable,
                         split=cand.split)
+  skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
   key = None
   if placement_keys is not None:
     # The key reads the tiles only through the single-tile loops (and checks
@@ -491,12 +492,10 @@ def _place(region: ir.Region, cand: Candidate, tiles: dict[str, int],
              tiling.single_tile_loops(region, tiles, cand.split))
     key = placement_keys.get(known)
   if key is None:
-    skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
     key = tiling.placement_key(region, skeleton, tiles, cand.grid, cand.split)
     if placement_keys is not None:
       placement_keys[known] = key
   if key not in placements:
-    skeleton = _parsed(cand.skeleton, tuple(l.name for l in region.loops))
     try:
       placements[key] = tiling.place(region, skeleton, tiles, cand.grid,
                                      streamable=streamable, split=cand.split)

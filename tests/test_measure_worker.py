@@ -76,6 +76,7 @@ def test_child_measures_what_this_process_would(clean_launch_state):
   assert why[3] == here_why[3] and "no tile" in why[3]
   assert here_why[:3] == [None] * 3
   assert "died" not in info and info["phases"]["generate"] > 0
+  assert info["phases"]["first launch"] > 0   # the three kernels' first runs
   assert not w.alive()
 
 

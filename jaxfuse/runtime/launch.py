@@ -1762,7 +1762,8 @@ class _TorchMeasurer:
       if k is not None:
         users.setdefault(k.module_path, []).append(i)
     first = {path: kernels[ix[0]] for path, ix in users.items()}
-    self.phases = {"generate": time.perf_counter() - t0, "wait": 0.0, "load": 0.0}
+    self.phases = {"generate": time.perf_counter() - t0, "wait": 0.0, "load": 0.0,
+                   "first launch": 0.0}
     self.dropped = 0
 
     def fail(path: str, err: Exception) -> None:
@@ -1883,12 +1884,17 @@ class _TorchMeasurer:
     # context unusable for every later plan (model_fidelity, 2026-11-21).
     for o in self.outs:
       o.fill_(float("nan") if o.dtype.is_floating_point else 0)
+    # Timed as a phase: a kernel's first launch loads it onto the GPU and,
+    # on a cold cache, can build its host launcher (compile_worker).
+    t_first = time.perf_counter()
     if self.device == "cpu":
       with interpret_env(True):
         fn()
     else:
       fn()
       torch.cuda.synchronize()
+    self.phases["first launch"] = (self.phases.get("first launch", 0.0)
+                                   + time.perf_counter() - t_first)
     with _lock:
       checked = isinstance(_kernels.get(key), GeneratedKernel)
     if not checked:

@@ -1885,7 +1885,9 @@ class _TorchMeasurer:
     for o in self.outs:
       o.fill_(float("nan") if o.dtype.is_floating_point else 0)
     # Timed as a phase: a kernel's first launch loads it onto the GPU and,
-    # on a cold cache, can build its host launcher (compile_worker).
+    # on a cold cache, builds its host launcher (Triton 3.6 compiles one
+    # per kernel signature with the host's C compiler): 0.2-0.8 s of a
+    # region's budget on the H100 host (2026-11-26).
     t_first = time.perf_counter()
     if self.device == "cpu":
       with interpret_env(True):

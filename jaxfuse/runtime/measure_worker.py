@@ -364,19 +364,21 @@ def main() -> None:
     if usable:
       t = time.perf_counter()
       pool = compile_pool.get()
+      steps["compile workers"] = time.perf_counter() - t
       # While the workers start: Triton's CUDA utilities, a C module its
       # driver builds with the host compiler on a cold cache, else on the
       # first region's first compile, inside its tuning budget.
-      t1 = time.perf_counter()
+      t = time.perf_counter()
       try:
         from triton.runtime.driver import driver  # pylint: disable=g-import-not-at-top
         driver.active.get_current_target()
       except Exception:  # pylint: disable=broad-except  (the first compile tries again)
         pass
-      steps["triton driver"] = time.perf_counter() - t1
+      steps["triton driver"] = time.perf_counter() - t
+      t = time.perf_counter()
       if pool is not None:
         pool.wait_started()
-      steps["compile workers"] = time.perf_counter() - t - steps["triton driver"]
+      steps["compile workers"] += time.perf_counter() - t
   send(("ready", os.getpid(), usable, steps))
   if not usable:
     return

@@ -1284,9 +1284,10 @@ def test_tolerance_allows_for_exp_of_rounded_large_scores(scale, loose):
     assert max(errs) > 2e-3   # over float16's own tolerance: the case this is for
 
 
-def test_numerical_self_check_rejects_a_wrong_kernel_too_large_to_recheck(monkeypatch):
-  """Over ``EXACT_RECHECK_MAX_FLOPS`` there is no float64 recheck: a kernel
-  outside tolerance fails (it passed silently, or crashed on the log line,
+def test_numerical_self_check_rejects_a_wrong_kernel_too_large_for_float64(monkeypatch):
+  """Over ``EXACT_RECHECK_MAX_FLOPS`` the recheck is the region in float32
+  without rounding, not float64: a kernel outside tolerance of both fails
+  (with no recheck at all it passed silently, or crashed on the log line,
   before)."""
   plan = T.simple_plan(GEMM, ("b", "m"), [("n", [])], dict(b=1, m=16, n=16, k=64))
   k = generate(GEMM, plan, interpret=True)
@@ -1294,7 +1295,7 @@ def test_numerical_self_check_rejects_a_wrong_kernel_too_large_to_recheck(monkey
 
   def wrong(kernel, xs):
     return [o * 1.01 for o in launch.run_interpreted(kernel, xs)]
-  with pytest.raises(CodegenError, match="no float64 recheck"):
+  with pytest.raises(CodegenError, match="against float32 unrounded"):
     launch.self_check(k, wrong)
   launch.self_check(k, launch.run_interpreted)
 

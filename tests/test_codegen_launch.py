@@ -832,7 +832,7 @@ def test_reference_started_in_the_background_is_the_one_used(monkeypatch):
   # computes it again instead of repeating the failure.
   real = launch._reference_on_gpu
   monkeypatch.setattr(launch, "_reference_on_gpu",
-                      lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+                      lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("device lost")))
   with pytest.raises(RuntimeError, match="device lost"):
     launch._device_reference(r, 6)
   monkeypatch.setattr(launch, "_reference_on_gpu", real)
@@ -853,7 +853,7 @@ def test_gpu_self_check_starts_its_reference_before_the_kernel_compiles(monkeypa
   release = threading.Event()
   refs = []
 
-  def reference(region, xs):   # blocks until the kernel has run: must be in another thread
+  def reference(region, xs, **kw):   # blocks until the kernel has run: in another thread
     refs.append(threading.current_thread().name)
     assert release.wait(30)
     return ir.evaluate(region, xs)
@@ -932,7 +932,7 @@ def test_reference_measurer_and_self_check_share_one_input_set(monkeypatch):
   real = launch.random_inputs
   monkeypatch.setattr(launch, "random_inputs", lambda *a: made.append(a) or real(*a))
   seen = []
-  monkeypatch.setattr(launch, "_reference_on_gpu", lambda region, xs: seen.append(xs) or [])
+  monkeypatch.setattr(launch, "_reference_on_gpu", lambda region, xs, **kw: seen.append(xs) or [])
   launch._last_inputs.clear()
   launch._last_reference.clear()
   launch.start_reference(r, launch.MEASURE_SEED).result()
@@ -1277,6 +1277,71 @@ def test_measurer_self_check_rejects_a_wrong_reference_match(monkeypatch):
                     launch.CodegenError)
 
 
+def _peaked_training_regions(c: float, t: int = 128, d: int = 32):
+  """The regions of an attention training step whose logits have standard
+  deviation ``c`` (a float32 softmax of float16 scores, as autodiff of a
+  mixed-precision model gives)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxfuse import capture  # pylint: disable=g-import-not-at-top
+
+  def loss(q, k, v, g):
+    s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * (c / math.sqrt(d))
+    p = jax.nn.softmax(s.astype(jnp.float32), -1).astype(q.dtype)
+    return jnp.sum(jnp.einsum("bhqk,bhkd->bhqd", p, v).astype(jnp.float32) * g)
+  S = lambda dt: jax.ShapeDtypeStruct((1, 2, t, d), dt)
+  step = jax.value_and_grad(loss, argnums=(0, 1, 2))
+  return [cap.region for cap in capture.find_regions(jax.make_jaxpr(step)(
+      S(jnp.float16), S(jnp.float16), S(jnp.float16), S(jnp.float32)))]
+
+
+def test_row_max_inputs_lie_at_the_largest_scores():
+  """A backward's random row max (the forward's, subtracted before exp) is
+  drawn at least as large as the typical largest score of its row: with
+  logits of standard deviation 8, the old offset of 3 put exp(s - m) past
+  float16's range in the reference, which then compared infinities."""
+  back = [r for r in _peaked_training_regions(8.0) if launch._row_statistics(r)]
+  assert back
+  for r in back:
+    stats = launch._row_statistics(r)
+    # std 8 over 128 keys: 8 * (sqrt(2 ln 128) + 1) = 32.9
+    assert max(stats.values()) == pytest.approx(8 * (math.sqrt(2 * math.log(128)) + 1), rel=1e-3)
+    for out in ir.evaluate(r, launch.random_inputs(r, launch.MEASURE_SEED), precision="native"):
+      assert np.isfinite(out).all()
+  # Unit logits keep the old offset's floor.
+  for r in _peaked_training_regions(1.0, t=16):
+    assert set(launch._row_statistics(r).values()) <= {1.0, 3.0}
+
+
+def test_self_check_passes_peaked_attention_by_its_error_from_the_exact_result(monkeypatch):
+  """Past ``EXACT_RECHECK_MAX_FLOPS`` (and on the GPU, at any size) a kernel
+  outside tolerance of the rounded reference is checked again against the
+  region in float32 without rounding. Under peaked attention the rounded
+  reference is the one far from the exact result (it rounds the scores to
+  float16; the kernels keep them in float32): every kernel of an H100
+  training step at logit std 4 fell back before. A wrong kernel still
+  fails, in the self-check and in measured tuning's check."""
+  monkeypatch.setattr(launch, "EXACT_RECHECK_MAX_FLOPS", 0)
+  monkeypatch.setattr(launch, "_kernels", {})
+  missed = 0
+  for r in _peaked_training_regions(8.0):
+    k = generate(r, plan_region(r, "h100", use_cache=False).best, interpret=True)
+    xs = launch.shared_inputs(r, launch.MEASURE_SEED)
+    outs = launch.run_interpreted(k, xs)
+    native = ir.evaluate(r, xs, precision="native")
+    exact = ir.evaluate(r, xs, precision="float64")
+    tol = launch.tolerance(r)
+    assert launch.compare(r, outs, exact) < tol / 2
+    missed += launch.compare(r, outs, native) > tol      # the case this is for
+    launch.self_check(k, launch.run_interpreted)
+    wrong = lambda kern, inputs: [o * 1.02 for o in launch.run_interpreted(kern, inputs)]
+    with pytest.raises(launch.CodegenError, match="against float32 unrounded"):
+      launch.self_check(k, wrong)
+    m = launch._TorchMeasurer(r, launch.MEASURE_SEED, device="cpu")
+    with launch.interpret_env(True):
+      assert m.check_and_time(k, reps=1) > 0
+  assert missed
+
+
 def test_measurer_stops_waiting_for_the_reference_at_the_deadline(monkeypatch):
   """A reference still being computed when the budget ends makes the
   measurement read 'budget spent' instead of overrunning the budget."""
@@ -1288,7 +1353,7 @@ def test_measurer_stops_waiting_for_the_reference_at_the_deadline(monkeypatch):
   k = generate(r, plan, interpret=True)
   release = threading.Event()
   monkeypatch.setattr(launch, "_reference_on_gpu",
-                      lambda region, xs: release.wait(30) and ir.evaluate(region, xs))
+                      lambda region, xs, **kw: release.wait(30) and ir.evaluate(region, xs))
   launch._last_reference.clear()
   try:
     launch.start_reference(r, 3)            # in the background, blocked

@@ -406,7 +406,9 @@ def test_row_statistics_get_positive_random_inputs():
   [r] = capture.find_regions(jax.make_jaxpr(_dq)(*a))
   reg = ir.simplify(r.region)
   stats = launch._row_statistics(reg)   # pylint: disable=protected-access
-  assert sorted(stats.values()) == [1.0, 3.0]
+  # The row max: one standard deviation over the scores' typical row max,
+  # at least 3 (launch._row_statistics).
+  assert sorted(stats.values())[0] == 1.0 and 3.0 <= sorted(stats.values())[1] < 5.0
   xs = launch.random_inputs(reg, seed=0)
   for b, x in zip(reg.inputs, xs):
     if b.value in stats:

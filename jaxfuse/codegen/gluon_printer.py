@@ -48,8 +48,9 @@ the same region.
 
 A training forward (the region capture finds in ``jax.grad`` of attention)
 also writes what its backward reads (``RowOutput``): the softmax's row max
-and row sum, in float32, and ``rowsum(do * o)`` of the 16-bit output and
-the cotangent ``do``, whose tile loads while the tile's last P.V runs.
+and row sum, in float32, and ``rowsum(do * o)`` of the cotangent ``do``
+and the float32 output before its rounding to 16 bits (as the Triton form
+reads it); ``do``'s tile loads while the tile's last P.V runs.
 On an H100 (session 82) that kernel ran 0.63-0.74x the Triton form's time
 at 2048-4096 tokens, head dims 64 and 128, causal or not.
 
@@ -912,7 +913,10 @@ def _row_code(form: AttentionForm) -> dict[str, str]:
             "        cols_o = gl.arange(0, E, layout=gl.SliceLayout(0, o_layout))\n"
             f"        do_t = gl.load(dout_ptr + dout_base + rows_o[:, None] * {form.dout.row_stride} "
             "+ cols_o[None, :])")
-    stores.append("        d_row = gl.sum(do_t.to(gl.float32) * o16.to(gl.float32), 1)")
+    # From the float32 accumulator, as the Triton form's row dot reads it:
+    # under peaked attention D = rowsum(do * o) cancels against dp, and
+    # the 16-bit output's rounding raised dq's error by 1.3-1.5x.
+    stores.append("        d_row = gl.sum(do_t.to(gl.float32) * acc, 1)")
     stores.append(f"        gl.store(dot_ptr + dot_base + rows_o * {stats['dot'].row_stride}, d_row)")
   return dict(row_bases=bases, row_returns="".join(", " + n for n in names),
               row_params="".join(f" {p}," for p in params), dout_load=load,

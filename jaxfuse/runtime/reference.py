@@ -45,10 +45,14 @@ def _work_dtype(dtype: str):
   return jnp.float32 if dtype in ir.FLOAT_DTYPES else ir.np_dtype(dtype)
 
 
-def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
+def evaluate(region: ir.Region, inputs: Sequence[jax.Array], *,
+             rounded: bool = True) -> list[jax.Array]:
   """Outputs of ``region`` on ``inputs`` (one per operand:
   ``ir.operand_shapes(region.inputs)``), every float op in float32; outputs
-  cast to their IR dtypes, one per output operand."""
+  cast to their IR dtypes, one per output operand. ``rounded``: each value
+  is rounded to its IR dtype, as XLA computes it; without, values stay in
+  float32 up to the outputs, the stand-in for the exact result on the
+  device (``launch.self_check``), where float64 NumPy would take minutes."""
   if set(_JNP_FNS) != set(ir.ELEMENTWISE_FNS):  # pragma: no cover - table drift
     raise NotImplementedError(sorted(set(ir.ELEMENTWISE_FNS) ^ set(_JNP_FNS)))
   vm, ext = region.value_map, region.loop_extents
@@ -87,7 +91,9 @@ def evaluate(region: ir.Region, inputs: Sequence[jax.Array]) -> list[jax.Array]:
     else:
       res = jnp.arange(ext[op.loop], dtype=jnp.int32)
     if out.dtype in ir.FLOAT_DTYPES:  # round like the IR dtype, keep float32
-      res = res.astype(ir.np_dtype(out.dtype)).astype(jnp.float32)
+      if rounded:
+        res = res.astype(ir.np_dtype(out.dtype))
+      res = res.astype(jnp.float32)
     else:
       res = res.astype(ir.np_dtype(out.dtype))
     env[op.out] = res

@@ -1907,20 +1907,26 @@ class _TorchMeasurer:
     with _scratch_allocator(self.device):
       return self._check_and_time(k, reps, deadline)
 
+  def _reference(self, deadline: Optional[float], *, rounded: bool = True) -> list:
+    """The region's device reference (``_device_reference``) as float32
+    tensors on ``device``, waited for until ``deadline`` at most (then
+    ``_BudgetSpent``); the wait counts in ``ref_s``."""
+    t0 = time.perf_counter()
+    try:
+      refs = _device_reference(self.region, self.seed, self.xs, rounded=rounded,
+                               timeout=None if deadline is None else max(0.0, deadline - t0))
+    except concurrent.futures.TimeoutError:
+      raise _BudgetSpent() from None
+    finally:
+      self.ref_s += time.perf_counter() - t0
+    return [_float_tensor(r, self.device) for r in refs]
+
   def _exact_recheck(self, err: float, tol: float, deadline: Optional[float]) -> float:
     """``err`` (over ``tol`` against the rounded reference) as the check
-    counts it: 0 where the kernel is within ``exact_bound`` of the region
+    counts it: 0 where the kernel is within ``_exact_bound`` of the region
     in float32 without rounding, as ``self_check`` passes it."""
     if self._exact is None:
-      t0 = time.perf_counter()
-      try:
-        exact = _device_reference(self.region, self.seed, self.xs, rounded=False,
-                                  timeout=None if deadline is None else max(0.0, deadline - t0))
-      except concurrent.futures.TimeoutError:
-        raise _BudgetSpent() from None
-      finally:
-        self.ref_s += time.perf_counter() - t0
-      self._exact = [_float_tensor(r, self.device) for r in exact]
+      self._exact = self._reference(deadline, rounded=False)
       self._ref_exact = compare_tensors(self._refs, self._exact)
     err_exact = compare_tensors(self.outs, self._exact)
     return 0.0 if err_exact <= _exact_bound(tol, self._ref_exact) else err
@@ -1957,15 +1963,7 @@ class _TorchMeasurer:
       checked = isinstance(_kernels.get(key), GeneratedKernel)
     if not checked:
       if self._refs is None:
-        t0 = time.perf_counter()
-        try:
-          refs = _device_reference(self.region, self.seed, self.xs,
-                                   timeout=None if deadline is None else max(0.0, deadline - t0))
-        except concurrent.futures.TimeoutError:
-          raise _BudgetSpent() from None
-        finally:
-          self.ref_s += time.perf_counter() - t0
-        self._refs = [_float_tensor(r, self.device) for r in refs]
+        self._refs = self._reference(deadline)
       err = compare_tensors(self.outs, self._refs)
       tol = tolerance(self.region)
       if not err <= tol:
